@@ -1,0 +1,35 @@
+# One entry point for set-up, checks and benchmarks. Every target installs what it needs.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: venv lint typecheck test bench clean
+
+# The CPU build of torch goes in first: the package's torch range then resolves to it and
+# nothing pulls a CUDA build.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy kpo_core services
+
+test: lint typecheck
+	$(VENV)/bin/pytest
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_kalman.py
+	$(PY) benchmarks/bench_losses.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,209 @@
+"""Group-relative advantages for critic-free policy optimisation of LLMs.
+
+Every prompt is sampled ``G`` times; the ``G`` responses form a *group* and each response's
+scalar reward ``r_i`` is compared only with the other members of its own group, so no learned
+value function (critic) is needed.
+
+Estimators (``mean_g``, ``std_g``: mean and standard deviation of the rewards in the group ``g``
+that response ``i`` belongs to, ``G``: its size):
+
+* ``"grpo"`` -- GRPO, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open
+  Language Models" (Shao et al., arXiv 2402.03300), outcome supervision::
+
+      A_i = (r_i - mean_g) / (std_g + eps)
+
+  ``std_g`` has Bessel's correction by default (``torch.std``'s default, as in verl).
+* ``"dr_grpo"`` -- Dr. GRPO, "Understanding R1-Zero-Like Training: A Critical Perspective"
+  (Liu et al., arXiv 2503.20783). Dividing by ``std_g`` up-weights groups whose rewards barely
+  vary (nearly all right or all wrong) -- a question-level difficulty bias -- so Dr. GRPO keeps
+  only the mean baseline::
+
+      A_i = r_i - mean_g
+
+* ``"rloo"`` -- REINFORCE leave-one-out (Kool et al., 2019; Ahmadian et al., arXiv 2402.14740):
+  the baseline of ``r_i`` is the mean of the *other* ``G - 1`` rewards, which keeps it
+  independent of response ``i`` and so the policy-gradient estimate unbiased::
+
+      A_i = r_i - (sum_g - r_i) / (G - 1) = G / (G - 1) * (r_i - mean_g)
+
+Conventions shared by all modes:
+
+* A group with a single response has no baseline to compare with: its advantage is 0.
+* A group whose rewards are all equal carries no learning signal: its advantages are exactly 0
+  (never a rounding residue, never NaN/inf), even with ``eps = 0``.
+
+The computation is vectorised over groups (``torch.unique`` + ``index_add``), so its cost does
+not grow with a Python loop over the number of prompts in the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import torch
+from torch import Tensor
+
+__all__ = ["AdvantageMode", "broadcast_to_tokens", "group_advantages"]
+
+AdvantageMode = Literal["grpo", "dr_grpo", "rloo"]
+_MODES: tuple[str, ...] = get_args(AdvantageMode)
+
+
+def _check_1d(name: str, t: Tensor) -> None:
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D with shape [N], got shape {tuple(t.shape)}")
+
+
+def group_advantages(
+    rewards: Tensor,
+    group_ids: Tensor,
+    mode: AdvantageMode = "grpo",
+    eps: float = 1e-6,
+    std_unbiased: bool = True,
+) -> Tensor:
+    """Group-relative advantage of every response.
+
+    Args:
+        rewards: ``[N]`` scalar reward ``r_i`` of each response; float, integer or bool.
+        group_ids: ``[N]`` integer (or bool) tensor; responses with equal id form one group
+            (typically: the same prompt). Ids are arbitrary -- they need not be contiguous,
+            sorted, or non-negative -- and groups may have different sizes ``G``.
+        mode: ``"grpo"``: ``(r_i - mean_g) / (std_g + eps)``; ``"dr_grpo"``:
+            ``r_i - mean_g``; ``"rloo"``: ``G / (G - 1) * (r_i - mean_g)``.
+        eps: ``>= 0``, added to ``std_g`` in ``"grpo"`` mode; ignored by the other modes.
+        std_unbiased: ``"grpo"`` only: ``std_g`` with Bessel's correction (divide by ``G - 1``,
+            ``torch.std``'s default) if True, else the population std (divide by ``G``).
+
+    Returns:
+        ``[N]`` advantages ``A_i`` on ``rewards``' device, with ``rewards``' dtype if it is a
+        floating dtype, else float32. Groups of size 1 and groups with all-equal rewards give
+        exactly 0.
+
+    Raises:
+        ValueError: ``rewards`` or ``group_ids`` not 1-D, different lengths or devices,
+            ``group_ids`` not integer, ``rewards`` containing NaN/inf (the message gives how
+            many and the first index), unknown ``mode``, or ``eps`` negative or not finite.
+    """
+    _check_1d("rewards", rewards)
+    _check_1d("group_ids", group_ids)
+    if group_ids.shape[0] != rewards.shape[0]:
+        raise ValueError(
+            f"group_ids must have the same length as rewards, got group_ids of length "
+            f"{group_ids.shape[0]} and rewards of length {rewards.shape[0]}"
+        )
+    if group_ids.device != rewards.device:
+        raise ValueError(
+            f"group_ids must be on the same device as rewards, got group_ids on "
+            f"{group_ids.device} and rewards on {rewards.device}"
+        )
+    if group_ids.is_floating_point() or group_ids.is_complex():
+        # Float ids invite silent grouping mistakes (0.1 + 0.2 != 0.3); demand exact labels.
+        raise ValueError(f"group_ids must be an integer tensor, got dtype {group_ids.dtype}")
+    if rewards.is_complex():
+        raise ValueError(f"rewards must be real, got dtype {rewards.dtype}")
+    if mode not in _MODES:
+        raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+    if not (eps >= 0.0 and eps != float("inf")):  # written so that NaN fails too
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+
+    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+    if rewards.is_floating_point():
+        bad = ~torch.isfinite(rewards)
+        n_bad = int(bad.sum().item())
+        if n_bad:
+            first = int(torch.nonzero(bad)[0, 0].item())
+            raise ValueError(
+                f"rewards contains {n_bad} non-finite value(s) (NaN or inf) out of "
+                f"{rewards.shape[0]}; first at index {first} (value {rewards[first].item()})"
+            )
+    if rewards.shape[0] == 0:
+        return torch.empty(0, dtype=out_dtype, device=rewards.device)
+
+    # Accumulate in at least float32: half-precision sums of a few dozen rewards lose digits.
+    dtype = torch.promote_types(out_dtype, torch.float32)
+    r = rewards.to(dtype)
+
+    # inverse[i] in [0, K) is the dense index of response i's group; K = number of groups.
+    unique_ids, inverse = torch.unique(group_ids, return_inverse=True)
+    num_groups = unique_ids.shape[0]
+
+    counts = torch.zeros(num_groups, dtype=dtype, device=r.device).index_add_(
+        0, inverse, torch.ones_like(r)
+    )  # [K], G per group
+    sums = torch.zeros(num_groups, dtype=dtype, device=r.device).index_add_(0, inverse, r)
+    mean = sums / counts  # [K]; counts >= 1 for every group that torch.unique found
+    centred = r - mean[inverse]  # [N], r_i - mean_g
+
+    # A constant group's mean is not always exactly its value in floating point
+    # (3 * 0.1 / 3 != 0.1), and with a tiny eps that rounding residue divided by an equally
+    # tiny std would become an O(1) advantage. Detect constant groups exactly via min == max.
+    g_max = torch.full((num_groups,), -torch.inf, dtype=dtype, device=r.device)
+    g_max = g_max.scatter_reduce(0, inverse, r, reduce="amax", include_self=True)
+    g_min = torch.full((num_groups,), torch.inf, dtype=dtype, device=r.device)
+    g_min = g_min.scatter_reduce(0, inverse, r, reduce="amin", include_self=True)
+    constant = (g_max == g_min)[inverse]  # [N]; also True for every group of size 1
+    centred = torch.where(constant, torch.zeros_like(centred), centred)
+
+    if mode == "dr_grpo":
+        adv = centred
+    elif mode == "rloo":
+        # G / (G - 1); groups of size 1 already have centred == 0, clamp only avoids 0 / 0.
+        scale = counts / (counts - 1.0).clamp_min(1.0)
+        adv = centred * scale[inverse]
+    else:  # "grpo"
+        sq = torch.zeros(num_groups, dtype=dtype, device=r.device).index_add_(
+            0, inverse, centred * centred
+        )  # [K], sum_i (r_i - mean_g)^2
+        # Bessel: divide by G - 1; a size-1 group would give 0 / 0, but it is constant (above),
+        # so clamping its denominator to 1 only keeps NaN out of a value that is then masked.
+        denom = (counts - 1.0).clamp_min(1.0) if std_unbiased else counts
+        std = (sq / denom).sqrt()  # [K]
+        # Constant groups have std 0 and centred 0: 0 / (0 + eps) is 0 for eps > 0, but
+        # 0 / 0 with eps = 0 -- so divide by 1 there instead.
+        divisor = torch.where(constant, torch.ones_like(centred), std[inverse] + eps)
+        adv = centred / divisor
+    return adv.to(out_dtype)
+
+
+def broadcast_to_tokens(advantages: Tensor, mask: Tensor) -> Tensor:
+    """Spread per-response advantages over the response's tokens (outcome supervision).
+
+    Every token ``t`` of response ``b`` gets the same advantage ``A_b`` (GRPO's outcome
+    supervision, arXiv 2402.03300 Sec. 4.1.2); padding and prompt tokens get 0.
+
+    Args:
+        advantages: ``[B]`` per-response advantages, or ``[B, T]`` per-token advantages
+            (then they are only masked).
+        mask: ``[B, T]`` response mask; nonzero/True marks a token that is trained on.
+
+    Returns:
+        ``[B, T]`` tensor with ``advantages``' dtype: ``A_b`` (or ``A_{b,t}``) where ``mask``
+        is nonzero, exactly 0 elsewhere.
+
+    Raises:
+        ValueError: ``mask`` not 2-D, or ``advantages`` neither ``[B]`` nor ``[B, T]``.
+    """
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be 2-D with shape [B, T], got shape {tuple(mask.shape)}")
+    batch, _ = mask.shape
+    if advantages.dim() == 1:
+        if advantages.shape[0] != batch:
+            raise ValueError(
+                f"advantages of shape [B] must have B == mask.shape[0] == {batch}, got shape "
+                f"{tuple(advantages.shape)}"
+            )
+        per_token = advantages.unsqueeze(1).expand(mask.shape)
+    elif advantages.dim() == 2:
+        if advantages.shape != mask.shape:
+            raise ValueError(
+                f"advantages of shape [B, T] must match mask's shape {tuple(mask.shape)}, got "
+                f"shape {tuple(advantages.shape)}"
+            )
+        per_token = advantages
+    else:
+        raise ValueError(
+            f"advantages must have shape [B] or [B, T], got shape {tuple(advantages.shape)}"
+        )
+    # where() rather than multiplying by the mask: it yields exact zeros whatever the mask's
+    # dtype and does not promote the result to the mask's dtype.
+    return torch.where(mask != 0, per_token, torch.zeros_like(per_token))

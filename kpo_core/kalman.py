@@ -1,0 +1,275 @@
+"""Causal Kalman filter over token log-ratios (KPO, arXiv 2602.10609, Sec. 3).
+
+State-space model over the valid tokens of one response (scalar random walk):
+
+    x_t = x_{t-1} + w_t,  w ~ N(0, Q)        latent log-ratio
+    z_t = x_t + v_t,      v ~ N(0, R)        observed log-ratio
+
+Per valid token: P- = P + Q;  K = P- / (P- + R);  x = x + K (z - x);  P = (1 - K) P-.
+A masked token leaves the state untouched, so left, right and interior padding and packed
+sequences give the same values on the valid tokens.
+
+With constant Q and R the covariance recursion never reads z, so the gain is a fixed table K[n]
+over the count n of valid tokens so far, and the filter is the first-order linear recurrence
+
+    x_t = a_t x_{t-1} + b_t,   a_t = 1 - K[n_t] m_t,   b_t = K[n_t] m_t z_t.
+
+`method="parallel"` evaluates it without a loop over tokens, in two levels:
+1. Blocks of C tokens are solved in closed form with cumulative sums of log a_t measured from the
+   block's own end, x_t = e^(S_t - S_end) * cumsum(e^(S_end - S_r) b_r), so every exponent stays
+   within the block's total decay. C is chosen from the gain table so that this decay is at most
+   8 (float32) or 64 (float64): no overflow, underflow or loss of precision, for any Q/R.
+2. The blocks' (decay, end value) pairs form a short recurrence of the same kind, solved by a
+   Hillis-Steele doubling scan over (a, b) pairs, (a2, b2) o (a1, b1) = (a2 a1, a2 b1 + b2),
+   which only multiplies and adds.
+The map z -> x is linear, so the backward pass is the same scan run backwards in time (a custom
+autograd function), not autograd through the forward. The paper's official code instead uses
+x_t = A_t (x0 + sum_s b_s / A_s) with A_t = prod(1 - K) clamped at 1e-30, which divides by
+vanishing products and departs from the exact recursion beyond ~70k tokens; it is kept here as
+`method="closed_form"` for comparison only.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+FilterMethod = Literal["parallel", "sequential", "closed_form"]
+
+_MAX_BLOCK = 64
+# Largest total log-decay a block may span: e^8 keeps float32 relative error near 5e-7.
+_BLOCK_DECAY_LIMIT = {torch.float32: 8.0, torch.float64: 64.0}
+# log(1 - K) when K rounds to 1 (huge P0 or Q/R): the old state is forgotten, and a finite value
+# keeps the log-space sums free of inf - inf. e^-80 ~ 1e-35 is zero at every tolerance we use.
+_LOG_ZERO = -80.0
+
+_gain_cache: dict[tuple[float, float, float], Tensor] = {}
+_gain_lock = threading.Lock()
+
+
+def _check_noise(q: float, r: float, p0: float) -> None:
+    if not (math.isfinite(q) and q >= 0.0):
+        raise ValueError(f"q (process noise variance) must be finite and >= 0, got {q}")
+    if not (math.isfinite(r) and r > 0.0):
+        raise ValueError(f"r (measurement noise variance) must be finite and > 0, got {r}")
+    if not (math.isfinite(p0) and p0 >= 0.0):
+        raise ValueError(f"p0 (initial state variance) must be finite and >= 0, got {p0}")
+
+
+def _riccati_gains(n: int, q: float, r: float, p0: float) -> Tensor:
+    # The scalar covariance recursion in float64, once per (q, r, p0) and table size. Once the
+    # covariance stops changing, the rest of the table is that fixed point's gain.
+    gains = torch.empty(n, dtype=torch.float64)
+    p = p0
+    for i in range(n):
+        p_prior = p + q
+        k = p_prior / (p_prior + r)
+        gains[i] = k
+        p_next = (1.0 - k) * p_prior
+        if p_next == p:
+            gains[i + 1 :] = k
+            break
+        p = p_next
+    return gains
+
+
+def kalman_gains(n: int, q: float, r: float, p0: float = 0.0) -> Tensor:
+    """Kalman gains K[1..n] of the 1st..n-th valid token: float64, shape [n].
+
+    K depends only on (q, r, p0) and the count of valid tokens, never on the data. Tables are
+    cached per (q, r, p0) and grown on demand; treat the returned tensor as read-only.
+    """
+    _check_noise(q, r, p0)
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    key = (float(q), float(r), float(p0))
+    with _gain_lock:
+        table = _gain_cache.get(key)
+        if table is None or table.numel() < n:
+            size = max(n, 1024 if table is None else 2 * table.numel())
+            table = _riccati_gains(size, *key)
+            _gain_cache[key] = table
+    return table[:n]
+
+
+def steady_state_gain(q: float, r: float) -> float:
+    """K_inf = (-s + sqrt(s^2 + 4 s)) / 2 with s = Q/R, the gain the table converges to."""
+    _check_noise(q, r, 0.0)
+    s = q / r
+    return (-s + math.sqrt(s * s + 4.0 * s)) / 2.0
+
+
+def _compute_dtype(z: Tensor) -> torch.dtype:
+    # Never bf16/fp16: their 8-10 bit mantissas cannot resolve gains of ~1e-3.
+    return torch.float64 if z.dtype == torch.float64 else torch.float32
+
+
+def _recurrence_terms(
+    z: Tensor, mask: Tensor, table: Tensor, dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gain, log a_t and b_t = K m z of x_t = a_t x_{t-1} + b_t, all [..., T] in `dtype`."""
+    valid = mask.to(torch.bool)
+    index = (valid.to(torch.int32).cumsum(-1, dtype=torch.int32) - 1).clamp_min(0)
+    log_a_table = torch.log1p(-table).clamp_min(_LOG_ZERO).to(dtype=dtype, device=z.device)
+    log_a = log_a_table.index_select(0, index.flatten()).reshape(index.shape)
+    log_a = log_a.masked_fill(~valid, 0.0)
+    gain = -torch.expm1(log_a)  # K = 1 - a; exact to rounding even for K ~ 1e-8
+    # masked_fill before the product: padded log-probs are often -inf or NaN and must not leak.
+    b = gain * z.to(dtype).masked_fill(~valid, 0.0)
+    return gain, log_a, b
+
+
+def _block_size(max_decay: float, dtype: torch.dtype) -> int:
+    if max_decay <= 0.0:
+        return _MAX_BLOCK
+    size = 1
+    while size < _MAX_BLOCK and 2 * size * max_decay <= _BLOCK_DECAY_LIMIT[dtype]:
+        size *= 2
+    return size
+
+
+def _doubling_scan(a: Tensor, b: Tensor) -> Tensor:
+    """x_t = a_t x_{t-1} + b_t from x_{-1} = 0 by Hillis-Steele doubling. [N, T] -> [N, T]."""
+    t = b.shape[-1]
+    step = 1
+    while step < t:
+        b = torch.cat([b[:, :step], torch.addcmul(b[:, step:], a[:, step:], b[:, :-step])], -1)
+        if 2 * step < t:
+            a = torch.cat([a[:, :step], a[:, step:] * a[:, :-step]], -1)
+        step *= 2
+    return b
+
+
+def _scan(log_a: Tensor, b: Tensor, block: int) -> Tensor:
+    """x_t = a_t x_{t-1} + b_t from x_{-1} = 0, a_t = exp(log_a_t) <= 1. [N, T] -> [N, T]."""
+    n_rows, t = b.shape
+    pad = (-t) % block
+    if pad:  # a = 1, b = 0: the state passes through the padding unchanged
+        log_a = torch.nn.functional.pad(log_a, (0, pad))
+        b = torch.nn.functional.pad(b, (0, pad))
+    log_a = log_a.reshape(n_rows, -1, block)
+    b = b.reshape(n_rows, -1, block)
+    decay = log_a.cumsum(-1)  # S_t: log prod of a from the block start, in [-limit, 0]
+    decay_end = decay[..., -1:]
+    to_end = torch.exp(decay_end - decay)  # e^(S_end - S_t) in [e^-limit, 1]
+    local = torch.cumsum(to_end * b, -1) / to_end
+    block_end = _doubling_scan(decay_end.squeeze(-1).exp(), local[..., -1])
+    incoming = torch.nn.functional.pad(block_end[:, :-1], (1, 0))
+    # prod_{k<=t} a_k = e^(S_t) = e^(S_end) / e^(S_end - S_t): no second full-size exp.
+    from_start = decay_end.exp() / to_end
+    x = torch.addcmul(local, from_start, incoming.unsqueeze(-1))
+    return x.reshape(n_rows, -1)[:, :t]
+
+
+class _LinearRecurrence(torch.autograd.Function):
+    """x = L b for the lower-triangular L[t, s] = prod_{s<k<=t} a_k; backward is L^T g."""
+
+    @staticmethod
+    def forward(ctx: Any, log_a: Tensor, b: Tensor, block: int) -> Tensor:
+        ctx.save_for_backward(log_a)
+        ctx.block = block
+        return _scan(log_a, b, block)
+
+    @staticmethod
+    def backward(ctx: Any, grad_x: Tensor) -> tuple[None, Tensor, None]:
+        (log_a,) = ctx.saved_tensors
+        # (L^T g)_s = g_s + a_{s+1} (L^T g)_{s+1}: the same recurrence backwards in time, with
+        # each step's coefficient taken from the token after it.
+        log_a_reversed = torch.nn.functional.pad(log_a.flip(-1)[:, :-1], (1, 0))
+        grad_b = _scan(log_a_reversed, grad_x.flip(-1), ctx.block).flip(-1)
+        return None, grad_b, None
+
+
+def _filter_parallel(z: Tensor, mask: Tensor, q: float, r: float, p0: float, x0: float) -> Tensor:
+    dtype = _compute_dtype(z)
+    table = kalman_gains(max(z.shape[-1], 1), q, r, p0)
+    _, log_a, b = _recurrence_terms(z, mask, table, dtype)
+    if x0 != 0.0:
+        # x_0 = a_0 x0 + b_0: folding x0 into the first term lets the scan start from zero.
+        b = b + torch.nn.functional.pad(log_a[..., :1].exp() * x0, (0, b.shape[-1] - 1))
+    max_decay = float(-torch.log1p(-table).clamp_min(_LOG_ZERO).min())
+    block = _block_size(max_decay, dtype)
+    rows = b.reshape(-1, b.shape[-1])
+    x: Tensor = _LinearRecurrence.apply(log_a.reshape(rows.shape), rows, block)  # type: ignore[no-untyped-call]
+    return x.reshape(z.shape)
+
+
+def _filter_sequential(z: Tensor, mask: Tensor, q: float, r: float, p0: float, x0: float) -> Tensor:
+    # The plain recursion with its own covariance update (not the gain table), so that it is an
+    # independent reference for the parallel method.
+    dtype = _compute_dtype(z)
+    valid = mask.to(torch.bool)
+    observed = torch.where(valid, z.to(dtype), 0.0)
+    x = torch.full(z.shape[:-1], x0, dtype=dtype, device=z.device)
+    p = torch.full(z.shape[:-1], p0, dtype=torch.float64, device=z.device)
+    states = []
+    for t in range(z.shape[-1]):
+        m = valid[..., t]
+        p_prior = p + q
+        k = p_prior / (p_prior + r)
+        x = torch.where(m, x + k.to(dtype) * (observed[..., t] - x), x)
+        p = torch.where(m, (1.0 - k) * p_prior, p)
+        states.append(x)
+    if not states:
+        return z.new_zeros(z.shape)
+    return torch.stack(states, dim=-1)
+
+
+def _filter_closed_form(
+    z: Tensor, mask: Tensor, q: float, r: float, p0: float, x0: float
+) -> Tensor:
+    # The official implementation's form, for comparison only: float32 prefix products clamped
+    # at 1e-30 and a division by them.
+    table = kalman_gains(max(z.shape[-1], 1), q, r, p0)
+    gain, _, b = _recurrence_terms(z, mask, table, torch.float32)
+    prefix = (1.0 - gain).cumprod(-1).clamp_min(1e-30)
+    return prefix * (x0 + (b / prefix).cumsum(-1))
+
+
+_METHODS = {
+    "parallel": _filter_parallel,
+    "sequential": _filter_sequential,
+    "closed_form": _filter_closed_form,
+}
+
+
+def kalman_filter(
+    z: Tensor,
+    mask: Tensor,
+    q: float,
+    r: float,
+    p0: float = 0.0,
+    x0: float = 0.0,
+    method: FilterMethod = "parallel",
+) -> Tensor:
+    """Filtered log-ratios x_t of observed log-ratios z_t along the last dimension.
+
+    Args:
+        z: [..., T] observed token log-ratios (any float dtype; computed in float32, or float64
+            for float64 input).
+        mask: [..., T] bool or 0/1, True on valid tokens. Masked tokens hold the state.
+        q, r: process and measurement noise variances (q >= 0, r > 0).
+        p0, x0: initial state variance and mean.
+        method: "parallel" (blocked scan, the training path), "sequential" (reference loop) or
+            "closed_form" (the paper's official form, for comparison).
+
+    Returns:
+        [..., T] filtered log-ratios, same dtype as z, differentiable with respect to z. At a
+        masked position the value is the state held from the last valid token (x0 before any),
+        always finite when the valid z are.
+    """
+    _check_noise(q, r, p0)
+    if mask.shape != z.shape:
+        raise ValueError(f"mask shape {tuple(mask.shape)} must equal z shape {tuple(z.shape)}")
+    if not z.is_floating_point():
+        raise ValueError(f"z must be a floating-point tensor, got {z.dtype}")
+    if method not in _METHODS:
+        raise ValueError(f"unknown method {method!r}; valid methods: {sorted(_METHODS)}")
+    if z.ndim == 0:
+        raise ValueError("z must have at least one (time) dimension")
+    x = _METHODS[method](z, mask, q, r, p0, x0)
+    return x.to(z.dtype)

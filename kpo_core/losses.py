@@ -1,0 +1,284 @@
+"""Clipped policy-gradient surrogates, loss aggregation, entropy and KL.
+
+Shapes: logp, ref_logp, behaviour_logp, mask [B, T]; advantages [B] or [B, T]; logits [B, T, V].
+
+Per token, with ratio rho from an estimator (`kpo_core.ratios`) and window [lo, hi]:
+
+    l(rho, A) = max(-A rho, -A clip(rho, lo, hi))              (PPO pessimistic surrogate)
+    l = min(l, c |A|)  for A < 0, when the estimator has a dual clip c
+    l = -A rho                                                  (unclipped estimators)
+
+A token is "clipped" when the clipped term is the larger one. With `behaviour_logp` the loss is
+multiplied by the detached decoupled-PPO weight pi_ref / pi_behaviour (AReaL, arXiv 2505.24298).
+Aggregation modes follow verl's names (SPEC.md); empty responses are left out of every mean.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, get_args
+
+import torch
+from pydantic import ValidationError
+from torch import Tensor
+
+from kpo_core.config import (
+    LOSS_AGG_MODES,
+    EstimatorConfig,
+    LossAggMode,
+    OffPolicyCorrection,
+    describe_validation_error,
+)
+from kpo_core.ratios import RatioEstimate, behaviour_weights, get_estimator
+
+NonFinitePolicy = Literal["raise", "mask"]
+_CORRECTION_OPTIONS = frozenset(OffPolicyCorrection.model_fields) - {"level"} | {"tis_level"}
+
+
+class NonFiniteInputError(ValueError):
+    """NaN or inf in a valid position of a loss input."""
+
+
+def clipped_surrogate(
+    estimate: RatioEstimate, advantages: Tensor, mask: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Per-token loss [B, T] (0 off the mask) and the bool [B, T] of clipped tokens."""
+    rho, adv = estimate.ratio, advantages
+    unclipped = -adv * rho
+    if estimate.clip_low is None and estimate.clip_high is None:
+        loss = unclipped
+        clipped = estimate.clipped if estimate.clipped is not None else torch.zeros_like(mask)
+    else:
+        bounded = -adv * _clamp(rho, estimate.clip_low, estimate.clip_high)
+        loss = torch.maximum(unclipped, bounded)
+        clipped = bounded > unclipped
+    if estimate.dual_clip is not None:
+        cap = -adv * estimate.dual_clip  # = c |A| where A < 0
+        capped = (adv < 0) & (loss > cap)
+        loss = torch.where(adv < 0, torch.minimum(loss, cap), loss)
+        clipped = clipped | capped
+    return torch.where(mask, loss, 0.0), clipped & mask
+
+
+def _clamp(x: Tensor, low: Tensor | float | None, high: Tensor | float | None) -> Tensor:
+    if low is not None:
+        x = torch.maximum(x, torch.as_tensor(low, dtype=x.dtype, device=x.device))
+    if high is not None:
+        x = torch.minimum(x, torch.as_tensor(high, dtype=x.dtype, device=x.device))
+    return x
+
+
+def aggregate_loss(
+    per_token: Tensor, mask: Tensor, mode: LossAggMode, norm_length: int | None = None
+) -> Tensor:
+    """Reduce a [B, T] per-token loss to a scalar by one of verl's aggregation modes."""
+    weights = mask.to(per_token.dtype)
+    token_sum = (per_token * weights).sum(-1)
+    lengths = weights.sum(-1)
+    nonempty = lengths > 0
+    if mode == "token-sum":
+        return token_sum.sum()
+    if mode == "token-mean":
+        return token_sum.sum() / lengths.sum().clamp_min(1.0)
+    if mode == "seq-mean-token-mean":
+        per_sequence = token_sum / lengths.clamp_min(1.0)
+    elif mode == "seq-mean-token-sum":
+        per_sequence = token_sum
+    elif mode == "seq-mean-token-sum-norm":
+        per_sequence = token_sum / float(norm_length or per_token.shape[-1])
+    else:
+        valid = ", ".join(LOSS_AGG_MODES)
+        raise ValueError(f"unknown loss_agg_mode {mode!r}; valid modes: {valid}")
+    return (per_sequence * nonempty).sum() / nonempty.sum().clamp_min(1)
+
+
+def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k3 estimator of KL(pi || pi_ref) per token: exp(d) - d - 1 with d = ref_logp - logp >= 0."""
+    d = (ref_logp - logp).clamp(-20.0, 20.0)
+    return d.exp() - d - 1.0
+
+
+def token_entropy(logits: Tensor, chunk_tokens: int = 1024) -> Tensor:
+    """Entropy of softmax(logits) per token, [B, T, V] -> [B, T], float32.
+
+    Rows are processed `chunk_tokens` at a time, so the float32 softmax of a real vocabulary is
+    only ever held for one chunk, never as a second full-size [B, T, V] copy.
+    """
+    flat = logits.reshape(-1, logits.shape[-1])
+    parts = []
+    for chunk in torch.split(flat, chunk_tokens):
+        chunk32 = chunk.float()
+        log_z = torch.logsumexp(chunk32, dim=-1, keepdim=True)
+        probs = (chunk32 - log_z).exp()
+        parts.append(log_z.squeeze(-1) - (probs * chunk32).sum(-1))
+    if not parts:
+        return logits.new_zeros(logits.shape[:-1], dtype=torch.float32)
+    return torch.cat(parts).reshape(logits.shape[:-1])
+
+
+def entropy_from_logits(logits: Tensor, mask: Tensor, chunk_tokens: int = 1024) -> Tensor:
+    """Masked mean token entropy (a scalar tensor; differentiable when logits are)."""
+    entropy = token_entropy(logits, chunk_tokens)
+    weights = mask.to(entropy.dtype)
+    return (entropy * weights).sum() / weights.sum().clamp_min(1.0)
+
+
+def _broadcast_advantages(advantages: Tensor, mask: Tensor) -> Tensor:
+    if advantages.shape == mask.shape:
+        return advantages
+    if advantages.ndim == 1 and advantages.shape[0] == mask.shape[0]:
+        return advantages.unsqueeze(-1).expand(mask.shape)
+    raise ValueError(
+        f"advantages must have shape [B] = [{mask.shape[0]}] or [B, T] = {list(mask.shape)}, "
+        f"got {list(advantages.shape)}"
+    )
+
+
+def _nonfinite_tokens(tensors: dict[str, Tensor], mask: Tensor) -> tuple[Tensor, dict[str, int]]:
+    bad = torch.zeros_like(mask)
+    counts = {}
+    for name, tensor in tensors.items():
+        here = ~torch.isfinite(tensor) & mask
+        counts[name] = int(here.sum())
+        bad |= here
+    return bad, counts
+
+
+def _check_inputs(
+    tensors: dict[str, Tensor], mask: Tensor, nonfinite: NonFinitePolicy
+) -> tuple[Tensor, int]:
+    """Validate shapes and finiteness; returns the mask to use and the count of dropped tokens."""
+    for name, tensor in tensors.items():
+        if tensor.shape != mask.shape:
+            raise ValueError(
+                f"{name} shape {list(tensor.shape)} must equal mask shape {list(mask.shape)}"
+            )
+    bad, counts = _nonfinite_tokens(tensors, mask)
+    dropped = int(bad.sum())
+    if dropped and nonfinite == "raise":
+        where = ", ".join(f"{name}: {n}" for name, n in counts.items() if n)
+        raise NonFiniteInputError(
+            f"NaN/inf in valid tokens ({where}); pass nonfinite='mask' to drop those tokens"
+        )
+    return mask & ~bad, dropped
+
+
+def _split_options(
+    estimator: str, options: dict[str, Any]
+) -> tuple[EstimatorConfig, OffPolicyCorrection]:
+    registered = get_estimator(estimator)
+    correction_keys = {k for k in options if k in _CORRECTION_OPTIONS}
+    correction_args = {k: options[k] for k in correction_keys}
+    if "tis_level" in correction_args:
+        correction_args["level"] = correction_args.pop("tis_level")
+    estimator_args = {k: v for k, v in options.items() if k not in correction_keys}
+    try:
+        config: EstimatorConfig = registered.config_type(**estimator_args)  # type: ignore[assignment]
+        correction = OffPolicyCorrection(**correction_args)
+    except ValidationError as error:
+        valid = sorted(set(registered.config_type.model_fields) - {"name"} | _CORRECTION_OPTIONS)
+        raise ValueError(
+            f"{describe_validation_error(error, f'{estimator} options')}\n"
+            f"valid options for {estimator!r}: {', '.join(valid)}"
+        ) from None
+    return config, correction
+
+
+def policy_loss(
+    estimator: str,
+    logp: Tensor,
+    ref_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    behaviour_logp: Tensor | None = None,
+    loss_agg_mode: LossAggMode | None = None,
+    norm_length: int | None = None,
+    nonfinite: NonFinitePolicy = "raise",
+    **options: Any,
+) -> tuple[Tensor, dict[str, float]]:
+    """Policy-gradient loss of the estimator called `estimator`, and its metrics.
+
+    `options` are the fields of that estimator's config (e.g. clip_low, clip_high, dual_clip_c,
+    q, r, p0, x0, gradient, clipped) plus the off-policy options tis_cap, mis_low, mis_high and
+    tis_level ("token" | "sequence"), which apply when `behaviour_logp` is given.
+    `nonfinite="raise"` (default) rejects NaN/inf in valid tokens; "mask" drops those tokens and
+    reports their count as `nonfinite_tokens`.
+    """
+    config, correction = _split_options(estimator, options)
+    return compute_policy_loss(
+        config,
+        logp,
+        ref_logp,
+        advantages,
+        mask,
+        behaviour_logp=behaviour_logp,
+        correction=correction,
+        loss_agg_mode=loss_agg_mode,
+        norm_length=norm_length,
+        nonfinite=nonfinite,
+    )
+
+
+def compute_policy_loss(
+    config: EstimatorConfig,
+    logp: Tensor,
+    ref_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    behaviour_logp: Tensor | None = None,
+    correction: OffPolicyCorrection | None = None,
+    loss_agg_mode: LossAggMode | None = None,
+    norm_length: int | None = None,
+    nonfinite: NonFinitePolicy = "raise",
+) -> tuple[Tensor, dict[str, float]]:
+    """`policy_loss` for an already-validated estimator config (what the learner calls)."""
+    if nonfinite not in get_args(NonFinitePolicy):
+        raise ValueError(f"nonfinite must be one of {get_args(NonFinitePolicy)}, got {nonfinite!r}")
+    mask = mask.to(torch.bool)
+    adv = _broadcast_advantages(advantages, mask)
+    inputs = {"logp": logp, "ref_logp": ref_logp, "advantages": adv}
+    if behaviour_logp is not None:
+        inputs["behaviour_logp"] = behaviour_logp
+    mask, dropped = _check_inputs(inputs, mask, nonfinite)
+    # Padding often holds -inf/NaN log-probs. where() (not a product) keeps them out of the
+    # values and out of the gradient: 0 * NaN would otherwise reach the model's parameters.
+    logp = torch.where(mask, logp, 0.0)
+    ref_logp = torch.where(mask, ref_logp, 0.0).detach()
+    if behaviour_logp is not None:
+        behaviour_logp = torch.where(mask, behaviour_logp, 0.0).detach()
+    adv = torch.where(mask, adv, 0.0).detach()
+    estimate = get_estimator(config.name).estimate(logp, ref_logp, adv, mask, config)
+    per_token, clipped = clipped_surrogate(estimate, adv, mask)
+    metrics = _loss_metrics(logp, ref_logp, estimate, clipped, mask)
+    if behaviour_logp is not None:
+        weights, weight_metrics = behaviour_weights(
+            ref_logp, behaviour_logp, mask, correction or OffPolicyCorrection()
+        )
+        per_token = per_token * weights
+        metrics.update(weight_metrics)
+    mode = loss_agg_mode or config.default_loss_agg_mode
+    loss = aggregate_loss(per_token, mask, mode, norm_length)
+    metrics["nonfinite_tokens"] = float(dropped)
+    return loss, metrics
+
+
+def _loss_metrics(
+    logp: Tensor, ref_logp: Tensor, estimate: RatioEstimate, clipped: Tensor, mask: Tensor
+) -> dict[str, float]:
+    with torch.no_grad():
+        valid = int(mask.sum())
+        if valid == 0:
+            metrics = dict.fromkeys(("ratio_mean", "ratio_max", "ratio_min"), 1.0)
+            metrics.update(clip_fraction=0.0, approx_kl=0.0)
+            return {**metrics, **estimate.metrics}
+        ratio = estimate.ratio.detach()[mask]
+        kl = kl_k3(logp.detach()[mask], ref_logp.detach()[mask])
+        metrics = {
+            "clip_fraction": float(clipped.sum()) / valid,
+            "ratio_mean": float(ratio.mean()),
+            "ratio_max": float(ratio.max()),
+            "ratio_min": float(ratio.min()),
+            "approx_kl": float(kl.mean()),
+        }
+    return {**metrics, **estimate.metrics}

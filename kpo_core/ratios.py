@@ -1,0 +1,231 @@
+"""Importance-ratio estimators, registered by name, and the off-policy weights for stale data.
+
+Shapes: logp, ref_logp, mask [B, T]; advantages [B, T] (already broadcast). z_t = logp - ref_logp
+is the token log-ratio against the reference policy (behaviour or proximal, SPEC.md).
+
+Each estimator turns (logp, ref_logp, advantages, mask) into a `RatioEstimate`: the ratio as a
+differentiable tensor plus the clip window the surrogate in `kpo_core.losses` applies to it.
+
+- `token` (GRPO/PPO): rho_t = exp(clamp(z_t, -20, 20)).
+- `sequence` (GSPO, arXiv 2507.18671): rho_t = exp(sg(mean z) + logp_t - sg(logp_t)).
+- `geometric` (GMPO, arXiv 2507.20673): rho = exp(mean z~), z~ the sign-trick log-space clip.
+- `kalman` (KPO, arXiv 2602.10609): rho_t = exp(min(sg(x_t) + logp_t - sg(logp_t), 10)), x the
+  Kalman-filtered z; or autograd through x with `gradient="through_filter"`.
+- `cumulative` (CTPO, arXiv 2605.07331): rho_t = exp(min(sg(c_t) + logp_t - sg(logp_t), 10)),
+  c_t = sum_{k<=t} m_k z_k, clipped to [exp(-eps_low sqrt n_t), exp(eps_high sqrt n_t)].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+from pydantic import BaseModel
+from torch import Tensor
+
+from kpo_core.config import (
+    CumulativeEstimator,
+    GeometricEstimator,
+    KalmanEstimator,
+    OffPolicyCorrection,
+    SequenceEstimator,
+    TokenEstimator,
+)
+from kpo_core.kalman import kalman_filter, kalman_gains
+
+Bound = Tensor | float | None
+
+
+@dataclass(frozen=True)
+class RatioEstimate:
+    """What an estimator hands the clipped surrogate.
+
+    ratio: [B, T] with the estimator's gradient path. clip_low/clip_high: the ratio window
+    (scalars or [B, T]); None for an unclipped surrogate -A * rho. dual_clip: ratio cap for A < 0.
+    clipped: [B, T] bool for estimators that clip inside the ratio (GMPO), else None (the
+    surrogate decides). metrics: estimator-specific floats.
+    """
+
+    ratio: Tensor
+    clip_low: Bound
+    clip_high: Bound
+    dual_clip: Bound = None
+    clipped: Tensor | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+ConfigT = TypeVar("ConfigT", bound=BaseModel)
+EstimatorFn = Callable[[Tensor, Tensor, Tensor, Tensor, Any], RatioEstimate]
+
+
+@dataclass(frozen=True)
+class RegisteredEstimator:
+    name: str
+    config_type: type[BaseModel]
+    estimate: EstimatorFn
+
+
+ESTIMATORS: dict[str, RegisteredEstimator] = {}
+
+
+def register_estimator(
+    name: str, config_type: type[ConfigT]
+) -> Callable[
+    [Callable[[Tensor, Tensor, Tensor, Tensor, ConfigT], RatioEstimate]],
+    Callable[[Tensor, Tensor, Tensor, Tensor, ConfigT], RatioEstimate],
+]:
+    """Register an estimator function under `name` with its pydantic config type."""
+
+    def decorator(
+        fn: Callable[[Tensor, Tensor, Tensor, Tensor, ConfigT], RatioEstimate],
+    ) -> Callable[[Tensor, Tensor, Tensor, Tensor, ConfigT], RatioEstimate]:
+        if name in ESTIMATORS:
+            raise ValueError(f"estimator {name!r} is already registered")
+        ESTIMATORS[name] = RegisteredEstimator(name, config_type, fn)
+        return fn
+
+    return decorator
+
+
+def get_estimator(name: str) -> RegisteredEstimator:
+    """The registered estimator called `name`; ValueError listing the valid names otherwise."""
+    try:
+        return ESTIMATORS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown estimator {name!r}; valid estimators: {', '.join(sorted(ESTIMATORS))}"
+        ) from None
+
+
+def masked_log_ratio(logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
+    """z = logp - ref_logp on valid tokens, 0 elsewhere (padding may hold -inf or NaN)."""
+    return torch.where(mask, logp - ref_logp, 0.0)
+
+
+def straight_through(log_value: Tensor, logp: Tensor) -> Tensor:
+    """A log-ratio whose value is `log_value` (detached) and whose gradient is that of logp."""
+    return log_value.detach() + logp - logp.detach()
+
+
+def valid_counts(mask: Tensor) -> Tensor:
+    """n_t: number of valid tokens up to and including t, [B, T] (same dtype as float inputs)."""
+    return mask.to(torch.long).cumsum(-1)
+
+
+@register_estimator("token", TokenEstimator)
+def token_ratio(
+    logp: Tensor, ref_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: TokenEstimator
+) -> RatioEstimate:
+    z = masked_log_ratio(logp, ref_logp, mask).clamp(-20.0, 20.0)
+    return RatioEstimate(z.exp(), 1.0 - cfg.clip_low, 1.0 + cfg.clip_high, cfg.dual_clip_c)
+
+
+def _sequence_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean over each response's valid tokens, [B, T] -> [B, 1]; 0 for an empty response."""
+    lengths = mask.sum(-1, keepdim=True).clamp_min(1)
+    return (values * mask).sum(-1, keepdim=True) / lengths
+
+
+@register_estimator("sequence", SequenceEstimator)
+def sequence_ratio(
+    logp: Tensor, ref_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: SequenceEstimator
+) -> RatioEstimate:
+    log_s = _sequence_mean(masked_log_ratio(logp, ref_logp, mask), mask)
+    log_rho = straight_through(log_s.expand_as(logp), logp).clamp(max=cfg.max_log_ratio)
+    return RatioEstimate(log_rho.exp(), 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+
+
+@register_estimator("geometric", GeometricEstimator)
+def geometric_ratio(
+    logp: Tensor, ref_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: GeometricEstimator
+) -> RatioEstimate:
+    z = masked_log_ratio(logp, ref_logp, mask)
+    sign = torch.sign(advantages)
+    z_clamped = z.clamp(-cfg.clip_low, cfg.clip_high)
+    # z~ = sgn(A) min(sgn(A) z, sgn(A) clamp(z)): pessimistic in the direction the advantage
+    # pushes, so a positive advantage cannot lift rho past e^eps_high (nor a negative push it
+    # below e^-eps_low).
+    z_tilde = sign * torch.minimum(sign * z, sign * z_clamped)
+    rho = _sequence_mean(z_tilde, mask).exp().expand_as(logp)
+    clipped = (z_tilde != z) & mask
+    return RatioEstimate(rho, None, None, clipped=clipped)
+
+
+@register_estimator("kalman", KalmanEstimator)
+def kalman_ratio(
+    logp: Tensor, ref_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: KalmanEstimator
+) -> RatioEstimate:
+    z = masked_log_ratio(logp, ref_logp, mask)
+    if cfg.gradient == "straight_through":
+        # The paper's code: observations detached, filtered value as a straight-through weight.
+        x = kalman_filter(z.detach(), mask, cfg.q, cfg.r, cfg.p0, cfg.x0)
+        log_rho = straight_through(x, logp)
+    else:
+        x = kalman_filter(z, mask, cfg.q, cfg.r, cfg.p0, cfg.x0)
+        log_rho = x
+    rho = log_rho.clamp(max=cfg.max_log_ratio).exp()
+    gain = _mean_gain(mask, cfg)
+    filtered = x.detach().exp()
+    metrics = {
+        "kalman_gain_mean": gain,
+        "filtered_ratio_mean": float(filtered[mask].mean()) if bool(mask.any()) else 1.0,
+    }
+    if not cfg.clipped:
+        return RatioEstimate(rho, None, None, metrics=metrics)
+    return RatioEstimate(rho, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high, metrics=metrics)
+
+
+def _mean_gain(mask: Tensor, cfg: KalmanEstimator) -> float:
+    counts = valid_counts(mask)[mask]
+    if counts.numel() == 0:
+        return 0.0
+    table = kalman_gains(int(counts.max()), cfg.q, cfg.r, cfg.p0)
+    return float(table[(counts - 1).cpu()].mean())
+
+
+@register_estimator("cumulative", CumulativeEstimator)
+def cumulative_ratio(
+    logp: Tensor, ref_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: CumulativeEstimator
+) -> RatioEstimate:
+    cumulative = masked_log_ratio(logp, ref_logp, mask).cumsum(-1)
+    rho = straight_through(cumulative, logp).clamp(max=cfg.max_log_ratio).exp()
+    # The cumulative log-ratio's spread grows like sqrt(t), so the window does too.
+    root_n = valid_counts(mask).clamp_min(1).to(logp.dtype).sqrt()
+    lower = torch.exp(-cfg.clip_low * root_n)
+    upper = torch.exp(cfg.clip_high * root_n)
+    dual = None if cfg.dual_clip_c is None else torch.exp(cfg.dual_clip_c * root_n)
+    return RatioEstimate(rho, lower, upper, dual)
+
+
+def behaviour_weights(
+    ref_logp: Tensor, behaviour_logp: Tensor, mask: Tensor, cfg: OffPolicyCorrection
+) -> tuple[Tensor, dict[str, float]]:
+    """Detached decoupled-PPO weights w = pi_ref / pi_behaviour, [B, T], with TIS/MIS applied.
+
+    Token level: w_t = exp(ref_logp_t - behaviour_logp_t). Sequence level: the product of a
+    response's token weights, broadcast to its tokens. Truncation min(w, tis_cap) comes first,
+    then weights outside [mis_low, mis_high] are zeroed (the token stays in the denominators).
+    """
+    with torch.no_grad():
+        log_w = masked_log_ratio(ref_logp, behaviour_logp, mask)
+        if cfg.level == "sequence":
+            log_w = log_w.sum(-1, keepdim=True).expand_as(log_w)
+        w = log_w.clamp(max=20.0).exp()
+        metrics: dict[str, float] = {}
+        valid = mask.sum().clamp_min(1)
+        if cfg.tis_cap is not None:
+            metrics["tis_truncated_fraction"] = float(((w > cfg.tis_cap) & mask).sum() / valid)
+            w = w.clamp(max=cfg.tis_cap)
+        if cfg.mis_low is not None or cfg.mis_high is not None:
+            low = cfg.mis_low if cfg.mis_low is not None else 0.0
+            high = cfg.mis_high if cfg.mis_high is not None else float("inf")
+            outside = ((w < low) | (w > high)) & mask
+            metrics["mis_masked_fraction"] = float(outside.sum() / valid)
+            w = torch.where(outside, 0.0, w)
+        w = torch.where(mask, w, 0.0)
+        if bool(mask.any()):
+            metrics["behaviour_weight_mean"] = float(w[mask].mean())
+            metrics["behaviour_weight_max"] = float(w[mask].max())
+    return w, metrics

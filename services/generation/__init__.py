@@ -1,0 +1,1 @@
+"""Generation backends (`hf`, `vllm`) behind one interface, and the generation worker actor."""

@@ -1,0 +1,60 @@
+"""Typed messages that pass between the actors of a run.
+
+Each field says who fills it and who reads it. Plain dataclasses of builtin types, so that Ray
+serialises them cheaply and tests can build them by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One task instance. Filled by a task generator or JSONL loader; read by generation and reward."""
+
+    prompt_id: str  # unique within a run; groups are keyed by it
+    text: str  # what the model is conditioned on
+    answer: str  # reference answer the verifier compares against
+    meta: dict[str, str] = field(default_factory=dict)  # task-specific (difficulty, source line)
+
+
+@dataclass(frozen=True)
+class Response:
+    """One sampled continuation. Filled by a generation backend; read by reward and the learner."""
+
+    prompt_id: str
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]  # includes the EOS token when finish_reason == "stop"
+    # log-prob of each sampled token under the distribution it was sampled from; whether that
+    # distribution includes temperature/top-p/top-k is stated by the backend's `logprobs_mode`.
+    behaviour_logprobs: list[float]
+    finish_reason: FinishReason
+    policy_version: int  # version of the weights that produced it
+    text: str  # decoded response, for the verifier
+
+
+@dataclass(frozen=True)
+class ScoredResponse:
+    """A response with its reward. Filled by a verifier actor; read by the rollout buffer/learner."""
+
+    response: Response
+    reward: float
+    verified: bool  # False when the verifier failed or timed out (reward is then 0)
+    failure: str | None = None  # why verification failed, for counting and logs
+
+
+@dataclass(frozen=True)
+class ScoredGroup:
+    """All G responses to one prompt. The unit the rollout buffer stores and the learner trains on."""
+
+    prompt: Prompt
+    responses: list[ScoredResponse]
+
+    @property
+    def policy_version(self) -> int:
+        """Oldest version in the group: staleness is judged by the stalest member."""
+        return min(r.response.policy_version for r in self.responses)

@@ -1,0 +1,151 @@
+"""Contract checks every `GenerationBackend` must pass, reusable for any backend.
+
+Each check takes a `ContractSubject` (a backend plus what a test must know about its model) and
+raises AssertionError on a violation. A backend's test file runs all of them:
+
+    @pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.__name__)
+    def test_contract(check, subject):
+        check(subject)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import pytest
+
+from services.generation.base import GenerationBackend, SamplingSettings
+from services.messages import Prompt, Response
+
+
+@dataclass(frozen=True)
+class ContractSubject:
+    """A backend under test with the facts about its model that the checks need."""
+
+    backend: GenerationBackend
+    eos_token_ids: frozenset[int]
+    decode: Callable[[Sequence[int]], str]  # token ids -> text, special tokens skipped
+    prompts: list[Prompt]  # at least two, of different token lengths
+    # Settings under which a batch of 16 groups of 4 shows both EOS stops and length cut-offs.
+    mixed_finish_sampling: SamplingSettings
+
+
+def _flat(groups: list[list[Response]]) -> list[Response]:
+    return [response for group in groups for response in group]
+
+
+def check_groups_in_prompt_order(subject: ContractSubject) -> None:
+    """`group_size` responses per prompt, in prompt order, each tagged with its prompt id."""
+    prompts = subject.prompts
+    groups = subject.backend.generate(prompts, 3, SamplingSettings(max_new_tokens=6, seed=0))
+    assert len(groups) == len(prompts)
+    for prompt, group in zip(prompts, groups, strict=True):
+        assert len(group) == 3
+        assert all(response.prompt_id == prompt.prompt_id for response in group)
+
+
+def check_response_fields(subject: ContractSubject) -> None:
+    """Log-probs align with tokens, are finite and <= 0; version and text are filled in."""
+    sampling = SamplingSettings(temperature=0.8, top_p=0.9, max_new_tokens=10, seed=1)
+    for response in _flat(subject.backend.generate(subject.prompts, 4, sampling)):
+        assert 1 <= len(response.response_token_ids) <= sampling.max_new_tokens
+        assert len(response.behaviour_logprobs) == len(response.response_token_ids)
+        assert all(math.isfinite(lp) and lp <= 1e-6 for lp in response.behaviour_logprobs)
+        assert all(isinstance(token, int) for token in response.response_token_ids)
+        assert response.policy_version == subject.backend.policy_version
+        assert response.text == subject.decode(response.response_token_ids)
+
+
+def check_finish_reasons(subject: ContractSubject) -> None:
+    """ "stop" iff the response ends at its first EOS; "length" iff it used every new token."""
+    sampling = subject.mixed_finish_sampling
+    responses = _flat(subject.backend.generate((subject.prompts * 16)[:16], 4, sampling))
+    for response in responses:
+        ids = response.response_token_ids
+        eos_positions = [i for i, token in enumerate(ids) if token in subject.eos_token_ids]
+        if response.finish_reason == "stop":
+            assert eos_positions == [len(ids) - 1], "a stopped response ends at its only EOS"
+        else:
+            assert response.finish_reason == "length"
+            assert eos_positions == [], "a length-limited response holds no EOS"
+            assert len(ids) == sampling.max_new_tokens
+    reasons = {response.finish_reason for response in responses}
+    assert reasons == {"stop", "length"}, f"expected both finish reasons, got {reasons}"
+
+
+def check_max_new_tokens(subject: ContractSubject) -> None:
+    """No response is longer than `max_new_tokens`; with 1, every response is one token."""
+    for limit in (1, 3):
+        sampling = SamplingSettings(max_new_tokens=limit, seed=2)
+        lengths = [
+            len(r.response_token_ids)
+            for r in _flat(subject.backend.generate(subject.prompts, 4, sampling))
+        ]
+        assert max(lengths) <= limit
+        if limit == 1:
+            assert set(lengths) == {1}
+
+
+def check_seed_determinism(subject: ContractSubject) -> None:
+    """The same seed gives the same responses; another seed gives different ones."""
+
+    def run(seed: int) -> list[Response]:
+        sampling = SamplingSettings(temperature=1.0, max_new_tokens=12, seed=seed)
+        return _flat(subject.backend.generate(subject.prompts, 4, sampling))
+
+    first, again, other = run(7), run(7), run(8)
+    assert [r.response_token_ids for r in first] == [r.response_token_ids for r in again]
+    for a, b in zip(first, again, strict=True):
+        assert a.behaviour_logprobs == pytest.approx(b.behaviour_logprobs, abs=1e-5)
+    assert [r.response_token_ids for r in first] != [r.response_token_ids for r in other]
+
+
+def check_prompt_token_ids(subject: ContractSubject) -> None:
+    """Prompt ids are unpadded, the same across a group, and decode back to the prompt."""
+    groups = subject.backend.generate(subject.prompts, 2, SamplingSettings(max_new_tokens=2))
+    lengths = set()
+    for prompt, group in zip(subject.prompts, groups, strict=True):
+        ids = group[0].prompt_token_ids
+        assert all(response.prompt_token_ids == ids for response in group)
+        assert subject.decode(ids) == prompt.text
+        lengths.add(len(ids))
+    assert len(lengths) > 1, "prompts of different lengths must keep different id lengths"
+
+
+def check_greedy(subject: ContractSubject) -> None:
+    """Temperature 0 is greedy: a group's responses agree and every log-prob is 0.0."""
+    sampling = SamplingSettings(temperature=0.0, max_new_tokens=8)
+    for group in subject.backend.generate(subject.prompts, 3, sampling):
+        assert all(r.response_token_ids == group[0].response_token_ids for r in group)
+        assert all(lp == 0.0 for r in group for lp in r.behaviour_logprobs)
+
+
+def check_rejects_bad_settings(subject: ContractSubject) -> None:
+    """Settings that describe no distribution raise ValueError; no prompts give no groups."""
+    bad = [
+        SamplingSettings(temperature=-0.1),
+        SamplingSettings(top_p=0.0),
+        SamplingSettings(top_p=1.5),
+        SamplingSettings(top_k=-1),
+        SamplingSettings(max_new_tokens=0),
+    ]
+    for sampling in bad:
+        with pytest.raises(ValueError):
+            subject.backend.generate(subject.prompts, 1, sampling)
+    with pytest.raises(ValueError):
+        subject.backend.generate(subject.prompts, 0, SamplingSettings())
+    assert subject.backend.generate([], 2, SamplingSettings()) == []
+
+
+CHECKS: list[Callable[[ContractSubject], None]] = [
+    check_groups_in_prompt_order,
+    check_response_fields,
+    check_finish_reasons,
+    check_max_new_tokens,
+    check_seed_determinism,
+    check_prompt_token_ids,
+    check_greedy,
+    check_rejects_bad_settings,
+]

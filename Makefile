@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv lint typecheck test bench clean
+.PHONY: venv lint typecheck test test-vllm bench clean
 
 # The CPU build of torch goes in first: the package's torch range then resolves to it and
 # nothing pulls a CUDA build.
@@ -25,7 +25,12 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy kpo_core services
 
 test: lint typecheck
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest --ignore=tests/services/generation/test_vllm_backend.py
+
+# The vLLM backend's tests, in their own virtualenv with the CPU build of vLLM (large: ~4 GB).
+test-vllm:
+	bash scripts/setup_vllm_venv.sh
+	.venv-vllm/bin/python -m pytest tests/services/generation/test_vllm_backend.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_kalman.py

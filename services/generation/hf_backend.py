@@ -183,7 +183,7 @@ class HFBackend(GenerationBackend):
         return self._version
 
     @property
-    def model(self) -> torch.nn.Module:
+    def model(self) -> PreTrainedModel:
         """The live model (read it, do not replace it: `load_weights` updates it in place)."""
         return self._model
 
@@ -259,34 +259,33 @@ class HFBackend(GenerationBackend):
     ) -> tuple[list[list[int]], list[list[float]]]:
         """Run the KV-cached sampling loop; return each row's sampled tokens and log-probs.
 
-        Rows that emitted EOS are padded from then on and trimmed by `_to_responses`.
+        A row leaves the batch, cache entries included, at the step it emits EOS, so finished
+        rows cost nothing afterwards; its later slots stay padding, cut by `_to_responses`.
         """
         input_ids, attention_mask = left_pad(rows, self._pad_id, self._device)
         position_ids = position_ids_for(attention_mask)
-        next_position = position_ids[:, -1:] + 1
         eos_ids = torch.tensor(self._eos_ids, dtype=torch.long, device=self._device)
-        finished = torch.zeros(len(rows), dtype=torch.bool, device=self._device)
+        running = torch.arange(len(rows), device=self._device)  # row index of each batch entry
+        shape = (len(rows), sampling.max_new_tokens)
+        out_tokens = torch.full(shape, self._pad_id, dtype=torch.long, device=self._device)
+        out_logprobs = torch.zeros(shape, dtype=torch.float32, device=self._device)
         cache = DynamicCache(config=self._model.config)
-        step_tokens: list[torch.Tensor] = []
-        step_logprobs: list[torch.Tensor] = []
-        for _ in range(sampling.max_new_tokens):
+        for step in range(sampling.max_new_tokens):
             logits = self._forward(input_ids, attention_mask, position_ids, cache)
             tokens, logprobs = sample_next(logits, sampling, generator)
-            alive = ~finished
-            tokens = tokens.masked_fill(finished, self._pad_id)
-            step_tokens.append(tokens)
-            step_logprobs.append(logprobs)
-            finished = finished | torch.isin(tokens, eos_ids)
-            if bool(finished.all()):
-                break
-            # Only tokens of rows still running are real; the pad fed to finished rows is masked.
-            attention_mask = torch.cat([attention_mask, alive.long()[:, None]], dim=-1)
-            input_ids, position_ids = tokens[:, None], next_position
-            next_position = next_position + 1
-        return (
-            torch.stack(step_tokens, dim=1).tolist(),
-            torch.stack(step_logprobs, dim=1).float().tolist(),
-        )
+            out_tokens[running, step] = tokens
+            out_logprobs[running, step] = logprobs
+            going = ~torch.isin(tokens, eos_ids)
+            if not bool(going.all()):
+                if not bool(going.any()):
+                    break
+                keep = going.nonzero().squeeze(-1)
+                cache.batch_select_indices(keep)
+                running, tokens = running[keep], tokens[keep]
+                attention_mask, position_ids = attention_mask[keep], position_ids[keep]
+            attention_mask = torch.nn.functional.pad(attention_mask, (0, 1), value=1)
+            input_ids, position_ids = tokens[:, None], position_ids[:, -1:] + 1
+        return out_tokens.tolist(), out_logprobs.tolist()
 
     def _to_responses(
         self,

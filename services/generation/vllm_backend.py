@@ -10,8 +10,13 @@
   `LLM.collective_rpc`, and loaded there by vLLM's own in-place reload
   (`Worker.reload_weights(weights_iterator=...)`, which runs the model's `load_weights` and
   its post-load processing). The worker side is `WeightSyncExtension`, which vLLM mixes into
-  its worker class (`worker_extension_cls`). This works the same with the engine core in a
-  separate process (vLLM's default) or in-process, and with tensor parallelism.
+  its worker class (`worker_extension_cls`). Bytes cross vLLM's process boundaries as they
+  are, so this works with the engine core in its own process (vLLM's default) and in-process
+  (`VLLM_ENABLE_V1_MULTIPROCESSING=0`); with tensor parallelism every worker receives the
+  whole state dict and its model's `load_weights` keeps its own shard. The payload is one
+  extra host copy of the weights per update.
+- Temperature 0 is greedy decoding: one sample per prompt (vLLM refuses `n > 1` for it)
+  repeated across the group, with log-probs 0.0 (a point mass), as in the `hf` backend.
 - vLLM is imported lazily: this module imports without it, and constructing the backend
   without it fails with an install hint.
 
@@ -267,20 +272,24 @@ class VLLMBackend(GenerationBackend):
 
         prompt_ids = self.encode(prompts)
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids]
-        params = [self._sampling_params(sampling, group_size, i) for i in range(len(prompts))]
+        # Greedy decoding gives one answer per prompt (and vLLM refuses n > 1 for it): sample
+        # once and repeat it across the group.
         greedy = sampling.temperature < GREEDY_TEMPERATURE
+        n = 1 if greedy else group_size
+        params = [self._sampling_params(sampling, n, i) for i in range(len(prompts))]
         version = self._version
         outputs = self._llm.generate(requests, params, use_tqdm=False)
 
         groups: list[list[Response]] = []
         for prompt, ids, request_output in zip(prompts, prompt_ids, outputs, strict=True):
             completions = sorted(request_output.outputs, key=lambda c: c.index)
-            if len(completions) != group_size:
+            if len(completions) != n:
                 raise RuntimeError(
                     f"vLLM returned {len(completions)} completions for prompt "
-                    f"{prompt.prompt_id!r}, expected {group_size}"
+                    f"{prompt.prompt_id!r}, expected {n}"
                 )
-            groups.append([self._response(prompt, ids, c, version, greedy) for c in completions])
+            repeated = completions * (group_size // n)
+            groups.append([self._response(prompt, ids, c, version, greedy) for c in repeated])
         return groups
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:

@@ -25,8 +25,8 @@ from services.generation.registry import create_backend
 from services.messages import Prompt, Response
 
 StateDict: TypeAlias = Mapping[str, torch.Tensor]
-# What `offer_weights` accepts: see the module docstring for why a list is preferred.
 WeightsRef: TypeAlias = "ray.ObjectRef[StateDict]"
+# What `offer_weights` accepts: see the module docstring for why a list is preferred.
 WeightsOffer: TypeAlias = "WeightsRef | Sequence[WeightsRef] | StateDict"
 
 
@@ -86,7 +86,11 @@ class GenerationWorkerImpl:
         return True
 
     def _swap_weights(self) -> None:
-        """Load the offered weights if newer than the backend's; called between batches only."""
+        """Load the offered weights if newer than the backend's; called between batches only.
+
+        If fetching or loading fails the error propagates out of `generate` and the offer is kept,
+        so the worker never silently generates with weights older than it was offered.
+        """
         if self._offer is None:
             return
         version, weights = self._offer

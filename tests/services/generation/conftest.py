@@ -8,11 +8,27 @@ from pathlib import Path
 
 import pytest
 import ray
+import torch
 
 from services.generation.hf_backend import HFBackend
 from tests.services.generation.tiny_model import save_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Run these tests with one torch thread, restoring the setting afterwards.
+
+    The tiny model gains nothing from more threads, and on a shared CPU box they spin against
+    other processes (measured ten times slower with two threads on two busy cores).
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,8 @@ part (tens of seconds on a small CPU machine); every generation call on the tiny
 
 from __future__ import annotations
 
+import re
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -27,7 +29,8 @@ from tests.services.generation.contract import CHECKS, ContractSubject
 
 # Both sides compute in float32 but with different kernels (vLLM's fused RMSNorm, rotary and
 # paged CPU attention against transformers' eager ops), so they differ by float32 rounding
-# only: of order 1e-6 on log-probs of magnitude 1..10 (measured: see the printed errors).
+# only: of order 1e-6 on log-probs of magnitude 1..10 (measured max 4e-6 for plain sampling,
+# 8e-6 with temperature 0.7, top-k and top-p; the tests print it).
 # 1e-4 leaves wide headroom over that yet fails on any real mismatch: a missed temperature, an
 # off-by-one position or stale weights move log-probs by 1e-2 or more.
 LOGPROB_ATOL = 1e-4
@@ -61,7 +64,10 @@ def backend(tiny_model_dir: Path) -> Iterator[VLLMBackend]:
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir: Path) -> torch.nn.Module:
     """The same checkpoint in plain transformers, float32."""
-    return AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
+        str(tiny_model_dir), dtype=torch.float32
+    )
+    return model.eval()
 
 
 @pytest.fixture(scope="module")
@@ -208,3 +214,14 @@ def test_mismatched_state_dict_is_rejected_untouched(
         backend.load_weights(unexpected, version=version + 1)
     assert backend.policy_version == version
     assert backend.generate(PROMPTS[:1], 2, PLAIN) == before
+
+
+# -- without vLLM -----------------------------------------------------------------------------
+
+
+def test_without_vllm_construction_fails_with_an_install_hint(
+    monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path
+) -> None:
+    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
+    with pytest.raises(ImportError, match=re.escape("pip install 'kpo-rl[vllm]'")):
+        VLLMBackend(tiny_model_dir)

@@ -83,3 +83,21 @@ def test_stats_report_throughput(worker: Any) -> None:
     assert stats.last_batch_tokens_per_s > 0 and stats.tokens_per_s > 0
     assert stats.weight_swaps >= before.weight_swaps
     assert stats.policy_version == ray.get(worker.policy_version.remote())
+
+
+def test_a_bad_offer_fails_batches_until_a_newer_one_replaces_it(
+    worker: Any, weights: dict[str, torch.Tensor]
+) -> None:
+    version = ray.get(worker.policy_version.remote())
+    broken = {k: v for k, v in weights.items() if k != "lm_head.weight"}
+    offer_weights_to([worker], version + 1, broken)
+    for _ in range(2):  # the offer is kept: never silently generate with older weights
+        with pytest.raises(
+            ray.exceptions.RayTaskError, match=r"missing keys \['lm_head\.weight'\]"
+        ):
+            ray.get(worker.generate.remote(PROMPTS, 1, SAMPLING))
+    assert ray.get(worker.policy_version.remote()) == version
+
+    offer_weights_to([worker], version + 2, weights)
+    groups = ray.get(worker.generate.remote(PROMPTS, 1, SAMPLING))
+    assert {r.policy_version for r in flat(groups)} == {version + 2}

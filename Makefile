@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv lint typecheck test test-vllm bench clean
+.PHONY: venv lint typecheck test test-vllm bench bench-generation clean
 
 # The CPU build of torch goes in first: the package's torch range then resolves to it and
 # nothing pulls a CUDA build.
@@ -35,6 +35,11 @@ test-vllm:
 bench: $(STAMP)
 	$(PY) benchmarks/bench_kalman.py
 	$(PY) benchmarks/bench_losses.py
+
+# hf and vllm in the same run: the vLLM environment has both.
+bench-generation:
+	bash scripts/setup_vllm_venv.sh
+	.venv-vllm/bin/python benchmarks/bench_generation.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -46,3 +46,33 @@ class GenerationBackend(ABC):
     @abstractmethod
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Replace the model weights in place (no rebuild) and record their version."""
+
+
+class StateDictMismatchError(ValueError):
+    """A state dict whose keys or shapes do not match the live model's parameters."""
+
+
+def validate_sampling(sampling: SamplingSettings, group_size: int) -> None:
+    """Raise ValueError for settings that do not describe a sampling distribution."""
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if sampling.temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {sampling.temperature}")
+    if not 0 < sampling.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {sampling.top_p}")
+    if sampling.top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {sampling.top_k}")
+    if sampling.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
+
+
+def encode_prompts(tokenizer: Any, prompts: Sequence[Prompt]) -> list[list[int]]:
+    """Token ids of each prompt text with the tokenizer's default encoding (no padding).
+
+    Every backend encodes through this function, so all of them see the same prompt ids.
+    """
+    encoded = tokenizer([prompt.text for prompt in prompts])["input_ids"]
+    for prompt, ids in zip(prompts, encoded, strict=True):
+        if not ids:
+            raise ValueError(f"prompt {prompt.prompt_id!r} encodes to no tokens")
+    return [list(ids) for ids in encoded]

@@ -15,26 +15,14 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
-from services.generation.base import GenerationBackend, SamplingSettings
+from services.generation.base import (
+    GenerationBackend,
+    SamplingSettings,
+    StateDictMismatchError,
+    encode_prompts,
+    validate_sampling,
+)
 from services.messages import FinishReason, Prompt, Response
-
-
-class StateDictMismatchError(ValueError):
-    """A state dict whose keys or shapes do not match the live model's parameters."""
-
-
-def validate_sampling(sampling: SamplingSettings, group_size: int) -> None:
-    """Raise ValueError for settings that do not describe a sampling distribution."""
-    if group_size < 1:
-        raise ValueError(f"group_size must be >= 1, got {group_size}")
-    if sampling.temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {sampling.temperature}")
-    if not 0 < sampling.top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {sampling.top_p}")
-    if sampling.top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0 = off), got {sampling.top_k}")
-    if sampling.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
 
 
 def processed_logprobs(logits: torch.Tensor, sampling: SamplingSettings) -> torch.Tensor:
@@ -205,11 +193,7 @@ class HFBackend(GenerationBackend):
 
     def encode(self, prompts: Sequence[Prompt]) -> list[list[int]]:
         """Token ids of each prompt text, as the model is conditioned on them (no padding)."""
-        encoded = self._tokenizer([prompt.text for prompt in prompts])["input_ids"]
-        for prompt, ids in zip(prompts, encoded, strict=True):
-            if not ids:
-                raise ValueError(f"prompt {prompt.prompt_id!r} encodes to no tokens")
-        return [list(ids) for ids in encoded]
+        return encode_prompts(self._tokenizer, prompts)
 
     def generate(
         self, prompts: list[Prompt], group_size: int, sampling: SamplingSettings
@@ -330,3 +314,6 @@ class HFBackend(GenerationBackend):
             # Keys were checked above; strict=False only lets a tied alias be absent.
             self._model.load_state_dict(dict(state_dict), strict=False)
         self._version = int(version)
+
+
+__all__ = ["HFBackend", "StateDictMismatchError", "processed_logprobs", "validate_sampling"]

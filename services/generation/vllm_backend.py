@@ -35,8 +35,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from services.generation.base import GenerationBackend, SamplingSettings
-from services.generation.hf_backend import StateDictMismatchError, validate_sampling
+from services.generation.base import (
+    GenerationBackend,
+    SamplingSettings,
+    StateDictMismatchError,
+    encode_prompts,
+    validate_sampling,
+)
 from services.messages import FinishReason, Prompt, Response
 
 if TYPE_CHECKING:
@@ -251,11 +256,7 @@ class VLLMBackend(GenerationBackend):
 
     def encode(self, prompts: Sequence[Prompt]) -> list[list[int]]:
         """Token ids of each prompt text: the tokenizer's default encoding, as in `hf`."""
-        encoded = self._tokenizer([prompt.text for prompt in prompts])["input_ids"]
-        for prompt, ids in zip(prompts, encoded, strict=True):
-            if not ids:
-                raise ValueError(f"prompt {prompt.prompt_id!r} encodes to no tokens")
-        return [list(ids) for ids in encoded]
+        return encode_prompts(self._tokenizer, prompts)
 
     def generate(
         self, prompts: list[Prompt], group_size: int, sampling: SamplingSettings

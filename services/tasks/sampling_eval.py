@@ -1,0 +1,87 @@
+"""Accuracy of a model measured the way RL sees it: one sample per prompt at temperature 1."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import cast
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.generation.utils import GenerationMixin
+
+from services.messages import Prompt
+from services.tasks.answers import is_correct
+
+
+def sample_responses(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Prompt],
+    *,
+    seed: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    batch_size: int = 128,
+) -> list[str]:
+    """Sample one response per prompt from the full softmax at `temperature`.
+
+    No top-k or top-p truncation: this is the distribution the RL policy samples from. The
+    global torch RNG is seeded inside a fork, so the result depends only on `seed` and the
+    weights, and the caller's RNG state is left untouched.
+    """
+    # transformers leaves this constructor unannotated.
+    config = GenerationConfig(  # type: ignore[no-untyped-call]
+        do_sample=True,
+        temperature=temperature,
+        top_k=0,  # 0 disables top-k (the library default would truncate to 50)
+        top_p=1.0,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    was_training = model.training
+    model.train(False)
+    texts: list[str] = []
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            for start in range(0, len(prompts), batch_size):
+                chunk = [p.text for p in prompts[start : start + batch_size]]
+                # Left padding keeps every prompt's last token next to its first sampled one.
+                enc = tokenizer(
+                    chunk,
+                    return_tensors="pt",
+                    padding=True,
+                    padding_side="left",
+                    add_special_tokens=False,
+                )
+                # PreTrainedModel does not declare `generate`; every causal LM class mixes it in.
+                out = cast(GenerationMixin, model).generate(**enc, generation_config=config)
+                new = out[:, enc["input_ids"].shape[1] :]
+                texts.extend(tokenizer.batch_decode(new, skip_special_tokens=True))
+    finally:
+        model.train(was_training)
+    return texts
+
+
+def sampled_accuracy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Prompt],
+    *,
+    seed: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+) -> float:
+    """Fraction of prompts whose sampled response ends in `####<answer>`."""
+    if not prompts:
+        raise ValueError("sampled_accuracy needs at least one prompt")
+    texts = sample_responses(
+        model,
+        tokenizer,
+        prompts,
+        seed=seed,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+    )
+    return sum(is_correct(t, p.answer) for t, p in zip(texts, prompts, strict=True)) / len(prompts)

@@ -1,0 +1,243 @@
+"""Build the tiny warm-started arithmetic model that demos and tests run RL on.
+
+The result is an ordinary Hugging Face model directory (Qwen2 architecture, safetensors weights,
+`tokenizer.json`), loaded with `from_pretrained` exactly like a user's own model, and small
+enough to commit. The build is reproducible: the same seed gives bit-identical weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from services.tasks import arith
+from services.tasks.sampling_eval import sampled_accuracy
+from services.tasks.tokenizer import build_tokenizer, save_tokenizer
+from services.tasks.warmstart import EvalPoint, WarmStartSettings, warm_start
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "tiny-arith"
+BUILD_INFO = "build_info.json"
+REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+# Sampling seed of every evaluation: the same draws each time, so successive evaluations differ
+# only through the weights.
+EVAL_SAMPLING_SEED = 1234
+EVAL_MARGIN_TOKENS = 16  # room beyond the longest reference before a sample counts as too long
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Architecture. Head dimension 32 and standard Qwen2 layers keep it servable by vLLM."""
+
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    head_dim: int = 32
+    intermediate_size: int = 256
+    max_position_embeddings: int = 512
+
+
+@dataclass(frozen=True)
+class BuildSettings:
+    """Everything besides the seed that decides the built weights."""
+
+    difficulty: int = arith.DEFAULT_DIFFICULTY
+    eval_size: int = 128
+    # A fixed count, not the machine's core count: the weights are bit-identical for 1 and 2
+    # threads here but may differ at other counts.
+    threads: int = 2
+    spec: TinyModelSpec = field(default_factory=TinyModelSpec)
+    warm_start: WarmStartSettings = field(default_factory=WarmStartSettings)
+
+
+@dataclass(frozen=True)
+class BuildInfo:
+    """What `build_info.json` records about a build."""
+
+    seed: int
+    difficulty: int
+    steps: int
+    eval_accuracy: float
+    eval_size: int
+    in_band: bool
+    band: tuple[float, float]
+    build_seconds: float
+    parameters: int
+    threads: int
+    torch_version: str
+    transformers_version: str
+    history: list[EvalPoint]
+
+    def to_json(self) -> str:
+        """Pretty JSON of every field."""
+        return json.dumps(asdict(self), indent=2) + "\n"
+
+
+class TinyModelBuildError(RuntimeError):
+    """The warm-start ended without its sampled accuracy entering the band."""
+
+
+def qwen2_config(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast) -> Qwen2Config:
+    """The model config for `spec`, with the tokenizer's vocabulary and special ids."""
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    # Not a declared argument of Qwen2Config, but read by the model and written to config.json,
+    # so servers need not infer it from hidden_size / num_heads.
+    config.head_dim = spec.head_dim
+    return config
+
+
+@contextmanager
+def _torch_threads(count: int) -> Iterator[None]:
+    """Run with `count` intra-op threads, restoring the previous count afterwards."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _save(
+    model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, info: BuildInfo, out: Path
+) -> None:
+    """Write the model directory at `out` in one rename, so no reader sees half of it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(staging)
+        save_tokenizer(tokenizer, staging)
+        (staging / BUILD_INFO).write_text(info.to_json())
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def build_tiny_model(
+    out: str | Path = DEFAULT_MODEL_DIR,
+    seed: int = 0,
+    settings: BuildSettings | None = None,
+    *,
+    progress: bool = True,
+    strict: bool = True,
+) -> BuildInfo:
+    """Initialise, warm-start and save the tiny model into `out` (replacing what is there).
+
+    With `strict`, a warm-start that never enters the accuracy band raises TinyModelBuildError
+    and writes nothing; without it the model is saved anyway and `in_band` records the miss.
+    """
+    settings = settings or BuildSettings()
+    started = time.perf_counter()
+    out = Path(out)
+    tokenizer = build_tokenizer()
+    eval_prompts = arith.generate_prompts(settings.eval_size, seed, settings.difficulty, "eval")
+    references = [arith.reference_solution(p) for p in eval_prompts]
+    longest = max(len(ids) for ids in tokenizer(references, add_special_tokens=False)["input_ids"])
+    with _torch_threads(settings.threads):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(qwen2_config(settings.spec, tokenizer))
+        # transformers leaves this constructor unannotated.
+        model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+
+        def evaluate() -> float:
+            return sampled_accuracy(
+                model,
+                tokenizer,
+                eval_prompts,
+                seed=EVAL_SAMPLING_SEED,
+                max_new_tokens=longest + EVAL_MARGIN_TOKENS,
+            )
+
+        result = warm_start(
+            model,
+            tokenizer,
+            arith.iter_prompts(seed, settings.difficulty, "train"),
+            arith.reference_solution,
+            evaluate,
+            settings.warm_start,
+            progress=progress,
+        )
+    if strict and not result.in_band:
+        low, high = settings.warm_start.band
+        raise TinyModelBuildError(
+            f"sampled accuracy {result.accuracy:.3f} after {result.steps} steps is outside "
+            f"[{low}, {high}]; raise max_steps or change the settings"
+        )
+    info = BuildInfo(
+        seed=seed,
+        difficulty=settings.difficulty,
+        steps=result.steps,
+        eval_accuracy=result.accuracy,
+        eval_size=settings.eval_size,
+        in_band=result.in_band,
+        band=settings.warm_start.band,
+        build_seconds=round(time.perf_counter() - started, 2),
+        parameters=sum(p.numel() for p in model.parameters()),
+        threads=settings.threads,
+        torch_version=torch.__version__,
+        transformers_version=transformers.__version__,
+        history=result.history,
+    )
+    _save(model, tokenizer, info, out)
+    return info
+
+
+def is_model_dir(path: str | Path) -> bool:
+    """Whether `path` holds a complete saved model (weights, config and tokenizer)."""
+    return all((Path(path) / name).is_file() for name in REQUIRED_FILES)
+
+
+def default_cache_dir() -> Path:
+    """Where a missing tiny model is built: `$KPO_CACHE_DIR`, else the user's XDG cache."""
+    if env := os.environ.get("KPO_CACHE_DIR"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kpo-rl"
+
+
+def ensure_tiny_model(path: str | Path | None = None, *, progress: bool = True) -> Path:
+    """A directory holding the tiny model, building it (seed 0) only when it is missing.
+
+    Without `path`: the committed model if present, else a build in `default_cache_dir()`.
+    """
+    if path is not None:
+        target = Path(path)
+    elif is_model_dir(DEFAULT_MODEL_DIR):
+        return DEFAULT_MODEL_DIR
+    else:
+        target = default_cache_dir() / "tiny-arith-seed0"
+    if not is_model_dir(target):
+        log.info("tiny model not found at %s; building it (about a minute on 2 cores)", target)
+        build_tiny_model(target, seed=0, progress=progress)
+    return target

@@ -33,7 +33,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch default")
     args = parser.parse_args()
+    if args.threads:
+        # On a loaded machine one thread avoids waiting on descheduled sibling threads.
+        torch.set_num_threads(args.threads)
     assert {name for name, _ in VARIANTS} == set(ESTIMATORS), "benchmark every estimator"
     torch.manual_seed(0)
     shape = (args.batch, args.length)

@@ -110,7 +110,7 @@ def straight_through(log_value: Tensor, logp: Tensor) -> Tensor:
 
 
 def valid_counts(mask: Tensor) -> Tensor:
-    """n_t: number of valid tokens up to and including t, [B, T] (same dtype as float inputs)."""
+    """n_t: number of valid tokens up to and including t, [B, T] int64."""
     return mask.to(torch.long).cumsum(-1)
 
 

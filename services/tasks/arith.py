@@ -10,7 +10,7 @@ right-aligns every line to the width of the expression; then it gives the answer
 Each line equals the prompt in value and starts with the running partial sum. The alignment is
 deliberate: the untouched rest of each line sits in the same columns as in the line above, so a
 line is a constant-offset copy of the previous one plus one local calculation. That is what lets
-a tiny model learn the task in seconds, while answers stay long enough (about 90 characters at
+a tiny model learn the task in seconds, while answers stay long enough (about 66 characters at
 the default difficulty) for per-token importance ratios to matter.
 
 Every running value is a non-negative integer (a `-` never takes it below zero), so the alphabet
@@ -51,11 +51,11 @@ class ArithLevel:
     # exceed it is turned into `-` or `+`), which bounds both line width and the facts to learn
 
 
-# Response lengths (characters): level 1 ~30, 2 ~46, 3 ~90, 4 ~125, 5 ~190; all stay under 256.
+# Typical response lengths (characters): level 1 30, 2 46, 3 66, 4 ~125, 5 ~175; all under 256.
 LEVELS: dict[int, ArithLevel] = {
     1: ArithLevel(terms=4, max_operand=9, ops="+"),
     2: ArithLevel(terms=5, max_operand=9, ops="+-"),
-    3: ArithLevel(terms=7, max_operand=9, ops="+-"),
+    3: ArithLevel(terms=6, max_operand=9, ops="+-"),
     4: ArithLevel(terms=7, max_operand=99, ops="+-"),
     5: ArithLevel(terms=8, max_operand=99, ops="+-*"),
 }

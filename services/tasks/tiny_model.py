@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import transformers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers.utils import logging as hf_logging
 
 from services.tasks import arith
 from services.tasks.sampling_eval import sampled_accuracy
@@ -56,8 +57,8 @@ class BuildSettings:
 
     difficulty: int = arith.DEFAULT_DIFFICULTY
     eval_size: int = 128
-    # A fixed count, not the machine's core count: the weights are bit-identical for 1 and 2
-    # threads here but may differ at other counts.
+    # A fixed count, not the machine's core count: in our checks 1 and 2 threads give
+    # bit-identical weights but 4 do not.
     threads: int = 2
     spec: TinyModelSpec = field(default_factory=TinyModelSpec)
     warm_start: WarmStartSettings = field(default_factory=WarmStartSettings)
@@ -122,16 +123,38 @@ def _torch_threads(count: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
+@contextmanager
+def _quiet_progress(quiet: bool) -> Iterator[None]:
+    """Silence transformers' own progress bars (the weight writer's) while `quiet`."""
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if quiet:
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    try:
+        yield
+    finally:
+        if quiet and was_enabled:
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
+
+
 def _save(
-    model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, info: BuildInfo, out: Path
+    model: Qwen2ForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    info: BuildInfo,
+    out: Path,
+    progress: bool,
 ) -> None:
     """Write the model directory at `out` in one rename, so no reader sees half of it."""
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        model.save_pretrained(staging)
+        with _quiet_progress(not progress):
+            model.save_pretrained(staging)
         save_tokenizer(tokenizer, staging)
         (staging / BUILD_INFO).write_text(info.to_json())
+        # mkdtemp makes the folder private; the model is meant to be shared and committed.
+        staging.chmod(0o755)
+        for file in staging.iterdir():
+            file.chmod(0o644)
         if out.exists():
             shutil.rmtree(out)
         os.replace(staging, out)
@@ -209,7 +232,7 @@ def build_tiny_model(
         transformers_version=transformers.__version__,
         history=result.history,
     )
-    _save(model, tokenizer, info, out)
+    _save(model, tokenizer, info, out, progress)
     return info
 
 

@@ -2,7 +2,8 @@
 
 One token per byte, and so one per character of the arithmetic alphabet (digits, + - * = ; #
 parentheses, space) and of any ASCII text; other UTF-8 text costs one token per byte, so
-nothing is ever lost. Plus `<pad>`, `<bos>`, `<eos>` and `<unk>`.
+nothing is ever lost. Plus `<pad>`, `<bos>`, `<eos>` and `<unk>` (never produced, since every
+byte has a token; declared for tools that expect one).
 
 It is a byte-level BPE with no merges, laid out exactly as a Qwen2 tokenizer (same normaliser,
 pre-tokeniser and decoder). That matters: for a `qwen2` model directory, `AutoTokenizer`

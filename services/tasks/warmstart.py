@@ -24,16 +24,17 @@ IGNORE = -100  # label of positions that carry no loss (prompt and padding)
 class WarmStartSettings:
     """Optimiser, schedule and stopping rule of the warm-start."""
 
-    batch_size: int = 64
+    batch_size: int = 32  # smaller batches learn more per example here; 64 needs ~1.7x the data
     learning_rate: float = 3e-3
     warmup_steps: int = 20
     # Cosine decay to `final_lr_fraction` of the peak by this step, then constant: the late,
     # smaller steps settle the arithmetic instead of oscillating around it.
-    decay_steps: int = 400
+    decay_steps: int = 500
     final_lr_fraction: float = 0.1
     max_steps: int = 1500
     eval_every: int = 20
-    # No sample can be right while the loss is this high, so evaluating earlier only costs time.
+    # Evaluate only once the smoothed loss is below this: above it, sampled accuracy has stayed
+    # under 0.1 in every build we ran, so evaluating earlier only costs time.
     eval_gate_loss: float = 0.25
     target_accuracy: float = 0.25  # stop at the first evaluation at or above this...
     band: tuple[float, float] = (0.1, 0.6)  # ...provided it lies in this band

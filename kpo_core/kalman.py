@@ -113,11 +113,14 @@ def _recurrence_terms(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gain, log a_t and b_t = K m z of x_t = a_t x_{t-1} + b_t, all [..., T] in `dtype`."""
     valid = mask.to(torch.bool)
-    index = (valid.to(torch.int32).cumsum(-1, dtype=torch.int32) - 1).clamp_min(0)
-    log_a_table = torch.log1p(-table).clamp_min(_LOG_ZERO).to(dtype=dtype, device=z.device)
-    log_a = log_a_table.index_select(0, index.flatten()).reshape(index.shape)
-    log_a = log_a.masked_fill(~valid, 0.0)
-    gain = -torch.expm1(log_a)  # K = 1 - a; exact to rounding even for K ~ 1e-8
+    # Row 0 of the lookup is a masked token (K = 0, a = 1), row n the n-th valid token, so that
+    # one gather with index n_t * m_t covers both cases.
+    gains = torch.cat([table.new_zeros(1), table])
+    log_a_table = torch.log1p(-gains).clamp_min(_LOG_ZERO)
+    lookup = torch.stack([gains, log_a_table], -1).to(dtype=dtype, device=z.device)
+    count = valid.to(torch.int32).cumsum(-1, dtype=torch.int32)
+    index = (count * valid).flatten()
+    gain, log_a = lookup.index_select(0, index).reshape(*z.shape, 2).unbind(-1)
     # masked_fill before the product: padded log-probs are often -inf or NaN and must not leak.
     b = gain * z.to(dtype).masked_fill(~valid, 0.0)
     return gain, log_a, b
@@ -156,12 +159,13 @@ def _scan(log_a: Tensor, b: Tensor, block: int) -> Tensor:
     decay = log_a.cumsum(-1)  # S_t: log prod of a from the block start, in [-limit, 0]
     decay_end = decay[..., -1:]
     to_end = torch.exp(decay_end - decay)  # e^(S_end - S_t) in [e^-limit, 1]
-    local = torch.cumsum(to_end * b, -1) / to_end
-    block_end = _doubling_scan(decay_end.squeeze(-1).exp(), local[..., -1])
+    # x_t = local_t + e^(S_t) * incoming = (C_t + e^(S_end) * incoming) / e^(S_end - S_t), with
+    # C the block-local cumulative sum; at the block's end e^(S_end - S_t) = 1, so x_end = C_end.
+    weighted = torch.cumsum(to_end * b, -1)
+    block_decay = decay_end.squeeze(-1).exp()
+    block_end = _doubling_scan(block_decay, weighted[..., -1])
     incoming = torch.nn.functional.pad(block_end[:, :-1], (1, 0))
-    # prod_{k<=t} a_k = e^(S_t) = e^(S_end) / e^(S_end - S_t): no second full-size exp.
-    from_start = decay_end.exp() / to_end
-    x = torch.addcmul(local, from_start, incoming.unsqueeze(-1))
+    x = (weighted + (block_decay * incoming).unsqueeze(-1)) / to_end
     return x.reshape(n_rows, -1)[:, :t]
 
 

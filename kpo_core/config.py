@@ -151,6 +151,156 @@ class AlgorithmConfig(StrictModel):
         return self.loss_agg_mode or self.estimator.default_loss_agg_mode
 
 
+# --- A whole run: the algorithm plus the model, task, generation, reward, learner and pipeline.
+# The names in the Literals below are those of the service registries (services/generation,
+# services/reward, services/tasks); a test keeps the two in step, so that a bad name in a run file
+# is a validation error listing the valid ones rather than a failure inside an actor.
+
+BUILTIN_MODELS: tuple[str, ...] = ("tiny-arith",)
+
+
+class ArithTask(StrictModel):
+    """The built-in multi-step arithmetic task (seeded, endless; held-out prompts never overlap)."""
+
+    name: Literal["arith"] = "arith"
+    difficulty: int = Field(3, ge=1, le=5, description="1 (4 terms, +) to 5 (8 terms, + - *)")
+
+
+class JsonlTask(StrictModel):
+    """Prompts from a local JSONL file of {"prompt": ..., "answer": ...} lines, cycled in epochs."""
+
+    name: Literal["jsonl"] = "jsonl"
+    path: str = Field(min_length=1, description="path of the JSONL file on the driver's machine")
+    shuffle: bool = Field(True, description="reshuffle every epoch (seeded by the run seed)")
+
+
+TaskConfig = Annotated[ArithTask | JsonlTask, Field(discriminator="name")]
+BackendOption = str | int | float | bool
+
+
+class GenerationConfig(StrictModel):
+    """Generation actors: how many, where, and how they sample."""
+
+    backend: Literal["hf", "vllm"] = "hf"
+    num_workers: int = Field(1, ge=1, description="generation actors")
+    num_cpus: float = Field(1.0, ge=0.0, description="CPUs reserved per generation actor")
+    num_gpus: float = Field(0.0, ge=0.0, description="GPUs reserved per generation actor")
+    prompts_per_batch: int = Field(8, ge=1, description="prompts in one generate call")
+    group_size: int = Field(8, ge=2, description="G: responses per prompt (GRPO needs >= 2)")
+    temperature: float = Field(1.0, gt=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 = no top-k truncation")
+    max_new_tokens: int = Field(128, ge=1)
+    options: dict[str, BackendOption] = Field(
+        default_factory=dict,
+        description="backend constructor options (hf: device, dtype; vllm: engine arguments)",
+    )
+
+
+class RewardConfig(StrictModel):
+    """Verifier actors and the verifier they run."""
+
+    verifier: Literal["exact", "math"] = "exact"
+    num_workers: int = Field(1, ge=1, description="verifier actors")
+    processes_per_worker: int = Field(1, ge=1, description="check processes per verifier actor")
+    num_cpus: float = Field(0.25, ge=0.0, description="CPUs reserved per verifier actor")
+    timeout_s: float = Field(2.0, gt=0.0, description="wall-clock limit of one check")
+    format_reward: float = Field(0.0, ge=0.0, lt=1.0, description="added for a well-formed answer")
+
+
+class LearnerConfig(StrictModel):
+    """The learner actor: optimiser, PPO epochs and minibatches, device."""
+
+    lr: float = Field(1e-4, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up, in steps")
+    max_grad_norm: float | None = Field(1.0, gt=0.0, description="null: no gradient clipping")
+    ppo_epochs: int = Field(1, ge=1, description="passes over each batch")
+    minibatches: int = Field(1, ge=1, description="optimiser steps per pass")
+    device: str = Field("cpu", min_length=1, description="torch device of the learner")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    num_cpus: float = Field(1.0, ge=0.0, description="CPUs reserved for the learner actor")
+    num_gpus: float = Field(0.0, ge=0.0, description="GPUs reserved for the learner actor")
+    nonfinite: Literal["raise", "mask"] = Field(
+        "mask", description="NaN/inf log-probs in valid tokens: fail the step, or mask and count"
+    )
+
+
+class PipelineConfig(StrictModel):
+    """The run driver: synchronous or asynchronous, staleness bound, buffer, steps, checkpoints."""
+
+    mode: Literal["async", "sync"] = Field(
+        "async",
+        description="sync: generation pauses while the learner trains (the on-policy baseline)",
+    )
+    max_staleness: int = Field(
+        -1, ge=-1, description="max learner version minus a group's version; -1: 0 (sync), 2"
+    )
+    admission: Literal["staleness", "capacity"] = Field(
+        "staleness",
+        description="async only. staleness: generation is asked only for groups that can "
+        "still be trained within max_staleness (no wasted rollouts, as in AReaL); capacity: "
+        "generation runs ahead until the buffer is full, and groups that age past the bound "
+        "are dropped and counted",
+    )
+    batch_groups: int = Field(16, ge=1, description="groups (prompts) per learner step")
+    buffer_groups: int = Field(
+        0, ge=0, description="rollout buffer capacity in groups; 0: four batches"
+    )
+    steps: int = Field(100, ge=1, description="learner steps of the run")
+    checkpoint_every: int = Field(10, ge=0, description="steps between checkpoints; 0: last only")
+    keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept on disk")
+
+    @model_validator(mode="after")
+    def _resolve(self) -> PipelineConfig:
+        if self.mode == "sync" and self.max_staleness > 0:
+            raise ValueError(
+                f"mode 'sync' trains on-policy, so max_staleness must be 0 or left out "
+                f"(got {self.max_staleness}); use mode 'async' for stale batches"
+            )
+        if self.max_staleness < 0:
+            object.__setattr__(self, "max_staleness", 0 if self.mode == "sync" else 2)
+        if self.buffer_groups == 0:
+            object.__setattr__(self, "buffer_groups", 4 * self.batch_groups)
+        if self.buffer_groups < self.batch_groups:
+            raise ValueError(
+                f"buffer_groups ({self.buffer_groups}) must hold at least one batch "
+                f"(batch_groups = {self.batch_groups})"
+            )
+        return self
+
+
+class RunSpec(StrictModel):
+    """One RL run: the body of `POST /v1/runs` and the schema of a YAML run file."""
+
+    name: str = Field(
+        "run", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$", description="a label for the run"
+    )
+    seed: int = Field(0, ge=0)
+    model: str = Field(
+        "tiny-arith",
+        min_length=1,
+        description="a built-in model name (tiny-arith) or a local Hugging Face model directory",
+    )
+    task: TaskConfig = Field(default_factory=ArithTask)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+
+    @model_validator(mode="after")
+    def _minibatches_fit(self) -> RunSpec:
+        rows = self.pipeline.batch_groups * self.generation.group_size
+        if self.learner.minibatches > rows:
+            raise ValueError(
+                f"learner.minibatches ({self.learner.minibatches}) exceeds the responses in a "
+                f"batch (pipeline.batch_groups x generation.group_size = {rows})"
+            )
+        return self
+
+
 def describe_validation_error(error: ValidationError, source: str = "config") -> str:
     """One line per problem: `source: key.path: message`, for CLI and API error messages."""
     lines = []

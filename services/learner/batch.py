@@ -1,0 +1,129 @@
+"""Collate scored groups into the padded tensors of one learner step.
+
+Rows are every response of every group, in order. Each row is its prompt LEFT-padded to the
+batch's prompt width P, followed by its response RIGHT-padded to the response width T:
+
+    [pad .. pad | prompt tokens] [response tokens | pad .. pad]
+     <------- P ------------->   <--------- T ------------->
+
+so every response starts at column P, and the logits at columns P-1 .. P+T-2 predict the T
+response slots. Positions count from each row's first real token (`position_ids_for`, as in the
+`hf` generation backend), which is what makes the learner's log-probs reproduce the behaviour
+log-probs of the same weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+
+import torch
+from torch import Tensor
+
+from services.generation.hf_backend import position_ids_for
+from services.messages import Response, ScoredGroup
+from services.reward.scoring import is_correct
+
+
+@dataclass(frozen=True)
+class TrainingBatch:
+    """The tensors of one batch of B responses. Filled by `collate`; read by the learner step.
+
+    input_ids, attention_mask, position_ids: [B, P+T] int64 (the model's inputs).
+    response_ids: [B, T] int64 (pad off the mask); response_mask: [B, T] bool.
+    behaviour_logp: [B, T] float32, the generation log-probs (0 off the mask).
+    rewards: [B] float32; group_ids: [B] int64, index of the row's group in the input list;
+    correct: [B] bool (verified correct); versions: [B] int64, policy version that sampled the
+    row; staleness: [B] int64, learner version minus that version; truncated: [B] bool
+    (finish_reason "length").
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    position_ids: Tensor
+    response_ids: Tensor
+    response_mask: Tensor
+    behaviour_logp: Tensor
+    rewards: Tensor
+    group_ids: Tensor
+    correct: Tensor
+    versions: Tensor
+    staleness: Tensor
+    truncated: Tensor
+
+    @property
+    def num_rows(self) -> int:
+        """B, the number of responses."""
+        return int(self.input_ids.shape[0])
+
+    @property
+    def response_width(self) -> int:
+        """T, the padded response length."""
+        return int(self.response_ids.shape[1])
+
+    def select(self, rows: Tensor) -> TrainingBatch:
+        """The batch restricted to `rows` ([b] int64 indices); widths P and T are kept."""
+        return replace(self, **{f.name: getattr(self, f.name)[rows] for f in fields(self)})
+
+    def to(self, device: torch.device | str) -> TrainingBatch:
+        """The batch with every tensor on `device`."""
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+def _check_response(response: Response, row: int) -> None:
+    """Reject a response the learner cannot score consistently with generation."""
+    if not response.prompt_token_ids:
+        # The first response token is predicted from the last prompt position.
+        raise ValueError(f"row {row} (prompt {response.prompt_id!r}) has no prompt tokens")
+    if len(response.behaviour_logprobs) != len(response.response_token_ids):
+        raise ValueError(
+            f"row {row} (prompt {response.prompt_id!r}) has "
+            f"{len(response.response_token_ids)} response tokens but "
+            f"{len(response.behaviour_logprobs)} behaviour log-probs"
+        )
+
+
+def collate(groups: Sequence[ScoredGroup], pad_id: int, learner_version: int) -> TrainingBatch:
+    """Pad every response of `groups` into one `TrainingBatch` (layout in the module docstring).
+
+    `learner_version` is the learner's current version, against which staleness is measured.
+    An empty response (0 tokens) gets an all-False mask row. Raises ValueError for no responses,
+    a response without prompt tokens, or log-probs that do not match the response length.
+    """
+    rows = [(index, scored) for index, group in enumerate(groups) for scored in group.responses]
+    if not rows:
+        raise ValueError("collate needs at least one response")
+    responses = [scored.response for _, scored in rows]
+    for row, response in enumerate(responses):
+        _check_response(response, row)
+    batch = len(rows)
+    width_p = max(len(r.prompt_token_ids) for r in responses)
+    width_t = max(len(r.response_token_ids) for r in responses)
+    input_ids = torch.full((batch, width_p + width_t), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch, width_p + width_t), dtype=torch.long)
+    behaviour_logp = torch.zeros((batch, width_t), dtype=torch.float32)
+    for row, response in enumerate(responses):
+        prompt, tokens = response.prompt_token_ids, response.response_token_ids
+        start, end = width_p - len(prompt), width_p + len(tokens)
+        input_ids[row, start:width_p] = torch.tensor(prompt, dtype=torch.long)
+        attention_mask[row, start:end] = 1
+        if tokens:
+            input_ids[row, width_p:end] = torch.tensor(tokens, dtype=torch.long)
+            behaviour_logp[row, : len(tokens)] = torch.tensor(
+                response.behaviour_logprobs, dtype=torch.float32
+            )
+    versions = torch.tensor([r.policy_version for r in responses], dtype=torch.long)
+    return TrainingBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_for(attention_mask),
+        response_ids=input_ids[:, width_p:].clone(),
+        response_mask=attention_mask[:, width_p:].bool(),
+        behaviour_logp=behaviour_logp,
+        rewards=torch.tensor([s.reward for _, s in rows], dtype=torch.float32),
+        group_ids=torch.tensor([index for index, _ in rows], dtype=torch.long),
+        correct=torch.tensor([is_correct(s) for _, s in rows], dtype=torch.bool),
+        versions=versions,
+        staleness=learner_version - versions,
+        truncated=torch.tensor([r.finish_reason == "length" for r in responses]),
+    )

@@ -1,0 +1,115 @@
+"""The metrics of one learner step: batch statistics, minibatch reductions, ratio diagnostics.
+
+Every function returns plain floats (one metrics record per step, see DESIGN.md). NaN is kept
+out of the record: a minibatch whose loss or gradient was non-finite is skipped and counted
+(`skipped_minibatches`) rather than reported as NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from kpo_core.config import EstimatorConfig
+from kpo_core.diagnostics import ratio_diagnostics
+from kpo_core.ratios import get_estimator, masked_log_ratio
+from services.learner.batch import TrainingBatch
+
+SUMMED = frozenset({"nonfinite_tokens", "skipped_minibatches"})
+
+
+def batch_metrics(batch: TrainingBatch) -> dict[str, float]:
+    """Reward, accuracy, length, truncation, staleness and token counts of a batch.
+
+    reward_std is the population std over all B responses; zero_variance_group_fraction is the
+    fraction of groups whose rewards are all equal (they carry no GRPO learning signal).
+    """
+    rewards = batch.rewards.double()
+    lengths = batch.response_mask.sum(-1).double()
+    groups, inverse = torch.unique(batch.group_ids, return_inverse=True)
+    shape = (groups.numel(),)
+    g_max = rewards.new_full(shape, -math.inf).scatter_reduce(0, inverse, rewards, "amax")
+    g_min = rewards.new_full(shape, math.inf).scatter_reduce(0, inverse, rewards, "amin")
+    staleness = batch.staleness.double()
+    return {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std(correction=0)),
+        "accuracy": float(batch.correct.double().mean()),
+        "response_length_mean": float(lengths.mean()),
+        "truncated_fraction": float(batch.truncated.double().mean()),
+        "zero_variance_group_fraction": float((g_max == g_min).double().mean()),
+        "staleness_mean": float(staleness.mean()),
+        "staleness_max": float(staleness.max()),
+        "tokens_trained": float(lengths.sum()),
+    }
+
+
+def finite_mask(mask: Tensor, *tensors: Tensor) -> Tensor:
+    """`mask` [B, T] without the positions where any of `tensors` [B, T] is NaN or inf.
+
+    The same tokens `compute_policy_loss(nonfinite="mask")` drops, so metrics see what the loss saw.
+    """
+    for tensor in tensors:
+        mask = mask & torch.isfinite(tensor)
+    return mask
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> float:
+    """Mean of `values` [B, T] over `mask` (NaN off the mask is ignored); 0.0 for an empty mask."""
+    total = torch.where(mask, values, 0.0).sum()
+    return float(total / mask.sum().clamp_min(1))
+
+
+@torch.no_grad()
+def ratio_views(
+    config: EstimatorConfig, logp: Tensor, ref_logp: Tensor, advantages: Tensor, mask: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Detached raw and estimator ratios [B, T] of one minibatch, 1 off the mask.
+
+    raw = exp(clamp(z, -20, 20)) with z = logp - ref_logp; estimator = the `RatioEstimate.ratio`
+    of `config`'s estimator (for KPO the filtered ratio exp(min(x_t, max_log_ratio))). Inputs are
+    zeroed off the mask first, as the estimators expect; advantages [B] are broadcast to [B, T].
+    """
+    logp = torch.where(mask, logp.detach(), 0.0)
+    ref_logp = torch.where(mask, ref_logp, 0.0)
+    raw = masked_log_ratio(logp, ref_logp, mask).clamp(-20.0, 20.0).exp()
+    adv = torch.where(mask, advantages.unsqueeze(-1).expand(mask.shape), 0.0)
+    estimate = get_estimator(config.name).estimate(logp, ref_logp, adv, mask, config)
+    one = torch.ones((), dtype=raw.dtype, device=raw.device)
+    return torch.where(mask, raw, one), torch.where(mask, estimate.ratio.float(), one)
+
+
+def diagnostic_metrics(prefix: str, ratios: Tensor, mask: Tensor) -> dict[str, float]:
+    """The scalar entries of `ratio_diagnostics(ratios [N, T], mask [N, T])`, names prefixed."""
+    return {
+        prefix + name: float(value)
+        for name, value in ratio_diagnostics(ratios, mask).items()
+        if isinstance(value, float | int)
+    }
+
+
+def reduce_minibatches(records: Sequence[dict[str, float]]) -> dict[str, float]:
+    """One value per key over the minibatch records of a step.
+
+    `*_max` keys take the max, `*_min` the min, counts in SUMMED the sum, everything else the
+    mean over the records that have the key with a finite value (a key whose values are all
+    non-finite is left out).
+    """
+    keys = dict.fromkeys(key for record in records for key in record)
+    out: dict[str, float] = {}
+    for key in keys:
+        values = [r[key] for r in records if key in r and math.isfinite(r[key])]
+        if key in SUMMED:
+            out[key] = float(sum(values))
+        elif not values:
+            continue
+        elif key.endswith("_max"):
+            out[key] = max(values)
+        elif key.endswith("_min"):
+            out[key] = min(values)
+        else:
+            out[key] = sum(values) / len(values)
+    return out

@@ -1,0 +1,283 @@
+"""The learner's step logic, without Ray: model, optimiser, and one step per batch of groups.
+
+One step (`LearnerCore.train_step`), as in DESIGN.md's data flow:
+
+1. collate the scored groups into padded tensors (staleness against the current version);
+2. group-relative advantages (kpo_core.advantages);
+3. the reference log-probs the ratios are taken against: the behaviour log-probs returned by
+   generation, or proximal log-probs recomputed under the current weights (then the decoupled-PPO
+   behaviour weights pi_prox / pi_behaviour of `algorithm.off_policy` apply, AReaL);
+4. `ppo_epochs` passes of `minibatches` optimiser steps each, over a seeded permutation of the
+   rows: forward, `compute_policy_loss` (the configured estimator: KPO by default), backward,
+   gradient clipping, AdamW step. A minibatch whose loss or gradient norm is not finite is
+   skipped (no update) and counted;
+5. the learning-rate schedule advances once, the version increments, and one metrics record is
+   returned; the caller publishes `state_dict_for_publish()`.
+
+Dropout stays off (the model is kept in eval mode): with it, even on-policy ratios would not be 1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from torch.optim.lr_scheduler import LambdaLR
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from kpo_core.advantages import group_advantages
+from kpo_core.config import AlgorithmConfig, LearnerConfig
+from kpo_core.losses import compute_policy_loss
+from services.learner import checkpoint
+from services.learner.batch import TrainingBatch, collate
+from services.learner.logprobs import reference_logprobs, response_logprobs
+from services.learner.metrics import (
+    batch_metrics,
+    diagnostic_metrics,
+    finite_mask,
+    masked_mean,
+    ratio_views,
+    reduce_minibatches,
+)
+from services.messages import ScoredGroup
+
+
+def linear_warmup(warmup_steps: int) -> Callable[[int], float]:
+    """LambdaLR factor: (step + 1) / warmup_steps for the first steps, then 1; 0 steps = 1.
+
+    Starting at 1 / warmup_steps rather than 0 makes the first step a real update.
+    """
+
+    def factor(step: int) -> float:
+        return 1.0 if warmup_steps == 0 else min(1.0, (step + 1) / warmup_steps)
+
+    return factor
+
+
+@dataclass(frozen=True)
+class Minibatch:
+    """The rows of one optimiser step and what their loss needs.
+
+    advantages [b]; ref_logp [b, T] (behaviour or proximal); behaviour_logp [b, T] when the
+    reference is proximal (decoupled-PPO weights), else None.
+    """
+
+    batch: TrainingBatch
+    advantages: Tensor
+    ref_logp: Tensor
+    behaviour_logp: Tensor | None
+
+
+@dataclass
+class RatioLog:
+    """Detached raw and estimator ratios [b, T] of every minibatch of a step, with their masks."""
+
+    raw: list[Tensor] = field(default_factory=list)
+    filtered: list[Tensor] = field(default_factory=list)
+    masks: list[Tensor] = field(default_factory=list)
+
+    def add(self, raw: Tensor, filtered: Tensor, mask: Tensor) -> None:
+        self.raw.append(raw)
+        self.filtered.append(filtered)
+        self.masks.append(mask)
+
+    def metrics(self) -> dict[str, float]:
+        """ratio_diagnostics of all rows at once, prefixed `raw_` and `filtered_`."""
+        mask = torch.cat(self.masks)
+        return {
+            **diagnostic_metrics("raw_", torch.cat(self.raw), mask),
+            **diagnostic_metrics("filtered_", torch.cat(self.filtered), mask),
+        }
+
+
+class LearnerCore:
+    """Model, AdamW optimiser, warm-up schedule and version of one learner (see module doc)."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        learner: LearnerConfig,
+        algorithm: AlgorithmConfig,
+        temperature: float,
+        seed: int = 0,
+        num_threads: int | None = None,
+    ) -> None:
+        """Load the model and tokenizer from `model_path`; version 0 is those weights.
+
+        `temperature` is the generation temperature (the learner divides logits by it);
+        `seed` seeds the minibatch permutations; `num_threads`, when given, is passed to
+        torch.set_num_threads (a process-wide setting).
+        """
+        if not temperature > 0:
+            raise ValueError(
+                f"temperature must be > 0 (the generation temperature), got {temperature}"
+            )
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        self.learner, self.algorithm, self.temperature = learner, algorithm, temperature
+        self.model_path = str(model_path)
+        self.device = torch.device(learner.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        pad_id = self.tokenizer.pad_token_id
+        self.pad_id = int(pad_id if pad_id is not None else (self.tokenizer.eos_token_id or 0))
+        model = AutoModelForCausalLM.from_pretrained(
+            self.model_path, dtype=getattr(torch, learner.dtype)
+        )
+        # transformers declares `to` through functools.wraps(nn.Module.to), which mypy reads as
+        # the unbound function.
+        self.model: PreTrainedModel = model.to(self.device).eval()  # type: ignore[arg-type]
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=learner.lr,
+            betas=learner.betas,
+            weight_decay=learner.weight_decay,
+        )
+        self.scheduler = LambdaLR(self.optimizer, linear_warmup(learner.warmup_steps))
+        self.generator = torch.Generator().manual_seed(seed)
+        self._version = 0
+        self._steps = 0
+
+    @property
+    def version(self) -> int:
+        """Policy version of the current weights: the number of completed steps."""
+        return self._version
+
+    def train_step(self, groups: Sequence[ScoredGroup]) -> dict[str, float]:
+        """One learner step on `groups` (module docstring); returns its metrics record.
+
+        Batch statistics (reward_*, accuracy, response_length_mean, truncated_fraction,
+        zero_variance_group_fraction, staleness_*, tokens_trained) are over the batch, once.
+        Loss metrics are per minibatch, then reduced (`reduce_minibatches`): `*_max` max,
+        `*_min` min, skipped_minibatches summed, nonfinite_tokens summed and divided by the
+        epochs, the rest averaged over minibatches where finite (so grad_norm is absent when
+        every minibatch was skipped). entropy is from the first epoch (each row once).
+        raw_* / filtered_* are `ratio_diagnostics` of the raw ratios exp(z) and of the
+        estimator's ratios over all minibatches of the step. lr is the rate this step used;
+        policy_version the version after it.
+
+        With `nonfinite="raise"` a NaN/inf log-prob raises NonFiniteInputError; minibatches
+        already applied in this step keep their updates, and the version does not advance.
+        """
+        batch = collate(groups, self.pad_id, self._version).to(self.device)
+        advantages = self._advantages(batch)
+        ref_logp, behaviour_logp = self._references(batch)
+        lr = float(self.scheduler.get_last_lr()[0])
+        records: list[dict[str, float]] = []
+        ratios = RatioLog()
+        for epoch in range(self.learner.ppo_epochs):
+            for rows in self._minibatch_rows(batch.num_rows):
+                behaviour = None if behaviour_logp is None else behaviour_logp[rows]
+                part = Minibatch(batch.select(rows), advantages[rows], ref_logp[rows], behaviour)
+                records.append(self._train_minibatch(part, epoch == 0, ratios))
+        self.scheduler.step()
+        self._version += 1
+        self._steps += 1
+        metrics = {**batch_metrics(batch), **reduce_minibatches(records), **ratios.metrics()}
+        # A count per pass over the batch, like tokens_trained (not multiplied by the epochs).
+        metrics["nonfinite_tokens"] /= self.learner.ppo_epochs
+        metrics.update(lr=lr, policy_version=float(self._version))
+        return metrics
+
+    def _advantages(self, batch: TrainingBatch) -> Tensor:
+        """Group-relative advantages [B] of the batch's rewards."""
+        cfg = self.algorithm.advantages
+        return group_advantages(
+            batch.rewards, batch.group_ids, cfg.mode, cfg.eps, cfg.std_unbiased
+        ).float()
+
+    def _references(self, batch: TrainingBatch) -> tuple[Tensor, Tensor | None]:
+        """(ref_logp [B, T], behaviour_logp [B, T] or None) for `algorithm.reference`."""
+        if self.algorithm.reference == "behaviour":
+            return batch.behaviour_logp, None
+        chunks = self.learner.minibatches
+        proximal = reference_logprobs(self.model, batch, self.temperature, chunks)
+        return proximal, batch.behaviour_logp
+
+    def _minibatch_rows(self, num_rows: int) -> list[Tensor]:
+        """Row indices of each minibatch: `minibatches` slices of a fresh seeded permutation."""
+        order = torch.randperm(num_rows, generator=self.generator)
+        slices = torch.tensor_split(order, self.learner.minibatches)
+        return [rows.to(self.device) for rows in slices if rows.numel()]
+
+    def _train_minibatch(
+        self, part: Minibatch, with_entropy: bool, ratios: RatioLog
+    ) -> dict[str, float]:
+        """Forward, loss, backward and (if everything is finite) one optimiser step."""
+        self.optimizer.zero_grad(set_to_none=True)
+        logp, entropy = response_logprobs(self.model, part.batch, self.temperature, with_entropy)
+        mask = part.batch.response_mask
+        algorithm = self.algorithm
+        loss, metrics = compute_policy_loss(
+            algorithm.estimator,
+            logp,
+            part.ref_logp,
+            part.advantages,
+            mask,
+            behaviour_logp=part.behaviour_logp,
+            correction=algorithm.off_policy,
+            loss_agg_mode=algorithm.resolved_loss_agg_mode,
+            norm_length=algorithm.norm_length,
+            nonfinite=self.learner.nonfinite,
+        )
+        extra = () if part.behaviour_logp is None else (part.behaviour_logp,)
+        valid = finite_mask(mask, logp.detach(), part.ref_logp, *extra)
+        views = ratio_views(algorithm.estimator, logp, part.ref_logp, part.advantages, valid)
+        ratios.add(*views, valid)
+        torch.autograd.backward(loss)
+        grad_norm = self._clip_gradients()
+        loss_value = float(loss.detach())
+        applied = math.isfinite(loss_value) and math.isfinite(grad_norm)
+        if applied:
+            self.optimizer.step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        metrics.update(
+            policy_loss=loss_value, grad_norm=grad_norm, skipped_minibatches=float(not applied)
+        )
+        if entropy is not None:
+            metrics["entropy"] = masked_mean(entropy, valid)
+        return metrics
+
+    def _clip_gradients(self) -> float:
+        """Total gradient 2-norm before clipping; clipped to `max_grad_norm` unless it is None."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        if self.learner.max_grad_norm is None:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.learner.max_grad_norm)
+        return float(norm)
+
+    def state_dict_for_publish(self) -> dict[str, Tensor]:
+        """Detached CPU copies of the model's state dict, for generation workers' `load_weights`.
+
+        Tied tensors (e.g. input embedding and lm_head) are copied once and shared.
+        """
+        copies: dict[tuple[int, tuple[int, ...]], Tensor] = {}
+        out: dict[str, Tensor] = {}
+        for key, tensor in self.model.state_dict().items():
+            ident = (tensor.data_ptr(), tuple(tensor.shape))
+            if ident not in copies:
+                copies[ident] = tensor.detach().to("cpu", copy=True)
+            out[key] = copies[ident]
+        return out
+
+    def _training_state(self) -> checkpoint.TrainingState:
+        return checkpoint.TrainingState(self.optimizer, self.scheduler, self.generator)
+
+    def save_checkpoint(self, path: str | Path) -> Path:
+        """Write a loadable model directory plus training state into `path` (see checkpoint)."""
+        return checkpoint.save_checkpoint(
+            path, self.model, self.tokenizer, self._training_state(), self._version, self._steps
+        )
+
+    def load_checkpoint(self, path: str | Path) -> int:
+        """Restore weights (in place), optimiser, schedule, RNGs and version; return the version."""
+        state = checkpoint.load_checkpoint(path, self.model, self._training_state())
+        self._version, self._steps = state["version"], state["steps"]
+        return self._version

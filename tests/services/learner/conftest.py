@@ -1,0 +1,103 @@
+"""Fixtures of the learner tests: the random tiny model on disk, sampled groups, configs."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+from kpo_core.config import AlgorithmConfig, LearnerConfig
+from services.generation.base import SamplingSettings
+from services.generation.hf_backend import HFBackend
+from services.learner.step import LearnerCore
+from services.messages import Prompt, ScoredGroup, ScoredResponse
+from tests.services.generation.tiny_model import save_tiny_model
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+PROMPTS = [Prompt("a", "1+2=", "3"), Prompt("b", "40-13=", "27"), Prompt("c", "7", "7")]
+GROUP_SIZE = 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread (the tiny model gains nothing from more), restored afterwards."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The random tiny Qwen2 of the generation tests, saved once per session."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-learner"))
+
+
+def sample_groups(
+    model_dir: Path, temperature: float = 1.0, seed: int = 3, max_new_tokens: int = 12
+) -> list[ScoredGroup]:
+    """Groups sampled by an HF backend with the weights on disk (version 0), scored by hand.
+
+    In every group the first response is rewarded 1 (correct), the others 0, so every group
+    carries a learning signal whatever the random model wrote.
+    """
+    backend = HFBackend(model_dir)
+    sampling = SamplingSettings(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
+    groups = backend.generate(PROMPTS, GROUP_SIZE, sampling)
+    return [
+        ScoredGroup(
+            prompt,
+            [
+                ScoredResponse(response, 1.0 if index == 0 else 0.0, verified=True)
+                for index, response in enumerate(responses)
+            ],
+        )
+        for prompt, responses in zip(PROMPTS, groups, strict=True)
+    ]
+
+
+def make_core(
+    model_dir: Path,
+    estimator: str = "kalman",
+    reference: str = "behaviour",
+    seed: int = 0,
+    **learner: Any,
+) -> LearnerCore:
+    """A learner on `model_dir` (lr 1e-3 unless given), sampling temperature 1."""
+    algorithm = AlgorithmConfig.model_validate(
+        {"estimator": {"name": estimator}, "reference": reference}
+    )
+    config = LearnerConfig(**{"lr": 1e-3, **learner})
+    return LearnerCore(model_dir, config, algorithm, temperature=1.0, seed=seed)
+
+
+@pytest.fixture(scope="session")
+def groups(tiny_model_dir: Path) -> list[ScoredGroup]:
+    """Three groups of four responses sampled at temperature 1 from the weights on disk."""
+    return sample_groups(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def ray_instance() -> Iterator[None]:
+    """A local Ray instance for one module; reuses one that is already running."""
+    if ray.is_initialized():
+        yield
+        return
+    # Worker processes are told where the repository's packages live.
+    python_path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        runtime_env={"env_vars": {"PYTHONPATH": python_path}},
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()

@@ -1,0 +1,58 @@
+"""Metric helpers: batch statistics and the reduction over minibatches, worked out by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from services.learner.batch import collate
+from services.learner.metrics import batch_metrics, diagnostic_metrics, reduce_minibatches
+from tests.services.learner.test_batch import PAD, two_groups
+
+
+def test_batch_metrics_of_the_two_group_example() -> None:
+    metrics = batch_metrics(collate(two_groups(), PAD, learner_version=4))
+    # rewards [1, 0, 0, 0.5]: mean 0.375; population variance of
+    # (0.625, -0.375, -0.375, 0.125) = (0.390625 + 0.140625 * 2 + 0.015625) / 4 = 0.171875.
+    assert metrics["reward_mean"] == 0.375
+    assert metrics["reward_std"] == pytest.approx(math.sqrt(0.171875), abs=1e-12)
+    assert metrics["accuracy"] == 0.25
+    assert metrics["response_length_mean"] == 2.0  # (3 + 1 + 0 + 4) / 4
+    assert metrics["truncated_fraction"] == 0.75
+    assert metrics["zero_variance_group_fraction"] == 0.0  # [1, 0] and [0, 0.5]
+    assert metrics["staleness_mean"] == 1.75 and metrics["staleness_max"] == 3.0
+    assert metrics["tokens_trained"] == 8.0
+
+
+def test_minibatch_reduction() -> None:
+    records = [
+        {"ratio_max": 1.5, "ratio_min": 0.9, "policy_loss": 1.0, "skipped_minibatches": 0.0},
+        {"ratio_max": 1.2, "ratio_min": 0.7, "policy_loss": 3.0, "skipped_minibatches": 1.0},
+        {"grad_norm": math.nan, "policy_loss": math.inf, "nonfinite_tokens": 2.0},
+    ]
+    assert reduce_minibatches(records) == {
+        "ratio_max": 1.5,
+        "ratio_min": 0.7,
+        "policy_loss": 2.0,  # the non-finite value is left out of the mean
+        "skipped_minibatches": 1.0,
+        "nonfinite_tokens": 2.0,
+    }
+
+
+def test_diagnostics_keep_only_the_scalars() -> None:
+    ratios = torch.tensor([[1.0, 1.1, 1.1, 0.5]])
+    metrics = diagnostic_metrics("raw_", ratios, torch.ones_like(ratios, dtype=torch.bool))
+    assert set(metrics) == {
+        "raw_switch_frequency",
+        "raw_run_length_up",
+        "raw_run_length_down",
+        "raw_run_length_on",
+        "raw_low_frequency_ratio",
+        "raw_global_variance",
+        "raw_local_variance",
+    }
+    # Types on, up, up, down: runs of 1, 2, 1; 2 switches over 3 adjacent pairs.
+    assert metrics["raw_run_length_up"] == 2.0
+    assert metrics["raw_switch_frequency"] == pytest.approx(2 / 3, abs=1e-12)

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv lint typecheck test test-vllm bench bench-generation clean
+.PHONY: venv lint typecheck test test-vllm demo bench bench-pipeline bench-generation clean
 
 # The CPU build of torch goes in first: the package's torch range then resolves to it and
 # nothing pulls a CUDA build.
@@ -32,9 +32,17 @@ test-vllm:
 	bash scripts/setup_vllm_venv.sh
 	.venv-vllm/bin/python -m pytest tests/services/generation/test_vllm_backend.py
 
-bench: $(STAMP)
+# The main job: a real asynchronous KPO run on the built-in task with the tiny model (~5 min on
+# 2 cores). Each run gets its own output directory under runs/.
+demo: $(STAMP)
+	$(VENV)/bin/kpo run examples/demo.yaml --out runs/demo-$$(date +%Y%m%d-%H%M%S)
+
+bench: $(STAMP) bench-pipeline
 	$(PY) benchmarks/bench_kalman.py
 	$(PY) benchmarks/bench_losses.py
+
+bench-pipeline: $(STAMP)
+	$(PY) benchmarks/bench_pipeline.py
 
 # hf and vllm in the same run: the vLLM environment has both.
 bench-generation:

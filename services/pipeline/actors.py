@@ -1,0 +1,143 @@
+"""Starting the Ray actors of a run from its spec, by Ray resources.
+
+CPUs and GPUs per actor come from the spec, so the same spec places generation and the learner
+on GPUs of a cluster or on CPU cores here. Ray gives each actor OMP_NUM_THREADS equal to its CPU
+reservation, which is what keeps actors sharing a small machine from fighting over cores.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from kpo_core.config import RunSpec
+from services.generation.worker import GenerationWorker
+from services.learner.actor import Learner
+from services.reward.actor import start_verifier_actor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ResourceNeeds:
+    cpus: float
+    gpus: float
+
+
+def resource_needs(spec: RunSpec) -> ResourceNeeds:
+    """CPUs and GPUs the run's actors reserve in total."""
+    gen, reward, learner = spec.generation, spec.reward, spec.learner
+    return ResourceNeeds(
+        cpus=gen.num_workers * gen.num_cpus
+        + reward.num_workers * reward.num_cpus
+        + learner.num_cpus,
+        gpus=gen.num_workers * gen.num_gpus + learner.num_gpus,
+    )
+
+
+# Progress bars of model loading and saving, from every actor, would drown the step lines.
+ACTOR_ENV = {
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def connect_ray(spec: RunSpec) -> None:
+    """Join the cluster at RAY_ADDRESS, or start a local instance large enough for the run.
+
+    A local instance gets at least the machine's cores and at least what the actors reserve, so
+    a spec asking for more CPUs than the machine has runs (oversubscribed) instead of waiting
+    forever for resources that never come.
+    """
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, runtime_env={"env_vars": ACTOR_ENV})
+        return
+    needs = resource_needs(spec)
+    cpus = max(os.cpu_count() or 1, math.ceil(needs.cpus))
+    ray.init(
+        num_cpus=cpus,
+        num_gpus=math.ceil(needs.gpus),
+        include_dashboard=False,
+        runtime_env={"env_vars": ACTOR_ENV},
+    )
+
+
+def check_cluster_resources(spec: RunSpec) -> None:
+    """Fail with a clear message when the cluster can never hold the run's actors."""
+    needs = resource_needs(spec)
+    total: dict[str, float] = ray.cluster_resources()  # type: ignore[no-untyped-call]
+    for name, wanted in (("CPU", needs.cpus), ("GPU", needs.gpus)):
+        have = float(total.get(name, 0.0))
+        if wanted > have:
+            # An autoscaling cluster may grow into it, so this is a warning, not a refusal.
+            log.warning("the run reserves %.2f %s but the cluster has %.2f now", wanted, name, have)
+
+
+@dataclass
+class RunActors:
+    """Handles of a run's actors."""
+
+    generation: list[Any]
+    verifiers: list[Any]
+    learner: Any
+
+    def all(self) -> list[Any]:
+        return [*self.generation, *self.verifiers, self.learner]
+
+    def pids(self) -> dict[str, list[int]]:
+        """Process ids, by role (for operators, and for tests that kill one)."""
+
+        def pid_of(handles: list[Any]) -> list[int]:
+            return ray.get([h.__ray_call__.remote(lambda _self: os.getpid()) for h in handles])
+
+        return {
+            "generation": pid_of(self.generation),
+            "verifiers": pid_of(self.verifiers),
+            "learner": pid_of([self.learner]),
+        }
+
+    def kill(self) -> None:
+        """Stop every actor now (no restart)."""
+        for handle in self.all():
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception as error:  # an actor that is already gone is what we want
+                log.debug("kill %s: %s", handle, error)
+
+
+def start_actors(spec: RunSpec, model_dir: Path) -> RunActors:
+    """Start generation workers, verifier actors and the learner; wait until all are up."""
+    gen = spec.generation
+    generation = [
+        GenerationWorker.options(num_cpus=gen.num_cpus, num_gpus=gen.num_gpus).remote(
+            gen.backend, str(model_dir), **gen.options
+        )
+        for _ in range(gen.num_workers)
+    ]
+    reward = spec.reward
+    verifiers = [
+        start_verifier_actor(
+            reward.verifier,
+            {"timeout_s": reward.timeout_s, "format_reward": reward.format_reward},
+            num_workers=reward.processes_per_worker,
+            num_cpus=reward.num_cpus,
+        )
+        for _ in range(reward.num_workers)
+    ]
+    learner = Learner.options(
+        num_cpus=spec.learner.num_cpus, num_gpus=spec.learner.num_gpus
+    ).remote(str(model_dir), spec.learner, spec.algorithm, gen.temperature, spec.seed)
+    actors = RunActors(generation, verifiers, learner)
+    # A constructor that fails (bad model, bad backend option) surfaces here, before any work.
+    ray.get([h.__ray_call__.remote(lambda _self: None) for h in actors.all()])
+    return actors

@@ -1,0 +1,110 @@
+"""Checkpoint directories: written whole or not at all, found by step, pruned to the newest few.
+
+Layout of one checkpoint, `checkpoints/step-00000010/`:
+    learner/            the learner's part (a loadable model directory, optimiser, RNG state)
+    driver_state.json   step, data position, rollout buffer contents, counters
+    manifest.json       written last: the step and the size of every file
+
+Everything is written into a hidden temporary directory that is renamed into place at the end,
+so a crash mid-write leaves no directory that looks complete; a checkpoint whose files do not
+match its manifest is skipped with a message, falling back to the previous one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+DRIVER_STATE = "driver_state.json"
+LEARNER_DIR = "learner"
+_PREFIX = "step-"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{_PREFIX}{step:08d}"
+
+
+def _file_sizes(directory: Path) -> dict[str, int]:
+    return {
+        str(path.relative_to(directory)): path.stat().st_size
+        for path in sorted(directory.rglob("*"))
+        if path.is_file() and path.name != MANIFEST
+    }
+
+
+def write_checkpoint(
+    root: Path,
+    step: int,
+    driver_state: dict[str, Any],
+    write_learner: Callable[[Path], None],
+) -> Path:
+    """Write checkpoint `step` under `root` atomically; `write_learner(dir)` fills `learner/`."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / checkpoint_name(step)
+    tmp = root / f".tmp-{checkpoint_name(step)}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    write_learner(tmp / LEARNER_DIR)
+    (tmp / DRIVER_STATE).write_text(json.dumps(driver_state), encoding="utf-8")
+    manifest = {"step": step, "files": _file_sizes(tmp)}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+    if final.exists():  # a checkpoint of the same step from an earlier, interrupted attempt
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return final
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """None if the checkpoint at `path` is complete, else what is wrong with it."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+        expected: dict[str, int] = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return f"unreadable manifest: {error}"
+    actual = _file_sizes(path)
+    if actual != expected:
+        missing = sorted(expected.keys() - actual.keys())
+        changed = sorted(k for k in expected.keys() & actual.keys() if expected[k] != actual[k])
+        return f"files differ from the manifest (missing {missing}, wrong size {changed})"
+    return None
+
+
+def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every checkpoint directory under `root`, oldest first, unverified."""
+    found = []
+    for path in root.glob(f"{_PREFIX}*") if root.is_dir() else ():
+        suffix = path.name.removeprefix(_PREFIX)
+        if path.is_dir() and suffix.isdigit():
+            found.append((int(suffix), path))
+    return sorted(found)
+
+
+def latest_checkpoint(root: Path) -> tuple[int, Path] | None:
+    """The newest complete checkpoint; incomplete ones are skipped with a warning."""
+    for step, path in reversed(list_checkpoints(root)):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return step, path
+        log.warning("skipping checkpoint %s: %s", path, problem)
+    return None
+
+
+def prune_checkpoints(root: Path, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints, and leftovers of interrupted writes."""
+    for leftover in root.glob(".tmp-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    for _, path in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def read_driver_state(path: Path) -> dict[str, Any]:
+    state: dict[str, Any] = json.loads((path / DRIVER_STATE).read_text(encoding="utf-8"))
+    return state

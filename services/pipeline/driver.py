@@ -1,0 +1,403 @@
+"""The run driver: one event loop over the Ray calls of a run.
+
+    prompts -> generation actors -> verifier actors -> rollout buffer -> learner -> new weights
+                     ^                                                                |
+                     +------------------- offered between batches --------------------+
+
+Every call in flight is a Ray object ref in `_pending`; the loop waits for whichever finishes
+first and reacts to it, so generation, scoring and training overlap (asynchronous mode). In
+synchronous mode generation is only asked for while the learner is idle and only for the one
+batch it will train on next, which is on-policy training: the baseline every async figure is
+compared with.
+
+Weights go from the learner to the generation actors through the object store: the learner's
+`step` returns them as a second return value, stored once and owned by this process; every
+generation actor is offered the ref and fetches it when its current batch is done.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import signal
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import ray
+
+from kpo_core.config import RunSpec
+from services.generation.base import SamplingSettings
+from services.messages import Prompt, Response, ScoredGroup
+from services.pipeline.actors import RunActors, check_cluster_resources, start_actors
+from services.pipeline.buffer import RolloutBuffer
+from services.pipeline.checkpoints import (
+    LEARNER_DIR,
+    latest_checkpoint,
+    prune_checkpoints,
+    read_driver_state,
+    write_checkpoint,
+)
+from services.pipeline.outputs import MetricsRecord, RunDirectory, RunObserver, RunState
+from services.pipeline.plots import plot_curves
+from services.pipeline.prompts import PromptStream
+from services.pipeline.records import (
+    group_from_json,
+    group_to_json,
+    prompt_from_json,
+    prompt_to_json,
+)
+from services.tasks.models import resolve_model
+
+log = logging.getLogger(__name__)
+
+WAIT_SECONDS = 0.5  # longest the loop sleeps without news (it then checks for a cancel)
+
+
+@dataclass
+class Counters:
+    """Run totals that a checkpoint carries over into a resumed run."""
+
+    step: int = 0  # learner steps done = the learner's policy version
+    generation_calls: int = 0  # also numbers the sampling seeds, so a resumed run draws anew
+    groups_issued: int = 0  # asked of generation (prompts handed back are not counted)
+    tokens_generated_total: int = 0
+    tokens_trained_total: int = 0
+    rollouts_dropped_stale: int = 0  # responses
+    groups_dropped_stale: int = 0
+    elapsed_seconds: float = 0.0  # wall time of earlier attempts of this run
+
+
+@dataclass(frozen=True)
+class GenerationCall:
+    worker: int
+    prompts: list[Prompt]
+
+
+@dataclass(frozen=True)
+class ScoringCall:
+    prompts: list[Prompt]
+
+
+@dataclass(frozen=True)
+class LearnerCall:
+    weights_ref: Any
+    started: float
+
+
+@dataclass
+class _Throughput:
+    """Generation tokens between two learner steps, for tokens/s."""
+
+    tokens: int = 0
+    since: float = field(default_factory=time.perf_counter)
+
+    def rate_and_reset(self) -> float:
+        now = time.perf_counter()
+        rate = self.tokens / max(now - self.since, 1e-9)
+        self.tokens, self.since = 0, now
+        return rate
+
+
+class CancelRequested(Exception):
+    """Raised by the signal handler on a second Ctrl-C: stop without waiting."""
+
+
+def sampling_seed(run_seed: int, call: int) -> int:
+    """A distinct, reproducible sampling seed for every generation call of a run."""
+    digest = hashlib.sha256(f"{run_seed}/{call}".encode()).digest()
+    return int.from_bytes(digest[:4], "big")
+
+
+class RunDriver:
+    """Drives one run to `spec.pipeline.steps` learner steps, reporting to `observers`."""
+
+    def __init__(
+        self, spec: RunSpec, run_dir: RunDirectory, observers: Sequence[RunObserver]
+    ) -> None:
+        self.spec = spec
+        self.run_dir = run_dir
+        self.observers = [run_dir, *observers]
+        self.counters = Counters()
+        pipe = spec.pipeline
+        self.buffer = RolloutBuffer(pipe.buffer_groups, pipe.max_staleness)
+        self.prompts = PromptStream(spec.task, spec.seed)
+        self._pending: dict[Any, GenerationCall | ScoringCall | LearnerCall] = {}
+        self._idle_workers: list[int] = []
+        self._next_verifier = 0
+        self._weights_ref: Any = None  # newest published weights, kept alive while offered
+        self._throughput = _Throughput()
+        self._started = time.perf_counter()
+        self._last_checkpoint_step = -1
+        self._cancel = False
+        self._resume_path: Path | None = None
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    def restore(self) -> int | None:
+        """Load the newest complete checkpoint's driver state; its step, or None if none."""
+        found = latest_checkpoint(self.run_dir.checkpoints)
+        if found is None:
+            return None
+        step, path = found
+        state = read_driver_state(path)
+        self.counters = Counters(**state["counters"])
+        self.prompts = PromptStream(
+            self.spec.task,
+            self.spec.seed,
+            state["prompt_position"],
+            [prompt_from_json(p) for p in state["handed_back"]],
+        )
+        groups = [group_from_json(g) for g in state["buffer"]]
+        pipe = self.spec.pipeline
+        self.buffer = RolloutBuffer(pipe.buffer_groups, pipe.max_staleness, groups)
+        self.buffer.dropped_groups = self.counters.groups_dropped_stale
+        self.buffer.dropped_responses = self.counters.rollouts_dropped_stale
+        self._resume_path = path
+        self._last_checkpoint_step = step
+        self.run_dir.keep_metrics_through(step)
+        return step
+
+    def run(self) -> RunState:
+        """Start the actors, drive the loop to the last step (or a cancel), clean up."""
+        resumed_step = self.restore()
+        try:
+            model_dir = resolve_model(self.spec.model)
+            check_cluster_resources(self.spec)
+            actors = start_actors(self.spec, model_dir)
+        except Exception as error:
+            self._report_status("failed", error=f"starting the run: {error}")
+            raise
+        try:
+            with self._signals_request_cancel():
+                self._report_status("running", actors=actors.pids(), resumed_from=resumed_step)
+                self._start(actors, resumed_step)
+                self._loop(actors)
+                self._finish(actors)
+            state: RunState = "cancelled" if self._cancel else "succeeded"
+            self._report_status(state)
+            return state
+        except CancelRequested:
+            self._report_status("cancelled", error="stopped at once by a second interrupt")
+            return "cancelled"
+        except Exception as error:
+            self._report_status("failed", error=f"{type(error).__name__}: {error}")
+            raise
+        finally:
+            actors.kill()
+            self._plot()
+
+    def _start(self, actors: RunActors, resumed_step: int | None) -> None:
+        if resumed_step is not None and self._resume_path is not None:
+            learner_dir = str(self._resume_path / LEARNER_DIR)
+            version = ray.get(actors.learner.load_checkpoint.remote(learner_dir))
+            if version != resumed_step:
+                raise RuntimeError(
+                    f"checkpoint {self._resume_path} holds learner version {version}, "
+                    f"expected {resumed_step}"
+                )
+            self._offer_weights(actors, version, actors.learner.initial_weights.remote())
+        self._idle_workers = list(range(len(actors.generation)))
+        self._throughput = _Throughput()
+
+    @contextmanager
+    def _signals_request_cancel(self) -> Iterator[None]:
+        """SIGINT/SIGTERM ask for a clean stop; a second one stops at once."""
+
+        def handler(signum: int, frame: FrameType | None) -> None:
+            if self._cancel:
+                raise CancelRequested
+            log.warning("cancel requested (signal %d): finishing the current step", signum)
+            self._cancel = True
+
+        try:
+            previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        except ValueError:  # not the main thread: signals stay with whoever owns them
+            previous = {}
+        try:
+            yield
+        finally:
+            for signum, old in previous.items():
+                signal.signal(signum, old)
+
+    def cancel(self) -> None:
+        """Ask the loop to stop after the current learner step (from another thread)."""
+        self._cancel = True
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def _learner_busy(self) -> bool:
+        return any(isinstance(call, LearnerCall) for call in self._pending.values())
+
+    def _loop(self, actors: RunActors) -> None:
+        total = self.spec.pipeline.steps
+        while self.counters.step < total:
+            if self._cancel:
+                if not self._learner_busy():
+                    return
+            else:
+                self._dispatch_generation(actors)
+                self._dispatch_learner(actors)
+            if not self._pending:
+                raise RuntimeError("the pipeline stalled: nothing in flight and no batch ready")
+            ready, _ = ray.wait(list(self._pending), num_returns=1, timeout=WAIT_SECONDS)
+            for ref in ready:
+                self._complete(actors, ref, self._pending.pop(ref))
+
+    def _generation_room(self) -> int:
+        """How many more groups generation may be asked for now."""
+        pipe = self.spec.pipeline
+        if pipe.mode == "sync":
+            if self._learner_busy():
+                return 0
+            return pipe.batch_groups - len(self.buffer) - self.buffer.reserved
+        if pipe.admission == "capacity":
+            return self.buffer.free()
+        # A group admitted now is generated with version >= the learner's current one and is
+        # trained after the groups admitted before it, so with the total admitted kept within
+        # (version + max_staleness + 1) batches, none ages past the bound on the way.
+        budget = (self.counters.step + pipe.max_staleness + 1) * pipe.batch_groups
+        admitted = self.counters.groups_issued - self.buffer.dropped_groups
+        return min(self.buffer.free(), budget - admitted)
+
+    def _dispatch_generation(self, actors: RunActors) -> None:
+        gen = self.spec.generation
+        while self._idle_workers:
+            n = min(gen.prompts_per_batch, self._generation_room())
+            if n <= 0:
+                return
+            prompts = self.prompts.take(n)
+            self.buffer.reserve(len(prompts))
+            self.counters.groups_issued += len(prompts)
+            worker = self._idle_workers.pop(0)
+            sampling = SamplingSettings(
+                temperature=gen.temperature,
+                top_p=gen.top_p,
+                top_k=gen.top_k,
+                max_new_tokens=gen.max_new_tokens,
+                seed=sampling_seed(self.spec.seed, self.counters.generation_calls),
+            )
+            self.counters.generation_calls += 1
+            ref = actors.generation[worker].generate.remote(prompts, gen.group_size, sampling)
+            self._pending[ref] = GenerationCall(worker, prompts)
+
+    def _dispatch_learner(self, actors: RunActors) -> None:
+        if self._learner_busy():
+            return
+        batch = self.buffer.take_batch(self.spec.pipeline.batch_groups, self.counters.step)
+        if batch is None:
+            return
+        metrics_ref, weights_ref = actors.learner.step.options(num_returns=2).remote(batch)
+        self._pending[metrics_ref] = LearnerCall(weights_ref, time.perf_counter())
+
+    def _complete(
+        self, actors: RunActors, ref: Any, call: GenerationCall | ScoringCall | LearnerCall
+    ) -> None:
+        if isinstance(call, GenerationCall):
+            self._on_generated(actors, call, ray.get(ref))
+        elif isinstance(call, ScoringCall):
+            scored: list[ScoredGroup] = ray.get(ref)
+            self.buffer.add(scored, reserved=len(call.prompts))
+        else:
+            self._on_trained(actors, call, ray.get(ref))
+
+    def _on_generated(
+        self, actors: RunActors, call: GenerationCall, groups: list[list[Response]]
+    ) -> None:
+        self._idle_workers.append(call.worker)
+        tokens = sum(len(r.response_token_ids) for group in groups for r in group)
+        self.counters.tokens_generated_total += tokens
+        self._throughput.tokens += tokens
+        verifier = actors.verifiers[self._next_verifier % len(actors.verifiers)]
+        self._next_verifier += 1
+        ref = verifier.score.remote(list(zip(call.prompts, groups, strict=True)))
+        self._pending[ref] = ScoringCall(call.prompts)
+
+    def _on_trained(
+        self, actors: RunActors, call: LearnerCall, learner_metrics: dict[str, float]
+    ) -> None:
+        step_seconds = time.perf_counter() - call.started
+        self.counters.step += 1
+        self._offer_weights(actors, self.counters.step, call.weights_ref)
+        self.buffer.evict_stale(self.counters.step)
+        self.counters.rollouts_dropped_stale = self.buffer.dropped_responses
+        self.counters.groups_dropped_stale = self.buffer.dropped_groups
+        self.counters.tokens_trained_total += int(learner_metrics["tokens_trained"])
+        record: MetricsRecord = {
+            "step": self.counters.step,
+            "time": time.time(),
+            "wall_seconds": self._elapsed(),
+            **learner_metrics,
+            "step_seconds": step_seconds,
+            "generation_tokens_per_s": self._throughput.rate_and_reset(),
+            "tokens_generated_total": self.counters.tokens_generated_total,
+            "tokens_trained_total": self.counters.tokens_trained_total,
+            "rollouts_dropped_stale": self.counters.rollouts_dropped_stale,
+            "groups_dropped_stale": self.counters.groups_dropped_stale,
+            "buffer_groups": len(self.buffer),
+        }
+        for observer in self.observers:
+            observer.on_metrics(record)
+        every = self.spec.pipeline.checkpoint_every
+        if every and self.counters.step % every == 0:
+            self._checkpoint(actors)
+
+    def _offer_weights(self, actors: RunActors, version: int, weights_ref: Any) -> None:
+        # Wrapped in a list so Ray hands the worker the ref, not the fetched weights: a busy
+        # worker then fetches only the newest version, when its current batch is done.
+        for worker in actors.generation:
+            worker.offer_weights.remote(version, [weights_ref])
+        self._weights_ref = weights_ref
+
+    # --- checkpoints, end of run ------------------------------------------------------------
+
+    def _elapsed(self) -> float:
+        return self.counters.elapsed_seconds + time.perf_counter() - self._started
+
+    def _in_flight_prompts(self) -> list[Prompt]:
+        prompts: list[Prompt] = []
+        for call in self._pending.values():
+            if isinstance(call, GenerationCall | ScoringCall):
+                prompts.extend(call.prompts)
+        return prompts
+
+    def _checkpoint(self, actors: RunActors) -> None:
+        """Checkpoint at the current step; the learner must be idle (it is, between steps)."""
+        in_flight = self._in_flight_prompts()
+        counters = Counters(**asdict(self.counters))
+        counters.elapsed_seconds = self._elapsed()
+        counters.groups_issued -= len(in_flight)  # counted again when they are re-issued
+        state = {
+            "counters": asdict(counters),
+            "prompt_position": self.prompts.position,
+            # Prompts still being generated or scored are re-issued by a resumed run.
+            "handed_back": [prompt_to_json(p) for p in [*in_flight, *self.prompts.handed_back]],
+            "buffer": [group_to_json(g) for g in self.buffer.groups],
+        }
+
+        def write_learner(path: Path) -> None:
+            ray.get(actors.learner.save_checkpoint.remote(str(path)))
+
+        root = self.run_dir.checkpoints
+        write_checkpoint(root, self.counters.step, state, write_learner)
+        prune_checkpoints(root, self.spec.pipeline.keep_checkpoints)
+        self._last_checkpoint_step = self.counters.step
+        self._plot()
+
+    def _finish(self, actors: RunActors) -> None:
+        """Final checkpoint (the last step, or where a cancel stopped the run)."""
+        if self.counters.step > self._last_checkpoint_step:
+            self._checkpoint(actors)
+
+    def _plot(self) -> None:
+        records = self.run_dir.read_metrics()
+        if records:
+            plot_curves(records, self.run_dir.curves, title=self.spec.name)
+
+    def _report_status(self, state: RunState, error: str | None = None, **details: Any) -> None:
+        for observer in self.observers:
+            observer.on_status(state, error, step=self.counters.step, **details)

@@ -1,0 +1,126 @@
+"""What a run leaves in its output directory, and what it prints while it runs.
+
+    config.json     the resolved RunSpec (every default filled in)
+    metrics.jsonl   one JSON record per learner step, in step order
+    status.json     the run's state, its timestamped transitions, the error of a failed run
+    curves.png      reward, entropy, clip fraction and staleness over steps (see `plots`)
+    checkpoints/    see `checkpoints`
+
+The driver reports through `RunObserver`s, so the control plane can add its store as one more.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Literal, Protocol, TextIO
+
+RunState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+MetricsRecord = dict[str, Any]
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+STATUS_FILE = "status.json"
+CURVES_FILE = "curves.png"
+CHECKPOINTS_DIR = "checkpoints"
+
+
+class RunObserver(Protocol):
+    """Receives a run's status changes and metrics records, in order."""
+
+    def on_status(self, state: RunState, error: str | None = None, **details: Any) -> None: ...
+
+    def on_metrics(self, record: MetricsRecord) -> None: ...
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN/inf become null: JSON has no such numbers, and a reader must not choke on them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def read_metrics(out_dir: Path) -> list[MetricsRecord]:
+    """The metrics records of a run directory, in file order."""
+    path = out_dir / METRICS_FILE
+    if not path.exists():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+class RunDirectory:
+    """The files of one run's output directory (an observer of its own run)."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.path = out_dir
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.checkpoints = out_dir / CHECKPOINTS_DIR
+        self.curves = out_dir / CURVES_FILE
+        status = out_dir / STATUS_FILE
+        self._status: dict[str, Any] = (
+            json.loads(status.read_text(encoding="utf-8")) if status.exists() else {}
+        )
+
+    def write_config(self, resolved: dict[str, Any]) -> None:
+        _write_atomic(self.path / CONFIG_FILE, json.dumps(resolved, indent=2) + "\n")
+
+    def read_config(self) -> dict[str, Any]:
+        config: dict[str, Any] = json.loads((self.path / CONFIG_FILE).read_text(encoding="utf-8"))
+        return config
+
+    def read_metrics(self) -> list[MetricsRecord]:
+        return read_metrics(self.path)
+
+    def keep_metrics_through(self, step: int) -> None:
+        """Drop records after `step`: a resumed run redoes those steps, and must not repeat them."""
+        kept = [r for r in read_metrics(self.path) if r["step"] <= step]
+        text = "".join(json.dumps(r) + "\n" for r in kept)
+        _write_atomic(self.path / METRICS_FILE, text)
+
+    def on_metrics(self, record: MetricsRecord) -> None:
+        line = json.dumps({k: _json_safe(v) for k, v in record.items()})
+        with (self.path / METRICS_FILE).open("a", encoding="utf-8") as file:
+            file.write(line + "\n")
+
+    def on_status(self, state: RunState, error: str | None = None, **details: Any) -> None:
+        transitions = self._status.setdefault("transitions", [])
+        transitions.append({"state": state, "at": time.time()})
+        self._status.update(state=state, error=error, **details)
+        _write_atomic(self.path / STATUS_FILE, json.dumps(self._status, indent=2) + "\n")
+
+
+class ProgressPrinter:
+    """One line per learner step with the numbers a person watches, and every status change."""
+
+    def __init__(self, total_steps: int, stream: TextIO = sys.stdout) -> None:
+        self._total = total_steps
+        self._stream = stream
+
+    def on_status(self, state: RunState, error: str | None = None, **details: Any) -> None:
+        suffix = f": {error}" if error else ""
+        print(f"[kpo] run {state}{suffix}", file=self._stream, flush=True)
+
+    def on_metrics(self, record: MetricsRecord) -> None:
+        width = len(str(self._total))
+        fields = [
+            f"step {record['step']:>{width}}/{self._total}",
+            f"reward {record['reward_mean']:.3f}",
+            f"acc {record['accuracy']:.3f}",
+            f"entropy {record['entropy']:.3f}",
+            f"clip {record['clip_fraction']:.4f}",
+            f"staleness {record['staleness_mean']:.2f}/{record['staleness_max']:.0f}",
+            f"dropped {record['rollouts_dropped_stale']}",
+            f"{record['step_seconds']:.2f}s",
+        ]
+        print("  ".join(fields), file=self._stream, flush=True)

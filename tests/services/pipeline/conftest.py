@@ -1,0 +1,41 @@
+"""Fixtures of the pipeline's integration tests: one local Ray instance, small run specs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+
+from kpo_core.config import RunSpec
+from services.pipeline.actors import ACTOR_ENV
+from services.pipeline.specs import apply_overrides
+
+# Small enough for about a second per step on 2 cores. Difficulty 3 is the one the tiny model was
+# warm-started on (it gets a quarter of it right, and next to nothing of the others).
+TINY_RUN: dict[str, Any] = {
+    "name": "tiny",
+    "seed": 0,
+    "model": "tiny-arith",
+    "task": {"name": "arith", "difficulty": 3},
+    "generation": {"prompts_per_batch": 4, "group_size": 4, "max_new_tokens": 80},
+    "reward": {"num_cpus": 0},
+    "learner": {"lr": 5e-4},
+    "pipeline": {"batch_groups": 4, "steps": 4, "checkpoint_every": 2},
+}
+
+
+def tiny_spec(*overrides: str) -> RunSpec:
+    """TINY_RUN with `key=value` overrides, validated."""
+    return RunSpec.model_validate(apply_overrides(TINY_RUN, overrides))
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    """A local Ray instance for one module (runs then join it instead of starting their own)."""
+    ray.init(num_cpus=3, include_dashboard=False, runtime_env={"env_vars": ACTOR_ENV})
+    try:
+        yield
+    finally:
+        ray.shutdown()

@@ -1,0 +1,98 @@
+"""Run files: overrides, and errors that name the file, the key and the valid values."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kpo_core.config import RunSpec
+from services.pipeline.specs import SpecError, apply_overrides, load_run_spec, preflight
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_every_shipped_run_file_parses_and_passes_preflight() -> None:
+    files = [p for p in sorted(EXAMPLES.glob("*.yaml")) if not p.name.startswith("algorithm-")]
+    assert {p.stem for p in files} >= {"demo", "grpo", "gspo", "gmpo", "kpo", "ctpo", "sync"}
+    for path in files:
+        spec = load_run_spec(path)
+        assert preflight(spec, str(path)).is_dir()
+
+
+def test_overrides_set_nested_keys_with_yaml_values() -> None:
+    data = apply_overrides(
+        {"pipeline": {"steps": 5}},
+        ["pipeline.steps=20", "algorithm.estimator.name=token", "learner.lr=1e-3"],
+    )
+    assert data == {
+        "pipeline": {"steps": 20},
+        "algorithm": {"estimator": {"name": "token"}},
+        "learner": {"lr": 1e-3},
+    }
+    with pytest.raises(SpecError, match="expected key=value"):
+        apply_overrides({}, ["pipeline.steps"])
+    with pytest.raises(SpecError, match=r"pipeline\.steps is a value, not a section"):
+        apply_overrides({"pipeline": {"steps": 5}}, ["pipeline.steps.x=1"])
+
+
+def test_a_bad_value_names_file_key_and_valid_values(tmp_path: Path) -> None:
+    path = write(tmp_path, "generation:\n  backend: tgi\npipeline:\n  stepz: 3\n")
+    with pytest.raises(SpecError) as info:
+        load_run_spec(path)
+    message = str(info.value)
+    assert f"{path}: generation.backend: Input should be 'hf' or 'vllm'" in message
+    assert f"{path}: pipeline.stepz: Extra inputs are not permitted" in message
+
+
+def test_sync_mode_refuses_a_staleness_bound(tmp_path: Path) -> None:
+    path = write(tmp_path, "pipeline:\n  mode: sync\n  max_staleness: 2\n")
+    with pytest.raises(SpecError, match="max_staleness must be 0"):
+        load_run_spec(path)
+    resolved = load_run_spec(write(tmp_path, "pipeline:\n  mode: sync\n"))
+    assert resolved.pipeline.max_staleness == 0
+    assert RunSpec().pipeline.max_staleness == 2
+    assert RunSpec().pipeline.buffer_groups == 4 * RunSpec().pipeline.batch_groups
+
+
+def test_a_resolved_spec_validates_again_unchanged() -> None:
+    spec = load_run_spec(EXAMPLES / "demo.yaml")
+    again = RunSpec.model_validate(json.loads(json.dumps(spec.model_dump(mode="json"))))
+    assert again == spec
+
+
+def test_preflight_names_a_missing_model_and_a_broken_prompt_file(tmp_path: Path) -> None:
+    spec = RunSpec(model=str(tmp_path / "nowhere"))
+    with pytest.raises(
+        SpecError, match=r"run\.yaml: model: .*is not a directory nor a built-in model"
+    ):
+        preflight(spec, "run.yaml")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text('{"architectures": ["BertModel"]}')
+    with pytest.raises(SpecError, match="names no causal-LM architecture"):
+        preflight(RunSpec(model=str(tmp_path / "m")), "run.yaml")
+    bad = tmp_path / "p.jsonl"
+    bad.write_text("not json\n")
+    spec = RunSpec.model_validate({"task": {"name": "jsonl", "path": str(bad)}})
+    with pytest.raises(SpecError, match=r"run.yaml: task.path: .*p.jsonl:1: invalid JSON"):
+        preflight(spec, "run.yaml")
+
+
+def test_the_spec_names_match_the_service_registries() -> None:
+    from typing import get_args
+
+    from kpo_core.config import GenerationConfig, RewardConfig
+    from services.generation.registry import backend_names
+    from services.reward.registry import verifier_names
+
+    backends = get_args(GenerationConfig.model_fields["backend"].annotation)
+    verifiers = get_args(RewardConfig.model_fields["verifier"].annotation)
+    assert sorted(backends) == backend_names()
+    assert sorted(verifiers) == verifier_names()

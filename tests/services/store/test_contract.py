@@ -1,0 +1,342 @@
+"""The store contract: every backend passes these (see `open_test_store` in conftest)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from services.store import (
+    IdempotencyConflict,
+    InvalidCursor,
+    InvalidTransition,
+    RunNotFound,
+    RunStatus,
+    Store,
+    event_id_order,
+)
+from tests.services.store.support import StoreOpener, snapshot
+
+Q, R, S, F, C = (
+    RunStatus.QUEUED,
+    RunStatus.RUNNING,
+    RunStatus.SUCCEEDED,
+    RunStatus.FAILED,
+    RunStatus.CANCELLED,
+)
+# The lifecycle, written out by hand (not read from the code under test).
+LEGAL_MOVES = {(Q, R), (Q, F), (Q, C), (R, S), (R, F), (R, C)}
+# How to bring a new run to each status.
+PATH_TO = {Q: [], R: [R], S: [R, S], F: [R, F], C: [R, C]}
+
+SPEC = {"model": "tiny", "learner": {"lr": 1e-3, "steps": 10}, "tags": ["a", "b"]}
+
+
+def run_in(store: Store, status: RunStatus, spec: dict[str, Any] | None = None) -> str:
+    run_id = store.create_run(spec or SPEC).id
+    for step in PATH_TO[status]:
+        store.transition(run_id, step)
+    return run_id
+
+
+# --- runs ------------------------------------------------------------------------------------
+
+
+def test_create_returns_a_queued_run_that_get_returns(store: Store) -> None:
+    before = datetime.now(UTC)
+    run = store.create_run(SPEC)
+    after = datetime.now(UTC)
+
+    assert re.fullmatch(r"run-[0-9a-f]{12}", run.id)
+    assert run.status == Q
+    assert run.spec == SPEC
+    assert run.error is None
+    assert before - timedelta(milliseconds=1) <= run.created_at <= after
+    assert [(t.status, t.at) for t in run.transitions] == [(Q, run.created_at)]
+    assert store.get_run(run.id) == run
+    assert store.create_run(SPEC).id != run.id
+
+
+def test_unknown_runs_are_not_found(store: Store) -> None:
+    store.create_run(SPEC)
+    for run_id in ["run-000000000000", "nonsense", "run-x:metrics", ""]:
+        with pytest.raises(RunNotFound, match="no run with id"):
+            store.get_run(run_id)
+    missing = "run-000000000000"
+    calls: list[Callable[[], object]] = [
+        lambda: store.transition(missing, R),
+        lambda: store.append_metrics(missing, [{"step": 0}]),
+        lambda: store.read_metrics(missing),
+        lambda: store.append_event(missing, "note", {}),
+        lambda: store.read_events(missing),
+        lambda: store.append_logs(missing, ["x"]),
+        lambda: store.tail_logs(missing),
+        lambda: store.tail_logs(missing, 0),
+    ]
+    for call in calls:
+        with pytest.raises(RunNotFound):
+            call()
+
+
+def test_list_is_newest_first_in_stable_pages(store: Store) -> None:
+    created = [store.create_run({"i": i}).id for i in range(7)]
+
+    first, cursor = store.list_runs(limit=3)
+    assert [r.id for r in first] == created[::-1][:3]
+    assert cursor is not None
+    # A run created between pages does not shift the pages already being read.
+    newest = store.create_run({"i": 7}).id
+    second, cursor = store.list_runs(limit=3, cursor=cursor)
+    assert [r.id for r in second] == created[::-1][3:6]
+    third, cursor = store.list_runs(limit=3, cursor=cursor)
+    assert [r.id for r in third] == created[:1]
+    assert cursor is None
+
+    everything, cursor = store.list_runs(limit=100)
+    assert [r.id for r in everything] == [newest, *created[::-1]]
+    assert cursor is None
+    # A page that ends exactly at the last run says so.
+    exact, cursor = store.list_runs(limit=8)
+    assert len(exact) == 8 and cursor is None
+
+
+def test_list_filters_by_status(store: Store) -> None:
+    by_status = {status: [run_in(store, status) for _ in range(2)] for status in RunStatus}
+    for status, ids in by_status.items():
+        runs, cursor = store.list_runs(status=status)
+        assert [r.id for r in runs] == ids[::-1]
+        assert all(r.status == status for r in runs)
+        assert cursor is None
+    runs, cursor = store.list_runs(status="running", limit=1)
+    assert [r.id for r in runs] == [by_status[R][1]]
+    runs, cursor = store.list_runs(status="running", limit=1, cursor=cursor)
+    assert [r.id for r in runs] == [by_status[R][0]]
+
+
+def test_list_refuses_bad_arguments(store: Store) -> None:
+    with pytest.raises(ValueError, match="valid statuses: queued, running"):
+        store.list_runs(status="done")
+    for cursor in ["abc", "-1", "0", "", "1.5"]:
+        with pytest.raises(InvalidCursor):
+            store.list_runs(cursor=cursor)
+    for limit in [0, -1, 10**9]:
+        with pytest.raises(ValueError, match="limit"):
+            store.list_runs(limit=limit)
+
+
+def test_same_idempotency_key_and_spec_returns_the_same_run(store: Store) -> None:
+    first = store.create_run(SPEC, idempotency_key="key-1")
+    reordered = {"tags": ["a", "b"], "learner": {"steps": 10, "lr": 1e-3}, "model": "tiny"}
+    second = store.create_run(reordered, idempotency_key="key-1")
+
+    assert second == first
+    assert [r.id for r in store.list_runs()[0]] == [first.id]
+    # Another key is another run.
+    assert store.create_run(SPEC, idempotency_key="key-2").id != first.id
+
+
+def test_same_idempotency_key_with_another_spec_conflicts(store: Store) -> None:
+    first = store.create_run(SPEC, idempotency_key="key-1")
+    with pytest.raises(IdempotencyConflict, match=f"already created run '{first.id}'"):
+        store.create_run({**SPEC, "model": "other"}, idempotency_key="key-1")
+    assert len(store.list_runs()[0]) == 1
+
+
+# --- lifecycle -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", [[R, S], [R, F], [R, C], [F], [C]])
+def test_legal_paths_are_recorded_with_timestamps(store: Store, path: list[RunStatus]) -> None:
+    run = store.create_run(SPEC)
+    for status in path:
+        updated = store.transition(run.id, status)
+        assert updated.status == status
+    final = store.get_run(run.id)
+    assert final == updated
+    assert [t.status for t in final.transitions] == [Q, *path]
+    times = [t.at for t in final.transitions]
+    assert times == sorted(times)
+    assert times[0] == final.created_at
+
+
+@pytest.mark.parametrize("current", list(RunStatus))
+def test_every_move_the_lifecycle_forbids_is_refused(store: Store, current: RunStatus) -> None:
+    for requested in RunStatus:
+        if (current, requested) in LEGAL_MOVES:
+            continue
+        run_id = run_in(store, current)
+        before = store.get_run(run_id)
+        with pytest.raises(InvalidTransition, match=f"is {current}; it cannot become {requested}"):
+            store.transition(run_id, requested)
+        assert store.get_run(run_id) == before
+
+
+def test_a_failed_run_keeps_its_error(open_test_store: StoreOpener) -> None:
+    store = open_test_store()
+    failed = run_in(store, R)
+    run = store.transition(failed, "failed", error="CUDA out of memory at step 12")
+    assert run.status == F
+    assert run.error == "CUDA out of memory at step 12"
+    cancelled = store.transition(run_in(store, Q), C, error="cancelled by alice")
+    assert cancelled.error == "cancelled by alice"
+    with pytest.raises(ValueError, match="only with failed or cancelled"):
+        store.transition(run_in(store, R), S, error="not an error")
+    assert open_test_store().get_run(failed).error == "CUDA out of memory at step 12"
+
+
+# --- metrics ---------------------------------------------------------------------------------
+
+
+def test_metrics_are_stored_once_in_step_order(store: Store) -> None:
+    run_id = run_in(store, R)
+    store.append_metrics(run_id, [{"step": 0, "loss": 1.5}, {"step": 1, "loss": 1.25}])
+    # Resent after a retry, with a new record behind: only step 2 is new. A resent record's
+    # content is not used, even if it changed.
+    store.append_metrics(run_id, [{"step": 1, "loss": 99.0}, {"step": 2, "loss": 1.0}])
+    # Out of order within a batch: 4 is stored, then 3 is behind it and ignored.
+    store.append_metrics(run_id, [{"step": 4, "loss": 0.5}, {"step": 3, "loss": 0.75}])
+    store.append_metrics(run_id, [])
+
+    assert store.read_metrics(run_id) == [
+        {"step": 0, "loss": 1.5},
+        {"step": 1, "loss": 1.25},
+        {"step": 2, "loss": 1.0},
+        {"step": 4, "loss": 0.5},
+    ]
+
+
+def test_read_metrics_since_a_step_and_up_to_a_limit(store: Store) -> None:
+    run_id = run_in(store, R)
+    store.append_metrics(run_id, [{"step": s, "reward": s / 10} for s in range(0, 20, 2)])
+
+    assert [r["step"] for r in store.read_metrics(run_id, since_step=9)] == [10, 12, 14, 16, 18]
+    assert [r["step"] for r in store.read_metrics(run_id, since_step=10)] == [12, 14, 16, 18]
+    assert [r["step"] for r in store.read_metrics(run_id, since_step=-1, limit=2)] == [0, 2]
+    assert store.read_metrics(run_id, since_step=18) == []
+    assert store.read_metrics(run_in(store, R)) == []
+    with pytest.raises(ValueError, match="since_step"):
+        store.read_metrics(run_id, since_step=-2)
+
+
+@pytest.mark.parametrize(
+    "record", [{"loss": 1.0}, {"step": True}, {"step": -1}, {"step": 1.0}, {"step": "3"}]
+)
+def test_metrics_need_an_integer_step(store: Store, record: dict[str, Any]) -> None:
+    run_id = run_in(store, R)
+    with pytest.raises(ValueError, match="'step' must be an integer"):
+        store.append_metrics(run_id, [{"step": 0}, record])
+    assert store.read_metrics(run_id) == []  # a batch is checked whole before any is stored
+
+
+# --- events ----------------------------------------------------------------------------------
+
+
+def test_events_tell_status_changes_and_metrics_in_order(store: Store) -> None:
+    run_id = store.create_run(SPEC).id
+    store.transition(run_id, R)
+    store.append_metrics(run_id, [{"step": 0, "loss": 2.0}, {"step": 1, "loss": 1.0}])
+    store.append_metrics(run_id, [{"step": 1, "loss": 1.0}])  # a resend: no new event
+    note_id = store.append_event(run_id, "checkpoint", {"path": "/ckpt/1"})
+    store.transition(run_id, F, error="boom")
+
+    events = store.read_events(run_id)
+    assert [(e.kind, e.data) for e in events] == [
+        ("status", {"status": "queued", "error": None}),
+        ("status", {"status": "running", "error": None}),
+        ("metrics", {"step": 0, "loss": 2.0}),
+        ("metrics", {"step": 1, "loss": 1.0}),
+        ("checkpoint", {"path": "/ckpt/1"}),
+        ("status", {"status": "failed", "error": "boom"}),
+    ]
+    assert events[4].id == note_id
+    orders = [event_id_order(e.id) for e in events]
+    assert orders == sorted(orders) and len(set(orders)) == len(orders)
+    run = store.get_run(run_id)
+    assert [e.at for e in events if e.kind == "status"] == [t.at for t in run.transitions]
+
+
+def test_events_resume_after_an_id(store: Store) -> None:
+    run_id = run_in(store, R)
+    store.append_metrics(run_id, [{"step": s} for s in range(5)])
+    events = store.read_events(run_id)
+    assert len(events) == 7  # queued, running, 5 metrics
+
+    for k, event in enumerate(events):
+        assert store.read_events(run_id, after_id=event.id) == events[k + 1 :]
+    assert store.read_events(run_id, after_id=events[1].id, limit=2) == events[2:4]
+    # New events follow the last one a client saw.
+    store.append_metrics(run_id, [{"step": 5}])
+    newer = store.read_events(run_id, after_id=events[-1].id)
+    assert [(e.kind, e.data) for e in newer] == [("metrics", {"step": 5})]
+    assert event_id_order(newer[0].id) > event_id_order(events[-1].id)
+
+
+def test_events_refuse_bad_kinds_and_ids(store: Store) -> None:
+    run_id = run_in(store, R)
+    for kind in ["status", "metrics"]:
+        with pytest.raises(ValueError, match="written by the store itself"):
+            store.append_event(run_id, kind, {})
+    for kind in ["", "two words", "line\nbreak", "x" * 65]:
+        with pytest.raises(ValueError, match="event kind"):
+            store.append_event(run_id, kind, {})
+    for after_id in ["abc", "1-2-3", "-1", "1 "]:
+        with pytest.raises(InvalidCursor):
+            store.read_events(run_id, after_id=after_id)
+
+
+# --- logs ------------------------------------------------------------------------------------
+
+
+def test_logs_keep_a_bounded_tail(open_test_store: StoreOpener) -> None:
+    store = open_test_store(max_log_lines=5)
+    run_id = run_in(store, R)
+    other = run_in(store, R)
+    store.append_logs(run_id, ["a", "b", "c"])
+    store.append_logs(other, ["other"])
+    assert store.tail_logs(run_id, 10) == ["a", "b", "c"]
+    store.append_logs(run_id, ["d", "e", "f", "g"])
+
+    assert store.tail_logs(run_id, 10) == ["c", "d", "e", "f", "g"]
+    assert store.tail_logs(run_id, 2) == ["f", "g"]
+    assert store.tail_logs(run_id, 0) == []
+    assert store.tail_logs(other) == ["other"]
+    # Batches bigger than the bound keep their own tail.
+    store.append_logs(run_id, [f"line {i}" for i in range(3000)])
+    assert store.tail_logs(run_id) == [f"line {i}" for i in range(2995, 3000)]
+    with pytest.raises(TypeError, match="not one string"):
+        store.append_logs(run_id, "abc")
+
+
+# --- restart ---------------------------------------------------------------------------------
+
+
+def test_a_new_instance_finds_everything(open_test_store: StoreOpener) -> None:
+    store = open_test_store()
+    done = run_in(store, S, {"n": 1})
+    failed = store.transition(run_in(store, R, {"n": 2}), F, error="diverged").id
+    keyed = store.create_run({"n": 3}, idempotency_key="k")
+    store.append_metrics(done, [{"step": s, "reward": s * 0.5} for s in range(10)])
+    store.append_event(done, "checkpoint", {"step": 9})
+    store.append_logs(done, ["hello", "world"])
+    before = snapshot(store, [done, failed, keyed.id])
+    store.close()
+
+    reopened = open_test_store()
+    assert snapshot(reopened, [done, failed, keyed.id]) == before
+    # The idempotency key and the metrics high-water mark survived too.
+    assert reopened.create_run({"n": 3}, idempotency_key="k") == keyed
+    reopened.append_metrics(done, [{"step": 9}, {"step": 10}])
+    assert [r["step"] for r in reopened.read_metrics(done, since_step=8)] == [9, 10]
+
+
+def test_ping_and_records_as_json(store: Store) -> None:
+    assert store.ping() is True
+    run = store.create_run(SPEC)
+    dumped = run.model_dump(mode="json")
+    assert dumped["status"] == "queued"
+    assert dumped["transitions"][0]["status"] == "queued"
+    assert store.pending_writes == 0
+    assert store.flush() is True

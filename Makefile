@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv lint typecheck test test-vllm demo bench bench-pipeline bench-generation clean
+.PHONY: system-deps venv lint typecheck test test-vllm demo bench bench-pipeline bench-generation clean
 
 # The CPU build of torch goes in first: the package's torch range then resolves to it and
 # nothing pulls a CUDA build.
@@ -15,6 +15,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# Servers the tests run for real (each test session starts its own on a free loopback port):
+# redis-server, from the system's packages.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+system-deps:
+	@command -v redis-server >/dev/null || { \
+		$(SUDO) apt-get update -qq && \
+		$(SUDO) apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }
+
 venv: $(STAMP)
 
 lint: $(STAMP)
@@ -24,7 +32,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy kpo_core services
 
-test: lint typecheck
+test: system-deps lint typecheck
 	$(VENV)/bin/pytest --ignore=tests/services/generation/test_vllm_backend.py
 
 # The vLLM backend's tests, in their own virtualenv with the CPU build of vLLM (large: ~4 GB).

@@ -7,13 +7,25 @@ from pathlib import Path
 
 from services.pipeline.outputs import MetricsRecord
 
-# (panel title, metrics keys drawn in it)
-PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("reward", ("reward_mean", "accuracy")),
-    ("entropy", ("entropy",)),
-    ("clip fraction", ("clip_fraction",)),
-    ("staleness (versions)", ("staleness_mean", "staleness_max")),
+# (panel title, metrics keys drawn in it, whether a trend line is drawn over the noisy values)
+PANELS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
+    ("reward", ("reward_mean",), True),
+    ("entropy", ("entropy",), True),
+    ("clip fraction", ("clip_fraction",), True),
+    ("staleness (versions)", ("staleness_mean", "staleness_max"), False),
 )
+
+
+def moving_average(values: Sequence[float], window: int = 0) -> list[float]:
+    """Trailing mean over `window` points (default: a fifteenth of the series, at least 1)."""
+    window = window or max(1, len(values) // 15)
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
 
 
 def plot_curves(records: Sequence[MetricsRecord], path: Path, title: str = "") -> Path:
@@ -26,13 +38,18 @@ def plot_curves(records: Sequence[MetricsRecord], path: Path, title: str = "") -
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
-    steps = [r["step"] for r in records]
-    for axis, (panel, keys) in zip(axes.flat, PANELS, strict=True):
+    for axis, (panel, keys, smooth) in zip(axes.flat, PANELS, strict=True):
         for key in keys:
-            values = [r.get(key) for r in records]
-            points = [(s, v) for s, v in zip(steps, values, strict=True) if v is not None]
-            if points:
-                axis.plot(*zip(*points, strict=True), label=key, linewidth=1.2)
+            points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+            if not points:
+                continue
+            steps, values = zip(*points, strict=True)
+            if not smooth:
+                axis.plot(steps, values, label=key)
+                continue
+            (line,) = axis.plot(steps, values, linewidth=0.8, alpha=0.35)
+            # Batch means are noisy; the trend is what a person looks for.
+            axis.plot(steps, moving_average(values), color=line.get_color(), label=key)
         axis.set_title(panel)
         axis.grid(alpha=0.3)
         if len(keys) > 1:

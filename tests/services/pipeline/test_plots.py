@@ -1,0 +1,21 @@
+"""curves.png and its trend line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from services.pipeline.plots import moving_average, plot_curves
+
+
+def test_moving_average_is_a_trailing_mean() -> None:
+    # window 2: [1], [1, 2], [2, 3], [3, 4]
+    assert moving_average([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
+    assert moving_average([5.0] * 30) == [5.0] * 30
+
+
+def test_curves_are_drawn_even_with_gaps(tmp_path: Path) -> None:
+    keys = ("reward_mean", "entropy", "clip_fraction", "staleness_mean", "staleness_max")
+    records = [{"step": s, **dict.fromkeys(keys, s / 10)} for s in range(1, 31)]
+    records[3]["entropy"] = None  # a NaN written as null
+    path = plot_curves(records, tmp_path / "curves.png", "t")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

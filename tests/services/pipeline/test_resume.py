@@ -87,3 +87,34 @@ def test_a_killed_learner_fails_the_run_and_resume_continues_from_the_checkpoint
     # The resumed learner continued the versions: no step repeated or skipped.
     assert [r["policy_version"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert records[-1]["tokens_trained_total"] == sum(r["tokens_trained"] for r in records)
+
+
+def test_ctrl_c_finishes_the_step_checkpoints_and_records_the_run_as_cancelled(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "run.yaml"
+    run = {**TINY_RUN, "pipeline": {**TINY_RUN["pipeline"], "steps": 200, "checkpoint_every": 0}}
+    config.write_text(yaml.safe_dump(run))
+    out = tmp_path / "out"
+    # Its own process group, as a terminal's foreground job: Ctrl-C goes to the whole group.
+    driver = subprocess.Popen(
+        kpo("run", str(config), "--out", str(out)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        wait_for(lambda: len(steps_in(out)) >= 2, 240, "two learner steps")
+        os.killpg(driver.pid, signal.SIGINT)
+        output, _ = driver.communicate(timeout=120)
+    finally:
+        driver.kill()
+    assert driver.returncode == 130, output
+    assert "Traceback" not in output
+    status = json.loads((out / "status.json").read_text())
+    assert status["state"] == "cancelled"
+    steps = steps_in(out)
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) < 200
+    found = latest_checkpoint(out / "checkpoints")
+    assert found is not None and found[0] == steps[-1]

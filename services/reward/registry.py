@@ -70,6 +70,11 @@ def register_verifier(
     return decorator
 
 
+def builtin_verifier_names() -> list[str]:
+    """Names of the verifiers that ship with the package, sorted."""
+    return sorted(_BUILTINS)
+
+
 def verifier_names() -> list[str]:
     """Names of the verifiers known to this process, sorted."""
     return sorted(_BUILTINS.keys() | _REGISTRY.keys())

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
 import torch
 
 from kpo_core.config import AlgorithmConfig, LearnerConfig
@@ -16,9 +14,7 @@ from services.generation.base import SamplingSettings
 from services.generation.hf_backend import HFBackend
 from services.learner.step import LearnerCore
 from services.messages import Prompt, ScoredGroup, ScoredResponse
-from tests.services.generation.tiny_model import save_tiny_model
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
 PROMPTS = [Prompt("a", "1+2=", "3"), Prompt("b", "40-13=", "27"), Prompt("c", "7", "7")]
 GROUP_SIZE = 4
 
@@ -32,12 +28,6 @@ def one_torch_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The random tiny Qwen2 of the generation tests, saved once per session."""
-    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-learner"))
 
 
 def sample_groups(
@@ -82,22 +72,3 @@ def make_core(
 def groups(tiny_model_dir: Path) -> list[ScoredGroup]:
     """Three groups of four responses sampled at temperature 1 from the weights on disk."""
     return sample_groups(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def ray_instance() -> Iterator[None]:
-    """A local Ray instance for one module; reuses one that is already running."""
-    if ray.is_initialized():
-        yield
-        return
-    # Worker processes are told where the repository's packages live.
-    python_path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        runtime_env={"env_vars": {"PYTHONPATH": python_path}},
-    )
-    try:
-        yield
-    finally:
-        ray.shutdown()

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
-import ray
-
 from kpo_core.config import RunSpec
-from services.pipeline.actors import ACTOR_ENV
 from services.pipeline.specs import apply_overrides
 
 # Small enough for about a second per step on 2 cores. Difficulty 3 is the one the tiny model was
@@ -29,13 +24,3 @@ TINY_RUN: dict[str, Any] = {
 def tiny_spec(*overrides: str) -> RunSpec:
     """TINY_RUN with `key=value` overrides, validated."""
     return RunSpec.model_validate(apply_overrides(TINY_RUN, overrides))
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    """A local Ray instance for one module (runs then join it instead of starting their own)."""
-    ray.init(num_cpus=3, include_dashboard=False, runtime_env={"env_vars": ACTOR_ENV})
-    try:
-        yield
-    finally:
-        ray.shutdown()

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -39,26 +40,47 @@ def steps_in(out: Path) -> list[int]:
         return []
 
 
-def test_a_killed_learner_fails_the_run_and_resume_continues_from_the_checkpoint(
+def run_until(
     tmp_path: Path,
-) -> None:
+    out: Path,
+    steps: int,
+    checkpoint_every: int,
+    at_step: int,
+    act: Callable[[subprocess.Popen[str]], None],
+) -> tuple[subprocess.Popen[str], str]:
+    """Start `kpo run` on TINY_RUN in its own process group, `act(process)` once `at_step` steps
+    are recorded, and return the finished process and its output."""
     config = tmp_path / "run.yaml"
-    run = {**TINY_RUN, "pipeline": {**TINY_RUN["pipeline"], "steps": 6, "checkpoint_every": 2}}
-    config.write_text(yaml.safe_dump(run))
-    out = tmp_path / "out"
+    pipeline = {**TINY_RUN["pipeline"], "steps": steps, "checkpoint_every": checkpoint_every}
+    config.write_text(yaml.safe_dump({**TINY_RUN, "pipeline": pipeline}))
     driver = subprocess.Popen(
         kpo("run", str(config), "--out", str(out)),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=True,
     )
     try:
-        wait_for(lambda: len(steps_in(out)) >= 3, 240, "three learner steps")
-        learner_pid = json.loads((out / "status.json").read_text())["actors"]["learner"][0]
-        os.kill(learner_pid, signal.SIGKILL)
+        wait_for(lambda: len(steps_in(out)) >= at_step, 240, f"{at_step} learner steps")
+        act(driver)
         output, _ = driver.communicate(timeout=120)
     finally:
         driver.kill()
+    return driver, output
+
+
+def test_a_killed_learner_fails_the_run_and_resume_continues_from_the_checkpoint(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+
+    def kill_learner(_: subprocess.Popen[str]) -> None:
+        learner_pid = json.loads((out / "status.json").read_text())["actors"]["learner"][0]
+        os.kill(learner_pid, signal.SIGKILL)
+
+    driver, output = run_until(
+        tmp_path, out, steps=6, checkpoint_every=2, at_step=3, act=kill_learner
+    )
     assert driver.returncode == 1, output
     assert "run failed" in output and "Traceback" not in output
     status = json.loads((out / "status.json").read_text())
@@ -92,24 +114,17 @@ def test_a_killed_learner_fails_the_run_and_resume_continues_from_the_checkpoint
 def test_ctrl_c_finishes_the_step_checkpoints_and_records_the_run_as_cancelled(
     tmp_path: Path,
 ) -> None:
-    config = tmp_path / "run.yaml"
-    run = {**TINY_RUN, "pipeline": {**TINY_RUN["pipeline"], "steps": 200, "checkpoint_every": 0}}
-    config.write_text(yaml.safe_dump(run))
     out = tmp_path / "out"
-    # Its own process group, as a terminal's foreground job: Ctrl-C goes to the whole group.
-    driver = subprocess.Popen(
-        kpo("run", str(config), "--out", str(out)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+    driver, output = run_until(
+        tmp_path,
+        out,
+        steps=200,
+        checkpoint_every=0,
+        at_step=2,
+        # The run has its own process group, as a terminal's foreground job has: Ctrl-C goes
+        # to the whole group.
+        act=lambda driver: os.killpg(driver.pid, signal.SIGINT),
     )
-    try:
-        wait_for(lambda: len(steps_in(out)) >= 2, 240, "two learner steps")
-        os.killpg(driver.pid, signal.SIGINT)
-        output, _ = driver.communicate(timeout=120)
-    finally:
-        driver.kill()
     assert driver.returncode == 130, output
     assert "Traceback" not in output
     status = json.loads((out / "status.json").read_text())

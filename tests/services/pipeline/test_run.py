@@ -17,7 +17,7 @@ from services.pipeline.launch import execute_run
 from services.pipeline.outputs import RunDirectory, read_metrics
 from tests.services.pipeline.conftest import tiny_spec
 
-pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.usefixtures("ray_instance"), pytest.mark.timeout(300)]
 
 RECORD_KEYS = {
     "step",

@@ -1,0 +1,43 @@
+"""Fixtures shared by the service tests: a random tiny model on disk and a local Ray instance."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import ray
+
+from services.pipeline.actors import ACTOR_ENV
+from tests.services.generation.tiny_model import save_tiny_model
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny Qwen2 (`tests/services/generation/tiny_model.py`), saved once per session."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="module")
+def ray_instance() -> Iterator[None]:
+    """A local Ray instance for one module; reuses one that is already running.
+
+    Three CPUs: a run's generation worker and learner take one each, its verifier a fraction.
+    """
+    if ray.is_initialized():
+        yield
+        return
+    # Worker processes are told where the repository's packages live, installed or not.
+    python_path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+    ray.init(
+        num_cpus=3,
+        include_dashboard=False,
+        runtime_env={"env_vars": {**ACTOR_ENV, "PYTHONPATH": python_path}},
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()

@@ -76,6 +76,7 @@ class Counters:
 class GenerationCall:
     worker: int
     prompts: list[Prompt]
+    started: float
 
 
 @dataclass(frozen=True)
@@ -91,16 +92,23 @@ class LearnerCall:
 
 @dataclass
 class _Throughput:
-    """Generation tokens between two learner steps, for tokens/s."""
+    """Generation between two learner steps: tokens, and the seconds of each generate call."""
 
     tokens: int = 0
+    batch_seconds: list[float] = field(default_factory=list)
     since: float = field(default_factory=time.perf_counter)
 
-    def rate_and_reset(self) -> float:
+    def record_and_reset(self) -> dict[str, float]:
         now = time.perf_counter()
-        rate = self.tokens / max(now - self.since, 1e-9)
-        self.tokens, self.since = 0, now
-        return rate
+        batches = self.batch_seconds
+        record = {
+            "generation_tokens_per_s": self.tokens / max(now - self.since, 1e-9),
+            # Mean over the calls that finished since the last step (0 if none did).
+            "generation_batch_seconds": sum(batches) / len(batches) if batches else 0.0,
+            "generation_batches": float(len(batches)),
+        }
+        self.tokens, self.batch_seconds, self.since = 0, [], now
+        return record
 
 
 class CancelRequested(Exception):
@@ -283,7 +291,7 @@ class RunDriver:
             )
             self.counters.generation_calls += 1
             ref = actors.generation[worker].generate.remote(prompts, gen.group_size, sampling)
-            self._pending[ref] = GenerationCall(worker, prompts)
+            self._pending[ref] = GenerationCall(worker, prompts, time.perf_counter())
 
     def _dispatch_learner(self, actors: RunActors) -> None:
         if self._learner_busy():
@@ -312,6 +320,7 @@ class RunDriver:
         tokens = sum(len(r.response_token_ids) for group in groups for r in group)
         self.counters.tokens_generated_total += tokens
         self._throughput.tokens += tokens
+        self._throughput.batch_seconds.append(time.perf_counter() - call.started)
         verifier = actors.verifiers[self._next_verifier % len(actors.verifiers)]
         self._next_verifier += 1
         ref = verifier.score.remote(list(zip(call.prompts, groups, strict=True)))
@@ -333,7 +342,7 @@ class RunDriver:
             "wall_seconds": self._elapsed(),
             **learner_metrics,
             "step_seconds": step_seconds,
-            "generation_tokens_per_s": self._throughput.rate_and_reset(),
+            **self._throughput.record_and_reset(),
             "tokens_generated_total": self.counters.tokens_generated_total,
             "tokens_trained_total": self.counters.tokens_trained_total,
             "rollouts_dropped_stale": self.counters.rollouts_dropped_stale,

@@ -41,6 +41,7 @@ RECORD_KEYS = {
     "tokens_trained",
     "step_seconds",
     "generation_tokens_per_s",
+    "generation_batch_seconds",
     "rollouts_dropped_stale",
 }
 

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: system-deps venv lint typecheck test test-vllm demo bench bench-pipeline bench-generation clean
+.PHONY: system-deps venv lint typecheck test test-vllm demo bench bench-pipeline bench-api bench-generation clean
 
 # The CPU build of torch goes in first: the package's torch range then resolves to it and
 # nothing pulls a CUDA build.
@@ -15,13 +15,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-# Servers the tests run for real (each test session starts its own on a free loopback port):
-# redis-server, from the system's packages.
+# What the tests run for real, from the system's packages: redis-server (each test session
+# starts its own on a free loopback port), promtool (checks the /metrics output), and headless
+# Chromium with its driver (the dashboard's browser test).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+SYSTEM_TOOLS := redis-server:redis-server promtool:prometheus chromium:chromium chromedriver:chromium-driver
 system-deps:
-	@command -v redis-server >/dev/null || { \
+	@missing=$$(for pair in $(SYSTEM_TOOLS); do command -v $${pair%%:*} >/dev/null || echo $${pair#*:}; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing $$missing"; \
 		$(SUDO) apt-get update -qq && \
-		$(SUDO) apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }
+		$(SUDO) apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
 
 venv: $(STAMP)
 
@@ -51,6 +56,9 @@ bench: $(STAMP) bench-pipeline
 
 bench-pipeline: $(STAMP)
 	$(PY) benchmarks/bench_pipeline.py
+
+bench-api: $(STAMP) system-deps
+	$(PY) benchmarks/bench_api.py
 
 # hf and vllm in the same run: the vLLM environment has both.
 bench-generation:

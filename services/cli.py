@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, NoReturn, cast
 
 import typer
 import yaml
@@ -13,7 +18,15 @@ from pydantic import ValidationError
 
 import kpo_core
 from kpo_core.config import AlgorithmConfig, RunSpec, describe_validation_error
-from services.pipeline.outputs import CONFIG_FILE, ProgressPrinter, RunDirectory, RunState
+from services.api.client import DEFAULT_SERVER, ApiClient, ApiError, ServerUnreachable
+from services.pipeline.outputs import (
+    CONFIG_FILE,
+    ProgressPrinter,
+    RunDirectory,
+    RunState,
+    format_progress_line,
+    format_status_line,
+)
 from services.pipeline.specs import (
     SpecError,
     load_run_spec,
@@ -21,6 +34,15 @@ from services.pipeline.specs import (
     preflight,
     read_yaml_mapping,
 )
+from services.store import (
+    RunNotFound,
+    Store,
+    StoreError,
+    StoreUnavailable,
+    open_store,
+    store_from_env,
+)
+from services.store.factory import DEFAULT_DATA_DIR
 
 app = typer.Typer(help="KPO-RL: asynchronous RL for LLMs with Kalman-filtered ratios.")
 config_app = typer.Typer(help="Inspect and validate configuration files.")
@@ -60,6 +82,7 @@ def check_algorithm(
     typer.echo(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), nl=False)
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 EXIT_CODES: dict[RunState, int] = {"succeeded": 0, "failed": 1, "cancelled": 130}
 
 
@@ -148,6 +171,243 @@ def resume(
     run_dir = RunDirectory(out)
     run_dir.write_config(spec.model_dump(mode="json"))
     _execute(spec, run_dir)
+
+
+@app.command(hidden=True)
+def execute(
+    run_id: Annotated[str, typer.Argument(help="id of a stored run")],
+    data_dir: Annotated[
+        Path, typer.Option(envvar="KPO_DATA_DIR", help="runs go to DATA_DIR/runs/RUN_ID")
+    ] = Path(DEFAULT_DATA_DIR),
+    store_url: Annotated[
+        str | None,
+        typer.Option(envvar="KPO_STORE_URL", help="redis://... or a directory; default DATA_DIR"),
+    ] = None,
+) -> None:
+    """Run a stored run: the entrypoint of the Ray job the control plane submits for it."""
+    import logging
+
+    from services.pipeline.job import execute_stored_run
+
+    # Warnings of the store (an outage, a write not stored) belong in the job's log.
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    try:
+        store = open_store(store_url, data_dir)
+    except ValueError as error:
+        fail(str(error))
+    try:
+        state = execute_stored_run(store, run_id, data_dir)
+    except RunNotFound as error:
+        fail(str(error))
+    except StoreUnavailable as error:
+        fail(f"the store is unreachable: {error}", EXIT_CODES["failed"])
+    finally:
+        _close_quietly(store)
+    raise typer.Exit(code=EXIT_CODES[state])
+
+
+def _close_quietly(store: Store) -> None:
+    """Close the store; writes it could not store by now are reported, not raised."""
+    try:
+        store.close()
+    except StoreError as error:
+        typer.echo(f"[kpo] warning: {error}", err=True)
+
+
+# --- the control plane: serve it, and talk to it ------------------------------------------
+
+ServerOption = Annotated[
+    str, typer.Option("--server", envvar="KPO_SERVER", help="URL of the KPO control plane")
+]
+
+
+def _api_client(server: str) -> ApiClient:
+    """A client of `server`, with the token of KPO_API_TOKEN (or the file KPO_API_TOKEN_FILE)."""
+    token = os.environ.get("KPO_API_TOKEN")
+    token_file = os.environ.get("KPO_API_TOKEN_FILE")
+    if not token and token_file:
+        try:
+            token = Path(token_file).expanduser().read_text(encoding="utf-8").strip()
+        except OSError as error:
+            fail(f"KPO_API_TOKEN_FILE {token_file}: {error}")
+    return ApiClient(server, token)
+
+
+@contextmanager
+def _reporting_api_errors() -> Iterator[None]:
+    """API errors become one line and an exit code: 2 for a 4xx, 1 for the rest."""
+    try:
+        yield
+    except ApiError as error:
+        fail(str(error), 2 if error.status < 500 else 1)
+    except ServerUnreachable as error:
+        fail(str(error), 1)
+
+
+@app.command()
+def submit(
+    config: Annotated[Path, typer.Argument(help="YAML run file (a RunSpec)")],
+    overrides: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="override a key of the file: --set pipeline.steps=20"),
+    ] = None,
+    server: ServerOption = DEFAULT_SERVER,
+    follow: Annotated[
+        bool, typer.Option(help="print its progress until it ends; exit 0/1/130 by its outcome")
+    ] = False,
+    idempotency_key: Annotated[
+        str | None, typer.Option(help="resending with the same key never starts a second run")
+    ] = None,
+) -> None:
+    """Submit a run file to the control plane; print the run's id."""
+    try:
+        spec = load_run_spec(config, overrides or [])
+    except SpecError as error:
+        fail(str(error))
+    with _api_client(server) as client, _reporting_api_errors():
+        run = client.create_run(spec.model_dump(mode="json"), idempotency_key)
+        typer.echo(run["id"])
+        if follow:
+            _follow(client, run["id"], spec.pipeline.steps)
+
+
+def _follow(client: ApiClient, run_id: str, total_steps: int) -> NoReturn:
+    """Print the run's status changes and progress lines until it ends; exit by its outcome."""
+    state: RunState = "queued"
+    try:
+        for event in client.follow(run_id):
+            if event.kind == "status":
+                state = cast(RunState, event.data.get("status"))
+                typer.echo(format_status_line(state, event.data.get("error")))
+            elif event.kind == "metrics":
+                typer.echo(format_progress_line(event.data, total_steps))
+    except KeyboardInterrupt:
+        typer.echo(f"[kpo] stopped following {run_id}; it goes on (`kpo cancel {run_id}`)")
+        raise typer.Exit(code=130) from None
+    raise typer.Exit(code=EXIT_CODES.get(state, 1))
+
+
+@app.command()
+def runs(
+    status: Annotated[
+        str | None, typer.Option(help="only runs with this status, e.g. running")
+    ] = None,
+    limit: Annotated[int, typer.Option(min=1, max=100, help="how many, newest first")] = 20,
+    server: ServerOption = DEFAULT_SERVER,
+) -> None:
+    """List runs, newest first."""
+    with _api_client(server) as client, _reporting_api_errors():
+        page = client.list_runs(status, limit)
+    for run in page["runs"]:
+        name = run["spec"].get("name", "")
+        typer.echo(f"{run['id']}  {run['status']:<9}  {_when(run['created_at'])}  {name}")
+
+
+@app.command()
+def status(
+    run_id: Annotated[str, typer.Argument(help="the run's id")],
+    server: ServerOption = DEFAULT_SERVER,
+    as_json: Annotated[bool, typer.Option("--json", help="print the run record as JSON")] = False,
+) -> None:
+    """Show a run: its status, every transition, and the error of a failed run."""
+    with _api_client(server) as client, _reporting_api_errors():
+        run = client.get_run(run_id)
+    if as_json:
+        typer.echo(json.dumps(run, indent=2))
+        return
+    typer.echo(f"{run['id']}  {run['status']}  {run['spec'].get('name', '')}")
+    for transition in run["transitions"]:
+        typer.echo(f"  {transition['status']:<9}  {_when(transition['at'])}")
+    if run.get("error"):
+        typer.echo(f"error: {run['error']}")
+
+
+@app.command()
+def cancel(
+    run_id: Annotated[str, typer.Argument(help="the run's id")],
+    server: ServerOption = DEFAULT_SERVER,
+) -> None:
+    """Cancel a run: a queued one at once, a running one after its current learner step."""
+    with _api_client(server) as client, _reporting_api_errors():
+        run = client.cancel_run(run_id)
+    if run["status"] == "cancelled":
+        typer.echo(f"{run_id}: cancelled")
+    else:
+        typer.echo(f"{run_id}: cancel requested; it stops after its current learner step")
+
+
+def _when(timestamp: str) -> str:
+    """An API timestamp (ISO 8601, UTC) in local time, to the second."""
+    return datetime.fromisoformat(timestamp).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="port to listen on")] = 8000,
+    insecure: Annotated[
+        bool, typer.Option(help="allow a non-loopback address without an API token")
+    ] = False,
+    ray_cpus: Annotated[
+        int | None,
+        typer.Option(min=1, help="CPUs of the local Ray head, if one is started; default >= 4"),
+    ] = None,
+) -> None:
+    """Run the control plane: the REST API, the dashboard, and runs as Ray jobs.
+
+    Runs go to the Ray cluster at RAY_ADDRESS, or to a local Ray head this command starts (and
+    leaves running, so that runs survive a restart of the control plane).
+    """
+    import logging
+
+    import uvicorn
+
+    from services.api.app import create_app
+    from services.api.launcher import launcher_from_env
+    from services.api.settings import ApiSettings
+
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    try:
+        settings = ApiSettings()
+        token = settings.token()
+    except (ValidationError, ValueError) as error:
+        fail(f"settings: {error}")
+    if token is None and not _is_loopback(host) and not insecure:
+        fail(
+            f"refusing to serve on {host} without an API token: set KPO_API_TOKEN (or "
+            "KPO_API_TOKEN_FILE), listen on 127.0.0.1, or pass --insecure"
+        )
+    try:
+        store = store_from_env()
+    except ValueError as error:
+        fail(str(error))
+    try:
+        try:
+            launcher = launcher_from_env(settings.data_dir, settings.store_url, head_cpus=ray_cpus)
+        except (RuntimeError, OSError, ValueError) as error:
+            fail(f"cannot set up Ray: {error}", 1)
+        launcher.start_reconciler(store)
+        try:
+            uvicorn.run(
+                create_app(settings, store, launcher),
+                host=host,
+                port=port,
+                # Open event streams must not hold a shutdown (or a restart) up for long.
+                timeout_graceful_shutdown=5,
+            )
+        finally:
+            launcher.close()
+    finally:
+        _close_quietly(store)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 if __name__ == "__main__":

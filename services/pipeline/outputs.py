@@ -50,6 +50,11 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+def json_safe_record(record: MetricsRecord) -> MetricsRecord:
+    """`record` with NaN/inf values as None, ready for JSON (files, stores, HTTP)."""
+    return {key: _json_safe(value) for key, value in record.items()}
+
+
 def read_metrics(out_dir: Path) -> list[MetricsRecord]:
     """The metrics records of a run directory, in file order."""
     path = out_dir / METRICS_FILE
@@ -89,7 +94,7 @@ class RunDirectory:
         _write_atomic(self.path / METRICS_FILE, text)
 
     def on_metrics(self, record: MetricsRecord) -> None:
-        line = json.dumps({k: _json_safe(v) for k, v in record.items()})
+        line = json.dumps(json_safe_record(record))
         with (self.path / METRICS_FILE).open("a", encoding="utf-8") as file:
             file.write(line + "\n")
 
@@ -100,6 +105,36 @@ class RunDirectory:
         _write_atomic(self.path / STATUS_FILE, json.dumps(self._status, indent=2) + "\n")
 
 
+def format_status_line(state: RunState, error: str | None = None) -> str:
+    """The line a status change prints: `[kpo] run failed: <error>`."""
+    suffix = f": {error}" if error else ""
+    return f"[kpo] run {state}{suffix}"
+
+
+def format_progress_line(record: MetricsRecord, total_steps: int) -> str:
+    """The line a learner step prints: the numbers a person watches, step counted to `total`.
+
+    Also prints records read back from JSON, where a NaN became None.
+    """
+
+    def num(key: str, spec: str) -> str:
+        value = record.get(key)
+        return "nan" if value is None else format(value, spec)
+
+    width = len(str(total_steps))
+    fields = [
+        f"step {record['step']:>{width}}/{total_steps}",
+        f"reward {num('reward_mean', '.3f')}",
+        f"acc {num('accuracy', '.3f')}",
+        f"entropy {num('entropy', '.3f')}",
+        f"clip {num('clip_fraction', '.4f')}",
+        f"staleness {num('staleness_mean', '.2f')}/{num('staleness_max', '.0f')}",
+        f"dropped {num('rollouts_dropped_stale', '')}",
+        f"{num('step_seconds', '.2f')}s",
+    ]
+    return "  ".join(fields)
+
+
 class ProgressPrinter:
     """One line per learner step with the numbers a person watches, and every status change."""
 
@@ -108,19 +143,7 @@ class ProgressPrinter:
         self._stream = stream
 
     def on_status(self, state: RunState, error: str | None = None, **details: Any) -> None:
-        suffix = f": {error}" if error else ""
-        print(f"[kpo] run {state}{suffix}", file=self._stream, flush=True)
+        print(format_status_line(state, error), file=self._stream, flush=True)
 
     def on_metrics(self, record: MetricsRecord) -> None:
-        width = len(str(self._total))
-        fields = [
-            f"step {record['step']:>{width}}/{self._total}",
-            f"reward {record['reward_mean']:.3f}",
-            f"acc {record['accuracy']:.3f}",
-            f"entropy {record['entropy']:.3f}",
-            f"clip {record['clip_fraction']:.4f}",
-            f"staleness {record['staleness_mean']:.2f}/{record['staleness_max']:.0f}",
-            f"dropped {record['rollouts_dropped_stale']}",
-            f"{record['step_seconds']:.2f}s",
-        ]
-        print("  ".join(fields), file=self._stream, flush=True)
+        print(format_progress_line(record, self._total), file=self._stream, flush=True)

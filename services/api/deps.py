@@ -1,0 +1,35 @@
+"""Request dependencies, in one place: the store, the launcher, and the auth checks."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+
+from services.api.auth import BearerAuth
+from services.store import Store
+
+
+def get_store(request: Request) -> Store:
+    store: Store = request.app.state.store
+    return store
+
+
+def get_launcher(request: Request) -> Any:
+    return request.app.state.launcher
+
+
+def require_read(request: Request) -> None:
+    auth: BearerAuth = request.app.state.auth
+    auth.check(request, write=False)
+
+
+def require_write(request: Request) -> None:
+    auth: BearerAuth = request.app.state.auth
+    auth.check(request, write=True)
+
+
+StoreDep = Annotated[Store, Depends(get_store)]
+LauncherDep = Annotated[Any, Depends(get_launcher)]
+ReadAccess = Depends(require_read)
+WriteAccess = Depends(require_write)

@@ -1,0 +1,156 @@
+"""/v1/runs: create, list, get, cancel; metrics history, live events and log tail of a run."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, HTTPException, Query, Request, status
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from kpo_core.config import RunSpec
+from services.api.deps import LauncherDep, ReadAccess, StoreDep, WriteAccess
+from services.api.sse import run_events
+from services.store import TERMINAL_STATUSES, InvalidTransition, RunRecord, RunStatus
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1/runs", tags=["runs"])
+
+
+class RunPage(BaseModel):
+    runs: list[RunRecord]
+    next_cursor: str | None
+
+
+class MetricsPage(BaseModel):
+    run_id: str
+    records: list[dict[str, Any]]
+    last_step: int | None
+
+
+class LogTail(BaseModel):
+    run_id: str
+    lines: list[str]
+
+
+@router.post(
+    "", status_code=status.HTTP_201_CREATED, response_model=RunRecord, dependencies=[WriteAccess]
+)
+def create_run(
+    spec: RunSpec,
+    store: StoreDep,
+    launcher: LauncherDep,
+    idempotency_key: Annotated[
+        str | None, Header(min_length=1, max_length=255, description="resend-safe key")
+    ] = None,
+) -> RunRecord:
+    """Queue a run of `spec` and launch it as a Ray job.
+
+    With an `Idempotency-Key`, sending the same key and body again returns the same run; the
+    same key with another body is a 409.
+    """
+    run = store.create_run(spec.model_dump(mode="json"), idempotency_key)
+    if run.status == RunStatus.QUEUED:
+        try:
+            launcher.submit(run)
+        except Exception as error:
+            # The run stays queued: the launcher's reconciler submits queued runs again.
+            log.warning("could not launch %s yet: %s", run.id, error)
+    return run
+
+
+@router.get("", response_model=RunPage, dependencies=[ReadAccess])
+def list_runs(
+    store: StoreDep,
+    status_filter: Annotated[RunStatus | None, Query(alias="status")] = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    cursor: Annotated[str | None, Query(max_length=200)] = None,
+) -> RunPage:
+    """Runs, newest first, a page at a time (`next_cursor` fetches the next page)."""
+    runs, next_cursor = store.list_runs(status_filter, limit, cursor)
+    return RunPage(runs=runs, next_cursor=next_cursor)
+
+
+@router.get("/{run_id}", response_model=RunRecord, dependencies=[ReadAccess])
+def get_run(run_id: str, store: StoreDep) -> RunRecord:
+    return store.get_run(run_id)
+
+
+@router.post(
+    "/{run_id}/cancel",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=RunRecord,
+    dependencies=[WriteAccess],
+)
+def cancel_run(run_id: str, store: StoreDep, launcher: LauncherDep) -> RunRecord:
+    """Stop a run: a queued one is cancelled at once; a running one finishes its learner step,
+    writes a checkpoint and records `cancelled`. A finished run is a 409."""
+    run = store.get_run(run_id)
+    if run.status in TERMINAL_STATUSES:
+        raise InvalidTransition(run_id, run.status.value, "cancelled", [])
+    if run.status == RunStatus.QUEUED:
+        run = store.transition(run_id, RunStatus.CANCELLED, "cancelled before it started")
+    try:
+        launcher.stop(run_id)
+    except Exception as error:
+        if run.status == RunStatus.CANCELLED:
+            # Recorded already; the reconciler stops a job of a finished run when it can.
+            log.warning("could not stop the job of cancelled run %s yet: %s", run_id, error)
+            return run
+        raise HTTPException(
+            status.HTTP_503_SERVICE_UNAVAILABLE,
+            f"could not reach the Ray job server to stop {run_id}; try again: {error}",
+        ) from None
+    return run
+
+
+@router.get("/{run_id}/metrics", response_model=MetricsPage, dependencies=[ReadAccess])
+def get_metrics(
+    run_id: str,
+    store: StoreDep,
+    since_step: Annotated[int, Query(ge=-1, le=2**53 - 1)] = -1,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+) -> MetricsPage:
+    """Metrics records with step > `since_step`, in step order, at most `limit` of them."""
+    store.get_run(run_id)  # 404 for an unknown run, not an empty history
+    records = store.read_metrics(run_id, since_step, limit)
+    last = records[-1]["step"] if records else None
+    return MetricsPage(run_id=run_id, records=records, last_step=last)
+
+
+@router.get(
+    "/{run_id}/events",
+    dependencies=[ReadAccess],
+    response_class=StreamingResponse,
+    responses={200: {"content": {"text/event-stream": {}}, "description": "event stream"}},
+)
+def stream_events(
+    run_id: str,
+    request: Request,
+    store: StoreDep,
+    last_event_id: Annotated[str | None, Header(max_length=100)] = None,
+    last_event_id_query: Annotated[str | None, Query(alias="last_event_id", max_length=100)] = None,
+) -> StreamingResponse:
+    """Server-sent events: `status` changes and one `metrics` event per learner step.
+
+    Resume after a reconnect with the `Last-Event-ID` header (or `?last_event_id=`).
+    """
+    store.get_run(run_id)
+    after = last_event_id or last_event_id_query
+    store.read_events(run_id, after, 1)  # a bad id is a 422 now, not a broken stream later
+    return StreamingResponse(
+        run_events(request, store, run_id, after),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+@router.get("/{run_id}/logs", response_model=LogTail, dependencies=[ReadAccess])
+def tail_logs(
+    run_id: str, store: StoreDep, tail: Annotated[int, Query(ge=0, le=10_000)] = 200
+) -> LogTail:
+    """The last `tail` lines the run's driver printed."""
+    store.get_run(run_id)
+    return LogTail(run_id=run_id, lines=store.tail_logs(run_id, tail))

@@ -1,0 +1,99 @@
+"""A run observer that reports into the control plane's store (see `services.store`).
+
+The driver reports `running`, then one metrics record per learner step, then `succeeded`,
+`failed` or `cancelled`. This observer writes each report with the store's buffered writes
+(`transition(..., buffer=True)`, `append_metrics`, `append_logs`), so that a Redis restart in the
+middle of a run delays the reports instead of losing them or stopping the run.
+
+How the driver's reports map onto the store's lifecycle (`queued -> running -> final`):
+
+- `running` from a resumed run (its Ray job restarted, or run again, from a checkpoint) finds
+  the run already `running`. The lifecycle has no `running -> running`, so the transition is
+  skipped and only a log line says that the run resumed.
+- A report the lifecycle rejects because the run already finished (the control plane cancelled
+  it while it was still queued, or the reconciler gave up on it) is logged and skipped; with
+  `on_finished_elsewhere` the run is also asked to stop, since nobody is waiting for it.
+- A write the store cannot accept now (`BufferFull`: Redis has been down for so long that the
+  outage buffer filled up), or that it rejects for any other store reason, is logged and the run
+  goes on. The run's own output directory still has every record.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from services.pipeline.outputs import (
+    MetricsRecord,
+    RunState,
+    format_progress_line,
+    format_status_line,
+    json_safe_record,
+)
+from services.store import InvalidTransition, RunStatus, Store, StoreError
+from services.store.lifecycle import STATUSES_WITH_ERROR, TERMINAL_STATUSES
+
+log = logging.getLogger(__name__)
+
+FINAL_STATES: frozenset[RunState] = frozenset({"succeeded", "failed", "cancelled"})
+
+
+class StoreObserver:
+    """Writes a run's status changes, metrics records and progress lines into `store`."""
+
+    def __init__(
+        self,
+        store: Store,
+        run_id: str,
+        total_steps: int,
+        on_finished_elsewhere: Callable[[], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.run_id = run_id
+        self.total_steps = total_steps
+        self._on_finished_elsewhere = on_finished_elsewhere
+        self.final_state: RunState | None = None  # the final state this observer reported
+
+    def on_status(self, state: RunState, error: str | None = None, **details: Any) -> None:
+        if state in FINAL_STATES:
+            self.final_state = state
+        # The store keeps an error only with the statuses that may carry one.
+        kept_error = error if RunStatus(state) in STATUSES_WITH_ERROR else None
+        self._write(
+            f"status {state}",
+            lambda: self.store.transition(self.run_id, state, kept_error, buffer=True),
+        )
+        lines = [format_status_line(state, error)]
+        resumed_from = details.get("resumed_from")
+        if state == "running" and resumed_from is not None:
+            lines.append(f"[kpo] resumed from the checkpoint of step {resumed_from}")
+        self._write("log lines", lambda: self.store.append_logs(self.run_id, lines))
+
+    def on_metrics(self, record: MetricsRecord) -> None:
+        safe = json_safe_record(record)
+        line = format_progress_line(safe, self.total_steps)
+        self._write(f"metrics of step {safe['step']}", lambda: self._append_metrics(safe))
+        self._write("log lines", lambda: self.store.append_logs(self.run_id, [line]))
+
+    def _append_metrics(self, record: MetricsRecord) -> None:
+        self.store.append_metrics(self.run_id, [record])
+
+    def _write(self, what: str, write: Callable[[], object]) -> None:
+        """Make one store write; a store error is logged, never raised into the run."""
+        try:
+            write()
+        except InvalidTransition as error:
+            self._on_rejected(error)
+        except StoreError as error:  # BufferFull included: the run goes on without this write
+            log.warning("run %s: %s not stored: %s", self.run_id, what, error)
+
+    def _on_rejected(self, error: InvalidTransition) -> None:
+        """A status report the lifecycle refused: a resume, or a run that finished elsewhere."""
+        if error.current == error.requested == RunStatus.RUNNING.value:
+            log.info("run %s resumed: it is running already", self.run_id)
+            return
+        log.warning("run %s: status report skipped: %s", self.run_id, error)
+        finished = RunStatus(error.current) in TERMINAL_STATUSES
+        if finished and error.requested == "running" and self._on_finished_elsewhere is not None:
+            self._on_finished_elsewhere()

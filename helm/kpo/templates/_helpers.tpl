@@ -1,0 +1,321 @@
+{{/*
+Names, labels and the pieces several templates share. A template that needs a name, a label
+set, an image reference or a pod fragment takes it from here, so the resources cannot drift apart.
+*/}}
+
+{{/* The chart name, or nameOverride. */}}
+{{- define "kpo.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+The prefix of every resource name: <release>-<chart>, or the release name alone when it already
+contains the chart name, or fullnameOverride. 40 characters at most, so that every name derived
+from it (KubeRay's `<cluster>-head-svc`, `-control-plane`, ...) stays within Kubernetes' 63.
+*/}}
+{{- define "kpo.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The name of one component's resources: (dict "ctx" $ "component" "redis") -> <fullname>-redis. */}}
+{{- define "kpo.componentName" -}}
+{{- printf "%s-%s" (include "kpo.fullname" .ctx) .component | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* chart label value: <name>-<version>. */}}
+{{- define "kpo.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Selector labels of one component: (dict "ctx" $ "component" "control-plane"). */}}
+{{- define "kpo.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kpo.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* Every label of one component's resources: (dict "ctx" $ "component" "redis"). */}}
+{{- define "kpo.labels" -}}
+helm.sh/chart: {{ include "kpo.chart" .ctx }}
+{{ include "kpo.selectorLabels" . }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: kpo-rl
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+{{- with .ctx.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* metadata.name and metadata.labels of one component's resource. */}}
+{{- define "kpo.metadata" -}}
+name: {{ include "kpo.componentName" . }}
+labels:
+  {{- include "kpo.labels" . | nindent 2 }}
+{{- end }}
+
+{{/* The control plane's ServiceAccount. */}}
+{{- define "kpo.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "kpo.componentName" (dict "ctx" . "component" "control-plane")) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* An image reference: (dict "image" .Values.x.image "ctx" $); the tag defaults to appVersion. */}}
+{{- define "kpo.image" -}}
+{{- printf "%s:%s" .image.repository (.image.tag | default .ctx.Chart.AppVersion) }}
+{{- end }}
+
+{{/*
+The pod-level settings every pod of the chart has: imagePullSecrets, the pod securityContext and
+the scheduling constraints. (dict "ctx" $ "securityContext" <podSecurityContext>
+"scheduling" <a map with nodeSelector, tolerations, affinity>)
+*/}}
+{{- define "kpo.podSettings" -}}
+securityContext:
+  {{- toYaml .securityContext | nindent 2 }}
+{{- with .ctx.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .scheduling.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .scheduling.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .scheduling.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/*
+A random secret value, base64-encoded, that survives upgrades: the value already in the Secret
+when there is one (`lookup`; `helm template` sees none and makes a new one every time).
+(dict "ctx" $ "secret" NAME "key" KEY)
+*/}}
+{{- define "kpo.generatedSecretValue" -}}
+{{- $existing := lookup "v1" "Secret" .ctx.Release.Namespace .secret }}
+{{- dig "data" .key "" ($existing | default dict) | default (randAlphaNum 40 | b64enc) }}
+{{- end }}
+
+{{/* The Secret holding the API token. */}}
+{{- define "kpo.apiTokenSecretName" -}}
+{{- .Values.apiToken.existingSecret | default (include "kpo.componentName" (dict "ctx" . "component" "api-token")) }}
+{{- end }}
+
+{{/* The Secret holding the Redis password. */}}
+{{- define "kpo.redisSecretName" -}}
+{{- .Values.redis.auth.existingSecret | default (include "kpo.componentName" (dict "ctx" . "component" "redis")) }}
+{{- end }}
+
+{{/* The Redis URL without credentials: the built-in Redis' Service, or redis.external.url. */}}
+{{- define "kpo.redisUrl" -}}
+{{- if .Values.redis.builtin.enabled }}
+{{- printf "redis://%s:6379/0" (include "kpo.componentName" (dict "ctx" . "component" "redis")) }}
+{{- else }}
+{{- .Values.redis.external.url }}
+{{- end }}
+{{- end }}
+
+{{/*
+Environment entries that give a container KPO_STORE_URL. The password goes into the URL through
+Kubernetes' $(VAR) expansion, so it is read from the Secret and never written into a manifest.
+*/}}
+{{- define "kpo.storeEnv" -}}
+{{- $url := include "kpo.redisUrl" . }}
+{{- if .Values.redis.auth.enabled -}}
+- name: KPO_REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kpo.redisSecretName" . }}
+      key: {{ .Values.redis.auth.secretKey }}
+- name: KPO_STORE_URL
+  value: {{ regexReplaceAll "^(rediss?://)" $url "${1}:$(KPO_REDIS_PASSWORD)@" | quote }}
+{{- else -}}
+- name: KPO_STORE_URL
+  value: {{ $url | quote }}
+{{- end }}
+{{- end }}
+
+{{/* The RayCluster's name; KubeRay names the head's Service `<name>-head-svc`. */}}
+{{- define "kpo.rayClusterName" -}}
+{{- include "kpo.componentName" (dict "ctx" . "component" "ray") }}
+{{- end }}
+
+{{/* Where the control plane submits runs: the job server of the chart's RayCluster, or ray.address. */}}
+{{- define "kpo.rayAddress" -}}
+{{- if .Values.ray.cluster.enabled }}
+{{- printf "http://%s-head-svc.%s.svc:8265" (include "kpo.rayClusterName" .) .Release.Namespace }}
+{{- else }}
+{{- .Values.ray.address }}
+{{- end }}
+{{- end }}
+
+{{/* The claim of ray.runsVolume: an existing one, or the chart's. */}}
+{{- define "kpo.runsClaimName" -}}
+{{- .Values.ray.runsVolume.existingClaim | default (include "kpo.componentName" (dict "ctx" . "component" "runs")) }}
+{{- end }}
+
+{{/*
+A Ray pod template's spec, for the head and for every worker group alike.
+(dict "ctx" $ "group" <head or merged worker group> "container" "ray-head"|"ray-worker"
+      "gpus" <nvidia.com/gpu per pod> "ports" <list of ContainerPort>
+      "kubeApi" <whether the pod talks to the Kubernetes API: the head, for the autoscaler>)
+*/}}
+{{- define "kpo.rayPodSpec" -}}
+{{- $ray := .ctx.Values.ray }}
+{{- $resources := deepCopy (.group.resources | default dict) }}
+{{- if gt (int .gpus) 0 }}
+{{- range $kind := list "requests" "limits" }}
+{{- $_ := set $resources $kind (set (deepCopy (get $resources $kind | default dict)) "nvidia.com/gpu" (int $.gpus)) }}
+{{- end }}
+{{- end -}}
+{{ include "kpo.podSettings" (dict "ctx" .ctx "securityContext" $ray.podSecurityContext "scheduling" .group) }}
+{{- if not .kubeApi }}
+# Nothing in this pod calls the Kubernetes API.
+automountServiceAccountToken: false
+{{- end }}
+containers:
+  - name: {{ .container }}
+    image: {{ include "kpo.image" (dict "image" $ray.image "ctx" .ctx) }}
+    imagePullPolicy: {{ $ray.image.pullPolicy }}
+    env:
+      - name: KPO_DATA_DIR
+        value: {{ .ctx.Values.dataDir | quote }}
+      {{- with $ray.extraEnv }}
+      {{- toYaml . | nindent 6 }}
+      {{- end }}
+    ports:
+      {{- toYaml .ports | nindent 6 }}
+    resources:
+      {{- toYaml $resources | nindent 6 }}
+    securityContext:
+      {{- toYaml $ray.securityContext | nindent 6 }}
+    lifecycle:
+      preStop:
+        exec:
+          command: ["/bin/sh", "-c", "ray stop"]
+    volumeMounts:
+      - name: ray-logs
+        mountPath: /tmp/ray
+      - name: shm
+        mountPath: /dev/shm
+      - name: data
+        mountPath: {{ .ctx.Values.dataDir }}
+volumes:
+  - name: ray-logs
+    emptyDir: {}
+  - name: shm
+    emptyDir:
+      medium: Memory
+      sizeLimit: {{ .group.shmSize }}
+  - name: data
+    {{- if $ray.runsVolume.enabled }}
+    persistentVolumeClaim:
+      claimName: {{ include "kpo.runsClaimName" .ctx }}
+    {{- else }}
+    emptyDir: {}
+    {{- end }}
+{{- end }}
+
+{{/* `ray start` parameters: the chart's defaults, then the group's own (strings, as KubeRay wants). */}}
+{{- define "kpo.rayStartParams" -}}
+{{- $params := dict }}
+{{- range $key, $value := merge (dict) .params .defaults }}
+{{- $_ := set $params $key (toString $value) }}
+{{- end }}
+{{- toYaml $params }}
+{{- end }}
+
+{{/*
+A `helm test` pod: runs a Python script in the control-plane image against the release's
+Service, with the API token mounted. (dict "ctx" $ "name" "connection" "script" "...")
+*/}}
+{{- define "kpo.testPod" -}}
+{{- $ctx := .ctx }}
+apiVersion: v1
+kind: Pod
+metadata:
+  name: {{ include "kpo.componentName" (dict "ctx" $ctx "component" (printf "test-%s" .name)) }}
+  labels:
+    {{- include "kpo.labels" (dict "ctx" $ctx "component" "test") | nindent 4 }}
+  annotations:
+    helm.sh/hook: test
+    helm.sh/hook-delete-policy: before-hook-creation,hook-succeeded
+spec:
+  restartPolicy: Never
+  automountServiceAccountToken: false
+  {{- include "kpo.podSettings" (dict "ctx" $ctx "securityContext" $ctx.Values.controlPlane.podSecurityContext "scheduling" $ctx.Values.controlPlane) | nindent 2 }}
+  containers:
+    - name: test
+      image: {{ include "kpo.image" (dict "image" $ctx.Values.controlPlane.image "ctx" $ctx) }}
+      imagePullPolicy: {{ $ctx.Values.controlPlane.image.pullPolicy }}
+      env:
+        - name: KPO_URL
+          value: {{ printf "http://%s:%v" (include "kpo.componentName" (dict "ctx" $ctx "component" "control-plane")) $ctx.Values.controlPlane.service.port | quote }}
+        - name: KPO_API_TOKEN_FILE
+          value: /etc/kpo/token/{{ $ctx.Values.apiToken.secretKey }}
+      command: ["python", "-c"]
+      args:
+        - |
+          {{- .script | trim | nindent 10 }}
+      resources:
+        requests:
+          cpu: 50m
+          memory: 64Mi
+        limits:
+          memory: 128Mi
+      securityContext:
+        {{- toYaml $ctx.Values.controlPlane.securityContext | nindent 8 }}
+      volumeMounts:
+        - name: api-token
+          mountPath: /etc/kpo/token
+          readOnly: true
+  volumes:
+    - name: api-token
+      secret:
+        secretName: {{ include "kpo.apiTokenSecretName" $ctx }}
+{{- end }}
+
+{{/*
+Checks across values that values.schema.json cannot express well, failing with the fix.
+Included by the control plane's Deployment, which every release renders.
+*/}}
+{{- define "kpo.validate" -}}
+{{- $redis := .Values.redis }}
+{{- if and $redis.builtin.enabled $redis.external.url }}
+{{- fail "redis: set either redis.builtin.enabled=true or redis.external.url, not both (set redis.builtin.enabled=false to use an external Redis)" }}
+{{- end }}
+{{- if and (not $redis.builtin.enabled) (not $redis.external.url) }}
+{{- fail "redis: redis.builtin.enabled is false, so set redis.external.url (redis://HOST:PORT/DB)" }}
+{{- end }}
+{{- if and (not $redis.builtin.enabled) $redis.auth.enabled (not $redis.auth.existingSecret) }}
+{{- fail "redis: an external Redis' password must come from your Secret: set redis.auth.existingSecret (or redis.auth.enabled=false)" }}
+{{- end }}
+{{- if and (not .Values.ray.cluster.enabled) (not .Values.ray.address) }}
+{{- fail "ray: ray.cluster.enabled is false, so set ray.address (the job server, http://HOST:8265)" }}
+{{- end }}
+{{- if and .Values.ray.cluster.enabled .Values.ray.address }}
+{{- fail "ray: set either ray.cluster.enabled=true or ray.address, not both" }}
+{{- end }}
+{{- range $name, $overrides := .Values.ray.workerGroups }}
+{{- $group := mergeOverwrite (deepCopy $.Values.ray.workerDefaults) ($overrides | default dict) }}
+{{- if or (gt (int $group.minReplicas) (int $group.replicas)) (gt (int $group.replicas) (int $group.maxReplicas)) }}
+{{- fail (printf "ray.workerGroups.%s: need minReplicas <= replicas <= maxReplicas (got %v, %v, %v)" $name $group.minReplicas $group.replicas $group.maxReplicas) }}
+{{- end }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,260 @@
+"""A live stack for the PromQL checks: the real control plane over a local store holding a
+finished tiny run, and a real Prometheus (Debian's binary) on loopback that scrapes it every
+second and evaluates deploy/prometheus/rules.yaml.
+
+The run's metrics records are written into the store directly, shaped as the driver writes them
+(docs/pipeline.md), in two batches with a scrape in between, so that counters and histograms grow
+between scrapes and every `rate()` has something to measure; then the run is finished
+(`succeeded`) and scraped once more. Nothing starts Ray: the launcher is a stand-in that only says
+it is ready, since what Prometheus reads comes from the store.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+import yaml
+from fastapi import FastAPI
+
+from services.api.app import create_app
+from services.api.settings import ApiSettings
+from services.store import LocalStore, RunRecord
+from tests.deploy.manifests import REPO
+
+RULES = REPO / "deploy" / "prometheus" / "rules.yaml"
+SCRAPE_JOB = "kpo-control-plane"  # the job name the rules and the dashboard expect
+WAIT_S = 30.0
+FIRST_STEPS = range(1, 4)
+LATER_STEPS = range(4, 7)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class ReadyLauncher:
+    """The launcher protocol without Ray: nothing is submitted here, and Ray counts as ready."""
+
+    def submit(self, run: RunRecord) -> None:
+        raise AssertionError("the deploy checks submit no run")
+
+    def stop(self, run_id: str) -> None:
+        raise AssertionError("the deploy checks cancel no run")
+
+    def ready(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+def metrics_record(step: int, now: float) -> dict[str, Any]:
+    """One learner step's metrics record (docs/pipeline.md); cumulative fields grow with step."""
+    return {
+        "step": step,
+        "policy_version": step,
+        "time": now,
+        "wall_seconds": 2.0 * step,
+        "step_seconds": 0.4 + 0.1 * step,
+        "lr": 5e-5,
+        "reward_mean": 0.2 + 0.05 * step,
+        "reward_std": 0.3,
+        "accuracy": 0.1 + 0.05 * step,
+        "zero_variance_group_fraction": 0.25,
+        "response_length_mean": 40.0,
+        "truncated_fraction": 0.0,
+        "policy_loss": -0.02 * step,
+        "entropy": 1.2 - 0.05 * step,
+        "clip_fraction": 0.01 * step,
+        "approx_kl": 0.001 * step,
+        "grad_norm": 0.5,
+        "skipped_minibatches": 0,
+        "nonfinite_tokens": 0,
+        "raw_switch_frequency": 0.45,
+        "filtered_switch_frequency": 0.08,
+        "raw_low_frequency_ratio": 0.12,
+        "filtered_low_frequency_ratio": 0.85,
+        "staleness_mean": 0.8,
+        "staleness_max": 2,
+        "rollouts_dropped_stale": 8 * step,
+        "groups_dropped_stale": step,
+        "buffer_groups": 12,
+        "tokens_trained": 5000,
+        "tokens_trained_total": 5000 * step,
+        "tokens_generated_total": 6000 * step,
+        "generation_tokens_per_s": 3000.0,
+        "generation_batch_seconds": 1.5 + 0.2 * step,
+        "generation_batches": 2,
+    }
+
+
+@contextmanager
+def serve(app: FastAPI) -> Iterator[str]:
+    """`app` under uvicorn on a free loopback port, in a thread; yields its URL."""
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + WAIT_S
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=20)
+
+
+@dataclass
+class LiveStack:
+    control_plane: str  # base URL
+    prometheus: str  # base URL
+    run_id: str
+    http: httpx.Client
+    log: Path  # Prometheus' log
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        """An instant query's result vector; fails on any Prometheus error."""
+        response = self.http.get(f"{self.prometheus}/api/v1/query", params={"query": expr})
+        body = response.json()
+        assert response.status_code == 200 and body.get("status") == "success", (
+            f"query {expr!r} failed: {body.get('errorType')}: {body.get('error')}"
+        )
+        assert body["data"]["resultType"] == "vector", f"{expr!r}: {body['data']['resultType']}"
+        result: list[dict[str, Any]] = body["data"]["result"]
+        return result
+
+    def api(self, path: str, **params: Any) -> Any:
+        response = self.http.get(f"{self.prometheus}/api/v1/{path}", params=params)
+        response.raise_for_status()
+        return response.json()["data"]
+
+    def metrics_text(self) -> str:
+        """The control plane's /metrics, as Prometheus reads it."""
+        response = self.http.get(f"{self.control_plane}/metrics")
+        response.raise_for_status()
+        return response.text
+
+    def wait_for(self, what: str, condition: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while not condition():
+            if time.monotonic() > deadline:
+                targets = self.api("targets")["activeTargets"]
+                tail = self.log.read_text(errors="replace")[-3000:]
+                raise AssertionError(f"timed out waiting for {what}; targets: {targets}\n{tail}")
+            time.sleep(0.2)
+
+    def value(self, expr: str) -> float | None:
+        result = self.query(expr)
+        return float(result[0]["value"][1]) if result else None
+
+
+def prometheus_config(control_plane_port: int) -> dict[str, Any]:
+    return {
+        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(RULES)],
+        "scrape_configs": [
+            {
+                "job_name": SCRAPE_JOB,
+                "static_configs": [{"targets": [f"127.0.0.1:{control_plane_port}"]}],
+            }
+        ],
+    }
+
+
+@contextmanager
+def run_prometheus(
+    binary: Path, workdir: Path, control_plane_port: int
+) -> Iterator[tuple[str, Path]]:
+    """Prometheus on a free loopback port; yields its URL and its log file."""
+    config = workdir / "prometheus.yml"
+    config.write_text(yaml.safe_dump(prometheus_config(control_plane_port)), encoding="utf-8")
+    port = free_port()
+    log = workdir / "prometheus.log"
+    with log.open("wb") as log_file:
+        process = subprocess.Popen(
+            [
+                str(binary),
+                f"--config.file={config}",
+                f"--storage.tsdb.path={workdir / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--log.level=warn",
+            ],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            assert process.poll() is None, f"prometheus exited:\n{log.read_text(errors='replace')}"
+            try:
+                if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "prometheus did not become ready"
+            time.sleep(0.1)
+        yield url, log
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@contextmanager
+def live_stack(workdir: Path, prometheus_binary: Path) -> Iterator[LiveStack]:
+    store = LocalStore(workdir / "store")
+    spec = yaml.safe_load((REPO / "examples" / "demo.yaml").read_text(encoding="utf-8"))
+    spec["pipeline"]["steps"] = LATER_STEPS[-1]
+    run_id = store.create_run(spec).id
+    store.transition(run_id, "running")
+    store.append_metrics(run_id, [metrics_record(s, time.time()) for s in FIRST_STEPS])
+    settings = ApiSettings.model_validate({"KPO_DATA_DIR": str(workdir)})
+    app = create_app(settings, store, ReadyLauncher())
+    try:
+        with (
+            serve(app) as control_plane,
+            run_prometheus(prometheus_binary, workdir, int(control_plane.rsplit(":", 1)[1])) as (
+                prometheus,
+                log,
+            ),
+            httpx.Client(timeout=10) as http,
+        ):
+            stack = LiveStack(control_plane, prometheus, run_id, http, log)
+            version = f'kpo_policy_version{{run_id="{run_id}"}}'
+            stack.wait_for("the first scrape", lambda: stack.value(version) == FIRST_STEPS[-1])
+            store.append_metrics(run_id, [metrics_record(s, time.time()) for s in LATER_STEPS])
+            stack.wait_for("the later steps", lambda: stack.value(version) == LATER_STEPS[-1])
+            store.transition(run_id, "succeeded")
+            stack.wait_for(
+                "the finished run",
+                lambda: stack.value('kpo_runs{status="succeeded"}') == 1,
+            )
+            # Recording rules run every second; wait until they have seen the later steps.
+            stack.wait_for(
+                "the recording rules",
+                lambda: bool(stack.query("run_id:kpo_learner_step_seconds:p90_5m > 0")),
+            )
+            yield stack
+    finally:
+        store.close()

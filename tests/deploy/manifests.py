@@ -1,0 +1,160 @@
+"""Rendering the Helm chart and validating Kubernetes objects offline.
+
+Core objects are validated by `kubernetes_validate` (the PyPI package `kubernetes-validate`, the
+schemas of every Kubernetes release bundled) in strict mode: an unknown field is an error. The
+custom resources the project renders (KubeRay's and the Prometheus Operator's) have no schema
+there; they are checked against schemas/*.json, which this project writes for the fields it
+uses, and the pod templates inside RayCluster and RayJob objects are validated as core
+`PodTemplate` objects. Any other kind without a schema is a failure, never a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator, Sequence
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "helm" / "kpo"
+CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
+SCHEMAS = Path(__file__).parent / "schemas"
+# The Kubernetes release objects are validated against (and `helm template --kube-version`).
+KUBERNETES_VERSION = "1.35.0"
+RELEASE = "kpo"
+NAMESPACE = "kpo"
+# Kinds that kubernetes-validate has no schema for, and the project schema that covers each.
+CUSTOM_KINDS = {
+    "RayCluster": "ray.io-v1.json",
+    "RayJob": "ray.io-v1.json",
+    "ServiceMonitor": "monitoring.coreos.com-v1.json",
+    "PodMonitor": "monitoring.coreos.com-v1.json",
+    "PrometheusRule": "monitoring.coreos.com-v1.json",
+}
+
+Manifest = dict[str, Any]
+
+
+def helm_template(
+    helm: str, values_files: Sequence[Path] = (), sets: Sequence[str] = ()
+) -> subprocess.CompletedProcess[str]:
+    """`helm template` of the chart (not checked: callers look at the return code)."""
+    command = [
+        helm,
+        "template",
+        RELEASE,
+        str(CHART),
+        "--namespace",
+        NAMESPACE,
+        "--kube-version",
+        KUBERNETES_VERSION,
+    ]
+    for path in values_files:
+        command += ["--values", str(path)]
+    for assignment in sets:
+        command += ["--set", assignment]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+
+
+def render(
+    helm: str, values_files: Sequence[Path] = (), sets: Sequence[str] = ()
+) -> list[Manifest]:
+    """The chart's objects for these values; fails the test with helm's message otherwise."""
+    result = helm_template(helm, values_files, sets)
+    assert result.returncode == 0, f"helm template failed:\n{result.stderr}"
+    return load_all(result.stdout)
+
+
+def load_all(text: str) -> list[Manifest]:
+    return [doc for doc in yaml.safe_load_all(text) if doc]
+
+
+def named(manifests: Sequence[Manifest], kind: str, name: str | None = None) -> list[Manifest]:
+    """The objects of `kind` (and `name`, when given)."""
+    return [
+        m
+        for m in manifests
+        if m["kind"] == kind and (name is None or m["metadata"]["name"] == name)
+    ]
+
+
+def one(manifests: Sequence[Manifest], kind: str, name: str | None = None) -> Manifest:
+    found = named(manifests, kind, name)
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+# --- validation ------------------------------------------------------------------------------
+
+
+def validate(manifest: Manifest) -> None:
+    """Validate one object: core kinds strictly, custom kinds by the project's schemas with
+    their pod templates as core PodTemplates. Raises AssertionError naming the object."""
+    kind, name = manifest.get("kind"), manifest.get("metadata", {}).get("name")
+    where = f"{kind}/{name}"
+    if kind in CUSTOM_KINDS:
+        errors = sorted(
+            custom_validator(kind).iter_errors(manifest), key=lambda e: list(e.absolute_path)
+        )
+        assert not errors, f"{where}: " + "; ".join(
+            f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in errors
+        )
+        for path, template in pod_templates(manifest):
+            validate_core(as_pod_template(template, f"{name}-{path}"), f"{where} {path}")
+        return
+    validate_core(manifest, where)
+
+
+def validate_core(manifest: Manifest, where: str) -> None:
+    try:
+        kubernetes_validate.validate(manifest, KUBERNETES_VERSION, strict=True)
+    except kubernetes_validate.SchemaNotFoundError as error:
+        raise AssertionError(f"{where}: no schema, an unexpected kind: {error.message}") from None
+    except kubernetes_validate.ValidationError as error:
+        path = ".".join(map(str, error.path))
+        raise AssertionError(f"{where}: {path}: {error.message}") from None
+
+
+@cache
+def custom_validator(kind: str) -> jsonschema.Draft202012Validator:
+    """The validator of `kind` in the project's schema file for it (`kinds.<Kind>`)."""
+    root = json.loads((SCHEMAS / CUSTOM_KINDS[kind]).read_text(encoding="utf-8"))
+    jsonschema.Draft202012Validator.check_schema(root)
+    return jsonschema.Draft202012Validator({**root, "$ref": f"#/kinds/{kind}"})
+
+
+def pod_templates(manifest: Manifest) -> Iterator[tuple[str, Manifest]]:
+    """(where, pod template) of every Ray node group of a RayCluster or RayJob."""
+    spec = manifest.get("spec", {})
+    if manifest["kind"] == "RayJob":
+        spec = spec.get("rayClusterSpec", {})
+    if manifest["kind"] not in ("RayCluster", "RayJob"):
+        return
+    yield "head", spec["headGroupSpec"]["template"]
+    for group in spec.get("workerGroupSpecs", []):
+        yield f"worker-{group['groupName']}", group["template"]
+
+
+def as_pod_template(template: Manifest, name: str) -> Manifest:
+    """A pod template spec wrapped as the core object `v1/PodTemplate`."""
+    return {
+        "apiVersion": "v1",
+        "kind": "PodTemplate",
+        "metadata": {"name": name},
+        "template": template,
+    }
+
+
+def containers(pod_spec: Manifest) -> list[Manifest]:
+    return [*pod_spec.get("initContainers", []), *pod_spec["containers"]]
+
+
+def env_of(container: Manifest) -> dict[str, Manifest]:
+    """A container's env entries by name."""
+    return {entry["name"]: entry for entry in container.get("env", [])}

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner, Result
 
-from services.api.launcher import LocalRayHead, free_port
+from services.api.ray_head import LocalRayHead, free_port
 from services.cli import app
 from tests.services.api.ray_support import local_head, wait_until
 from tests.services.pipeline.conftest import TINY_RUN

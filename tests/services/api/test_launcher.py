@@ -14,13 +14,12 @@ import pytest
 from ray.job_submission import JobStatus
 
 from services.api.launcher import (
-    HEAD_FILE,
-    LocalRayHead,
     cluster_job_server_url,
     job_server_url,
     launcher_from_env,
     ray_auth_headers,
 )
+from services.api.ray_head import HEAD_FILE, LocalRayHead
 from services.pipeline.checkpoints import latest_checkpoint
 from services.pipeline.job import run_output_dir
 from services.store import LocalStore, RunRecord, RunStatus, Store

@@ -18,7 +18,7 @@ import pytest
 
 from services.api.app import create_app
 from services.api.client import SseEvent, parse_sse
-from services.api.launcher import LocalRayHead
+from services.api.ray_head import LocalRayHead
 from services.api.settings import ApiSettings
 from services.pipeline.checkpoints import latest_checkpoint
 from services.pipeline.job import run_output_dir

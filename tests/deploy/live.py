@@ -2,11 +2,11 @@
 finished tiny run, and a real Prometheus (Debian's binary) on loopback that scrapes it every
 second and evaluates deploy/prometheus/rules.yaml.
 
-The run's metrics records are written into the store directly, shaped as the driver writes them
-(docs/pipeline.md), in two batches with a scrape in between, so that counters and histograms grow
-between scrapes and every `rate()` has something to measure; then the run is finished
-(`succeeded`) and scraped once more. Nothing starts Ray: the launcher is a stand-in that only says
-it is ready, since what Prometheus reads comes from the store.
+The tiny run is real (the pipeline on a local Ray instance, `tiny_run`); its metrics records are
+then put into the control plane's store in two batches with a scrape in between, so that
+counters and histograms grow between scrapes and every `rate()` has something to measure; then
+the run is finished (`succeeded`) and scraped once more. The launcher is a stand-in that only
+says Ray is ready: what Prometheus reads comes from the store.
 """
 
 from __future__ import annotations
@@ -28,14 +28,17 @@ from fastapi import FastAPI
 
 from services.api.app import create_app
 from services.api.settings import ApiSettings
+from services.pipeline.launch import execute_run
+from services.pipeline.outputs import RunDirectory
+from services.pipeline.specs import load_run_spec
 from services.store import LocalStore, RunRecord
 from tests.deploy.manifests import REPO
 
 RULES = REPO / "deploy" / "prometheus" / "rules.yaml"
 SCRAPE_JOB = "kpo-control-plane"  # the job name the rules and the dashboard expect
 WAIT_S = 30.0
-FIRST_STEPS = range(1, 4)
-LATER_STEPS = range(4, 7)
+STEPS = 6
+FIRST_STEPS = 3  # stored and scraped before the others
 
 
 def free_port() -> int:
@@ -61,44 +64,26 @@ class ReadyLauncher:
         pass
 
 
-def metrics_record(step: int, now: float) -> dict[str, Any]:
-    """One learner step's metrics record (docs/pipeline.md); cumulative fields grow with step."""
-    return {
-        "step": step,
-        "policy_version": step,
-        "time": now,
-        "wall_seconds": 2.0 * step,
-        "step_seconds": 0.4 + 0.1 * step,
-        "lr": 5e-5,
-        "reward_mean": 0.2 + 0.05 * step,
-        "reward_std": 0.3,
-        "accuracy": 0.1 + 0.05 * step,
-        "zero_variance_group_fraction": 0.25,
-        "response_length_mean": 40.0,
-        "truncated_fraction": 0.0,
-        "policy_loss": -0.02 * step,
-        "entropy": 1.2 - 0.05 * step,
-        "clip_fraction": 0.01 * step,
-        "approx_kl": 0.001 * step,
-        "grad_norm": 0.5,
-        "skipped_minibatches": 0,
-        "nonfinite_tokens": 0,
-        "raw_switch_frequency": 0.45,
-        "filtered_switch_frequency": 0.08,
-        "raw_low_frequency_ratio": 0.12,
-        "filtered_low_frequency_ratio": 0.85,
-        "staleness_mean": 0.8,
-        "staleness_max": 2,
-        "rollouts_dropped_stale": 8 * step,
-        "groups_dropped_stale": step,
-        "buffer_groups": 12,
-        "tokens_trained": 5000,
-        "tokens_trained_total": 5000 * step,
-        "tokens_generated_total": 6000 * step,
-        "generation_tokens_per_s": 3000.0,
-        "generation_batch_seconds": 1.5 + 0.2 * step,
-        "generation_batches": 2,
-    }
+def tiny_run(workdir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A real finished tiny run: its resolved spec and its metrics records, one per step.
+
+    Run with the real pipeline (local Ray, the tiny model, KPO, asynchronous), small enough for
+    seconds per step.
+    """
+    overrides = [
+        f"pipeline.steps={STEPS}",
+        "pipeline.batch_groups=4",
+        "pipeline.checkpoint_every=0",
+        "generation.prompts_per_batch=4",
+        "generation.group_size=4",
+        "reward.num_cpus=0",
+    ]
+    spec = load_run_spec(REPO / "examples" / "demo.yaml", overrides)
+    run_dir = RunDirectory(workdir / "tiny-run")
+    assert execute_run(spec, run_dir) == "succeeded"
+    records = run_dir.read_metrics()
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    return spec.model_dump(mode="json"), records
 
 
 @contextmanager
@@ -223,12 +208,11 @@ def run_prometheus(
 
 @contextmanager
 def live_stack(workdir: Path, prometheus_binary: Path) -> Iterator[LiveStack]:
+    spec, records = tiny_run(workdir)
     store = LocalStore(workdir / "store")
-    spec = yaml.safe_load((REPO / "examples" / "demo.yaml").read_text(encoding="utf-8"))
-    spec["pipeline"]["steps"] = LATER_STEPS[-1]
     run_id = store.create_run(spec).id
     store.transition(run_id, "running")
-    store.append_metrics(run_id, [metrics_record(s, time.time()) for s in FIRST_STEPS])
+    store.append_metrics(run_id, records[:FIRST_STEPS])
     settings = ApiSettings.model_validate({"KPO_DATA_DIR": str(workdir)})
     app = create_app(settings, store, ReadyLauncher())
     try:
@@ -242,9 +226,9 @@ def live_stack(workdir: Path, prometheus_binary: Path) -> Iterator[LiveStack]:
         ):
             stack = LiveStack(control_plane, prometheus, run_id, http, log)
             version = f'kpo_policy_version{{run_id="{run_id}"}}'
-            stack.wait_for("the first scrape", lambda: stack.value(version) == FIRST_STEPS[-1])
-            store.append_metrics(run_id, [metrics_record(s, time.time()) for s in LATER_STEPS])
-            stack.wait_for("the later steps", lambda: stack.value(version) == LATER_STEPS[-1])
+            stack.wait_for("the first scrape", lambda: stack.value(version) == FIRST_STEPS)
+            store.append_metrics(run_id, records[FIRST_STEPS:])
+            stack.wait_for("the later steps", lambda: stack.value(version) == STEPS)
             store.transition(run_id, "succeeded")
             stack.wait_for(
                 "the finished run",

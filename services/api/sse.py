@@ -8,14 +8,13 @@ once the run has finished and every event has been sent.
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 from anyio import sleep, to_thread
 from starlette.requests import Request
 
+from services.pipeline.outputs import json_safe
 from services.store import TERMINAL_STATUSES, Event, Store
 
 POLL_SECONDS = 0.5
@@ -29,18 +28,8 @@ def format_event(event: Event) -> str:
     NaN and infinities (a diverged metric) become null: JSON has no such numbers, and a browser's
     JSON.parse rejects the whole message over one of them.
     """
-    data = json.dumps(_finite(event.data), allow_nan=False)
+    data = json.dumps(json_safe(event.data), allow_nan=False)
     return f"id: {event.id}\nevent: {event.kind}\ndata: {data}\n\n"
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_finite(item) for item in value]
-    return value
 
 
 async def run_events(

@@ -43,16 +43,22 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _json_safe(value: Any) -> Any:
-    """NaN/inf become null: JSON has no such numbers, and a reader must not choke on them."""
+def json_safe(value: Any) -> Any:
+    """`value` with every NaN/inf (in nested dicts and lists too) as None: JSON has no such
+    numbers, and a reader (a browser's JSON.parse among them) must not choke on them."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [json_safe(item) for item in value]
     return value
 
 
 def json_safe_record(record: MetricsRecord) -> MetricsRecord:
     """`record` with NaN/inf values as None, ready for JSON (files, stores, HTTP)."""
-    return {key: _json_safe(value) for key, value in record.items()}
+    safe: MetricsRecord = json_safe(record)
+    return safe
 
 
 def read_metrics(out_dir: Path) -> list[MetricsRecord]:

@@ -5,15 +5,13 @@ second and evaluates deploy/prometheus/rules.yaml.
 The tiny run is real (the pipeline on a local Ray instance, `tiny_run`); its metrics records are
 then put into the control plane's store in two batches with a scrape in between, so that
 counters and histograms grow between scrapes and every `rate()` has something to measure; then
-the run is finished (`succeeded`) and scraped once more. The launcher is a stand-in that only
-says Ray is ready: what Prometheus reads comes from the store.
+the run is finished (`succeeded`) and scraped once more. The launcher is the API tests' test
+double (Ray counts as ready, nothing is launched): what Prometheus reads comes from the store.
 """
 
 from __future__ import annotations
 
-import socket
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,46 +20,23 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import uvicorn
 import yaml
-from fastapi import FastAPI
 
 from services.api.app import create_app
 from services.api.settings import ApiSettings
 from services.pipeline.launch import execute_run
 from services.pipeline.outputs import RunDirectory
 from services.pipeline.specs import load_run_spec
-from services.store import LocalStore, RunRecord
+from services.store import LocalStore
 from tests.deploy.manifests import REPO
+from tests.services.api.launchers import RecordingLauncher
+from tests.services.api.server import free_port, serve
 
 RULES = REPO / "deploy" / "prometheus" / "rules.yaml"
 SCRAPE_JOB = "kpo-control-plane"  # the job name the rules and the dashboard expect
 WAIT_S = 30.0
 STEPS = 6
 FIRST_STEPS = 3  # stored and scraped before the others
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-class ReadyLauncher:
-    """The launcher protocol without Ray: nothing is submitted here, and Ray counts as ready."""
-
-    def submit(self, run: RunRecord) -> None:
-        raise AssertionError("the deploy checks submit no run")
-
-    def stop(self, run_id: str) -> None:
-        raise AssertionError("the deploy checks cancel no run")
-
-    def ready(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        pass
 
 
 def tiny_run(workdir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -84,26 +59,6 @@ def tiny_run(workdir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     records = run_dir.read_metrics()
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     return spec.model_dump(mode="json"), records
-
-
-@contextmanager
-def serve(app: FastAPI) -> Iterator[str]:
-    """`app` under uvicorn on a free loopback port, in a thread; yields its URL."""
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + WAIT_S
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=20)
 
 
 @dataclass
@@ -214,7 +169,7 @@ def live_stack(workdir: Path, prometheus_binary: Path) -> Iterator[LiveStack]:
     store.transition(run_id, "running")
     store.append_metrics(run_id, records[:FIRST_STEPS])
     settings = ApiSettings.model_validate({"KPO_DATA_DIR": str(workdir)})
-    app = create_app(settings, store, ReadyLauncher())
+    app = create_app(settings, store, RecordingLauncher())
     try:
         with (
             serve(app) as control_plane,

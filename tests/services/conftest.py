@@ -11,6 +11,7 @@ import ray
 
 from services.pipeline.actors import ACTOR_ENV
 from tests.services.generation.tiny_model import save_tiny_model
+from tests.services.store.redis_server import RedisServer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,6 +20,16 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random tiny Qwen2 (`tests/services/generation/tiny_model.py`), saved once per session."""
     return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A redis-server (AOF on) for one module, whose tests may stop, kill and restart it.
+
+    The store tests override it with one server for the whole session (tests/services/store).
+    """
+    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -39,16 +39,6 @@ def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRayHead]:
         yield started
 
 
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 @contextmanager
 def control_plane(head: LocalRayHead, redis: RedisServer) -> Iterator[httpx.Client]:
     """The control plane as `kpo serve` puts it together; yields a client that has the token."""

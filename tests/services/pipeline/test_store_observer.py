@@ -46,16 +46,6 @@ def record(step: int, **values: Any) -> dict[str, Any]:
     }
 
 
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 @pytest.fixture
 def local_store(tmp_path: Path) -> Iterator[LocalStore]:
     store = LocalStore(tmp_path / "store")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -18,15 +17,9 @@ from types import TracebackType
 
 import redis
 
+from services.api.ray_head import free_port
+
 INSTALL_HINT = "redis-server is not on PATH: install it with `apt-get install redis-server`"
-
-
-def free_port() -> int:
-    """A loopback TCP port that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class RedisServer:

@@ -18,7 +18,7 @@ import ray
 
 from kpo_core.config import RunSpec
 from services.generation.worker import GenerationWorker
-from services.learner.actor import Learner
+from services.learner.actor import start_learner
 from services.reward.actor import start_verifier_actor
 
 log = logging.getLogger(__name__)
@@ -134,9 +134,7 @@ def start_actors(spec: RunSpec, model_dir: Path) -> RunActors:
         )
         for _ in range(reward.num_workers)
     ]
-    learner = Learner.options(
-        num_cpus=spec.learner.num_cpus, num_gpus=spec.learner.num_gpus
-    ).remote(str(model_dir), spec.learner, spec.algorithm, gen.temperature, spec.seed)
+    learner = start_learner(spec, str(model_dir))
     actors = RunActors(generation, verifiers, learner)
     # A constructor that fails (bad model, bad backend option) surfaces here, before any work.
     ray.get([h.__ray_call__.remote(lambda _self: None) for h in actors.all()])

@@ -86,10 +86,6 @@ class RunDirectory:
     def write_config(self, resolved: dict[str, Any]) -> None:
         _write_atomic(self.path / CONFIG_FILE, json.dumps(resolved, indent=2) + "\n")
 
-    def read_config(self) -> dict[str, Any]:
-        config: dict[str, Any] = json.loads((self.path / CONFIG_FILE).read_text(encoding="utf-8"))
-        return config
-
     def read_metrics(self) -> list[MetricsRecord]:
         return read_metrics(self.path)
 

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: system-deps venv lint typecheck test test-vllm test-deploy helm-docs demo bench bench-pipeline bench-api bench-generation clean
+.PHONY: system-deps venv lint typecheck test test-vllm test-deploy helm-docs demo study bench bench-pipeline bench-api bench-generation clean
 
 # The CPU build of torch goes in first: the package's torch range then resolves to it and
 # nothing pulls a CUDA build.
@@ -37,7 +37,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy kpo_core services
+	$(VENV)/bin/mypy kpo_core services benchmarks/study.py benchmarks/stability_study
 
 test: system-deps lint typecheck
 	$(VENV)/bin/pytest --ignore=tests/services/generation/test_vllm_backend.py
@@ -51,6 +51,12 @@ test-vllm:
 # 2 cores). Each run gets its own output directory under runs/.
 demo: $(STAMP)
 	$(VENV)/bin/kpo run examples/demo.yaml --out runs/demo-$$(date +%Y%m%d-%H%M%S)
+
+# The stability study: every estimator on fresh and stale batches, 3 seeds (the reduced grid,
+# under an hour on 2 cores); rewrites docs/results.md's tables, figures and per-step CSVs.
+# Extra flags through STUDY_ARGS, e.g. STUDY_ARGS=--full. Runs are kept in runs/study and reused.
+study: $(STAMP)
+	$(PY) benchmarks/study.py $(STUDY_ARGS)
 
 bench: $(STAMP) bench-pipeline
 	$(PY) benchmarks/bench_kalman.py

@@ -66,8 +66,22 @@ class GeometricEstimator(_ClippedEstimator):
     default_loss_agg_mode: ClassVar[LossAggMode] = "seq-mean-token-mean"
 
 
+class AdaptiveNoise(StrictModel):
+    """Process noise estimated online per token (kpo_core.kalman.adaptive_process_noise)."""
+
+    window: int = Field(128, ge=16, description="valid tokens in the estimation window")
+    lag: int = Field(16, ge=2, description="the long difference of the variogram match")
+    q_max: float = Field(1e-2, gt=0.0, description="upper bound of the estimated Q")
+
+
 class KalmanEstimator(_ClippedEstimator):
-    """KPO: token log-ratios smoothed by a causal Kalman filter, as straight-through weights."""
+    """KPO: token log-ratios smoothed by a causal Kalman filter, as straight-through weights.
+
+    Two extensions beyond the paper, both off by default: `staleness_alpha` scales each
+    response's R by (1 + alpha k) for a response sampled k policy versions ago, so older samples
+    are smoothed harder; `adaptive_q` estimates Q per token from the data, between `q` and
+    `adaptive_q.q_max`.
+    """
 
     name: Literal["kalman"] = "kalman"
     q: float = Field(1e-6, ge=0.0, description="process noise variance Q")
@@ -79,7 +93,22 @@ class KalmanEstimator(_ClippedEstimator):
     clip_low: float = Field(3e-4, ge=0.0, lt=1.0)
     clip_high: float = Field(4e-4, ge=0.0)
     max_log_ratio: float = Field(10.0, gt=0.0, description="cap on log rho before exp")
+    staleness_alpha: float = Field(
+        0.0, ge=0.0, description="R_k = r * (1 + staleness_alpha * k) at staleness k; 0: off"
+    )
+    adaptive_q: AdaptiveNoise | None = Field(
+        None, description="estimate Q online from the log-ratios; null: the constant q"
+    )
     default_loss_agg_mode: ClassVar[LossAggMode] = "seq-mean-token-mean"
+
+    @model_validator(mode="after")
+    def _adaptive_bounds(self) -> KalmanEstimator:
+        if self.adaptive_q is not None and self.adaptive_q.q_max < self.q:
+            raise ValueError(
+                f"adaptive_q.q_max ({self.adaptive_q.q_max}) must be >= q ({self.q}), "
+                "the lower bound of the estimate"
+            )
+        return self
 
 
 class CumulativeEstimator(_ClippedEstimator):
@@ -225,6 +254,12 @@ class LearnerConfig(StrictModel):
     nonfinite: Literal["raise", "mask"] = Field(
         "mask", description="NaN/inf log-probs in valid tokens: fail the step, or mask and count"
     )
+    record_ratios_every: int = Field(
+        0,
+        ge=0,
+        description="every N steps, save the step's token log-ratios under the run "
+        "directory's ratios/ (for offline ratio diagnostics); 0: off",
+    )
 
 
 class PipelineConfig(StrictModel):
@@ -245,8 +280,17 @@ class PipelineConfig(StrictModel):
         "are dropped and counted",
     )
     batch_groups: int = Field(16, ge=1, description="groups (prompts) per learner step")
+    lead_batches: int = Field(
+        0,
+        ge=0,
+        description="async only. The learner trains only while the buffer holds this many "
+        "batches beyond the one it takes, so generation runs that many versions ahead: a "
+        "controlled staleness, as with many rollout workers (at most max_staleness)",
+    )
     buffer_groups: int = Field(
-        0, ge=0, description="rollout buffer capacity in groups; 0: four batches"
+        0,
+        ge=0,
+        description="rollout buffer capacity in groups; 0: max(4, lead_batches + 1) batches",
     )
     steps: int = Field(100, ge=1, description="learner steps of the run")
     checkpoint_every: int = Field(10, ge=0, description="steps between checkpoints; 0: last only")
@@ -262,13 +306,33 @@ class PipelineConfig(StrictModel):
         if self.max_staleness < 0:
             object.__setattr__(self, "max_staleness", 0 if self.mode == "sync" else 2)
         if self.buffer_groups == 0:
-            object.__setattr__(self, "buffer_groups", 4 * self.batch_groups)
+            batches = max(4, self.lead_batches + 1)
+            object.__setattr__(self, "buffer_groups", batches * self.batch_groups)
         if self.buffer_groups < self.batch_groups:
             raise ValueError(
                 f"buffer_groups ({self.buffer_groups}) must hold at least one batch "
                 f"(batch_groups = {self.batch_groups})"
             )
+        if self.lead_batches > 0:
+            self._check_lead()
         return self
+
+    def _check_lead(self) -> None:
+        # Every condition below would leave the learner waiting for a buffer level that
+        # generation is never allowed to reach.
+        if self.mode == "sync":
+            raise ValueError("lead_batches needs mode 'async' (sync trains on-policy)")
+        if self.lead_batches > self.max_staleness:
+            raise ValueError(
+                f"lead_batches ({self.lead_batches}) must not exceed max_staleness "
+                f"({self.max_staleness}): older batches could never be trained"
+            )
+        needed = (self.lead_batches + 1) * self.batch_groups
+        if self.buffer_groups < needed:
+            raise ValueError(
+                f"buffer_groups ({self.buffer_groups}) must hold lead_batches + 1 batches "
+                f"({needed} groups)"
+            )
 
 
 class RunSpec(StrictModel):

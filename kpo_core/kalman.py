@@ -27,6 +27,16 @@ autograd function), not autograd through the forward. The paper's official code 
 x_t = A_t (x0 + sum_s b_s / A_s) with A_t = prod(1 - K) clamped at 1e-30, which divides by
 vanishing products and departs from the exact recursion beyond ~70k tokens; it is kept here as
 `method="closed_form"` for comparison only.
+
+Two generalisations keep the parallel evaluation (both off by default):
+- Per-response measurement noise r [...] (e.g. growing with the staleness of the policy that
+  sampled the response): one gain table per distinct value, gathered per row.
+- Per-token process noise q [..., T] (e.g. estimated online by `adaptive_process_noise`): the
+  gains then vary along the sequence, but the covariance recursion is still data-free given q.
+  One step P -> (P + Q_t) R / (P + Q_t + R) is a linear fractional map, the 2x2 matrix
+  [[R, R Q_t], [1, Q_t + R]] acting on P in homogeneous coordinates, so the posterior variances
+  are prefix products of 2x2 matrices: a doubling scan in float64, rescaled at every level (all
+  entries are non-negative, so nothing cancels).
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ import torch
 from torch import Tensor
 
 FilterMethod = Literal["parallel", "sequential", "closed_form"]
+Noise = float | Tensor
 
 _MAX_BLOCK = 64
 # Largest total log-decay a block may span: e^8 keeps float32 relative error near 5e-7.
@@ -58,6 +69,30 @@ def _check_noise(q: float, r: float, p0: float) -> None:
         raise ValueError(f"r (measurement noise variance) must be finite and > 0, got {r}")
     if not (math.isfinite(p0) and p0 >= 0.0):
         raise ValueError(f"p0 (initial state variance) must be finite and >= 0, got {p0}")
+
+
+def _smallest(value: Noise, empty: float) -> float:
+    if isinstance(value, Tensor):
+        return float(value.min()) if value.numel() else empty
+    return value
+
+
+def _check_noise_tensors(z: Tensor, q: Noise, r: Noise, p0: float) -> None:
+    """Validate scalar or tensor noise: q [..., T] (as z) and r [...] (one per response)."""
+    _check_noise(_smallest(q, 0.0), _smallest(r, 1.0), p0)
+    if isinstance(q, Tensor):
+        if q.shape != z.shape:
+            raise ValueError(f"tensor q must have z's shape {tuple(z.shape)}, got {tuple(q.shape)}")
+        if not bool(torch.isfinite(q).all()):
+            raise ValueError("q (process noise variance) must be finite everywhere")
+    if isinstance(r, Tensor):
+        if r.shape != z.shape[:-1]:
+            raise ValueError(
+                f"tensor r must have one value per response, shape {tuple(z.shape[:-1])}, "
+                f"got {tuple(r.shape)}"
+            )
+        if not bool(torch.isfinite(r).all()):
+            raise ValueError("r (measurement noise variance) must be finite everywhere")
 
 
 def _riccati_gains(n: int, q: float, r: float, p0: float) -> Tensor:
@@ -188,33 +223,131 @@ class _LinearRecurrence(torch.autograd.Function):
         return None, grad_b, None
 
 
-def _filter_parallel(z: Tensor, mask: Tensor, q: float, r: float, p0: float, x0: float) -> Tensor:
+def _terms_from_gains(
+    z: Tensor, mask: Tensor, gains: Tensor, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """log a_t and b_t of the recurrence from per-token gains [..., T] (0 on masked tokens)."""
+    valid = mask.to(torch.bool)
+    log_a = torch.log1p(-gains).clamp_min(_LOG_ZERO).to(dtype)
+    b = gains.to(dtype) * z.to(dtype).masked_fill(~valid, 0.0)
+    return log_a, b
+
+
+def _row_gains_by_table(mask: Tensor, q: float, r: Tensor, p0: float) -> Tensor:
+    """Per-token gains [..., T] float64 for a scalar q and one r per row: a table per distinct r."""
+    valid = mask.to(torch.bool)
+    gains = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)
+    count = valid.to(torch.int64).cumsum(-1)
+    index = (count * valid).clamp_min(1) - 1
+    r64 = r.to(torch.float64)
+    for value in torch.unique(r64).tolist():
+        rows = r64 == value
+        table = kalman_gains(max(mask.shape[-1], 1), q, value, p0).to(mask.device)
+        gains[rows] = torch.where(valid[rows], table[index[rows]], 0.0)
+    return gains
+
+
+def _matrix_prefix_products(steps: Tensor) -> Tensor:
+    """Prefix products M_t ... M_1 of [N, T, 2, 2] non-negative matrices, each rescaled.
+
+    The products are only used as linear fractional maps, so any positive scale is free; each
+    level divides by the largest entry to stay in range over 10^5 steps.
+    """
+    t = steps.shape[1]
+    step = 1
+    while step < t:
+        combined = steps[:, step:] @ steps[:, :-step]
+        combined = combined / combined.amax(dim=(-2, -1), keepdim=True)
+        steps = torch.cat([steps[:, :step], combined], 1)
+        step *= 2
+    return steps
+
+
+def _riccati_scan(q: Tensor, r: Tensor, mask: Tensor, p0: float) -> Tensor:
+    """Per-token gains [N, T] float64 for per-token q [N, T] and per-row r [N] (module doc)."""
+    valid = mask.to(torch.bool)
+    q64 = torch.where(valid, q.to(torch.float64), 0.0)
+    r64 = r.to(torch.float64).unsqueeze(-1).expand_as(q64)
+    one, zero = torch.ones_like(q64), torch.zeros_like(q64)
+    # Posterior update P -> (P + Q) R / (P + Q + R) on a valid token, identity on a masked one;
+    # the valid matrices are divided by Q + R (a free scale) to start near 1.
+    scale = torch.where(valid, q64 + r64, 1.0)
+    top = torch.stack([torch.where(valid, r64, one), torch.where(valid, r64 * q64, zero)], -1)
+    bottom = torch.stack([torch.where(valid, one, zero), torch.where(valid, q64 + r64, one)], -1)
+    steps = torch.stack([top, bottom], -2) / scale[..., None, None]
+    products = _matrix_prefix_products(steps)
+    numerator = products[..., 0, 0] * p0 + products[..., 0, 1]
+    denominator = products[..., 1, 0] * p0 + products[..., 1, 1]
+    posterior = numerator / denominator
+    before = torch.cat([posterior.new_full((posterior.shape[0], 1), p0), posterior[:, :-1]], 1)
+    prior = before + q64
+    return torch.where(valid, prior / (prior + r64), 0.0)
+
+
+def _parallel_gains(z: Tensor, mask: Tensor, q: Noise, r: Noise, p0: float) -> Tensor:
+    """Per-token gains [N, T] float64 of the rows of z flattened to [N, T]."""
+    rows = mask.reshape(-1, mask.shape[-1])
+    n = rows.shape[0]
+    r_rows = (
+        r.reshape(n) if isinstance(r, Tensor) else torch.full((n,), float(r), dtype=torch.float64)
+    )
+    if isinstance(q, Tensor):
+        return _riccati_scan(q.reshape(rows.shape), r_rows.to(rows.device), rows, p0)
+    return _row_gains_by_table(rows, q, r_rows.to(rows.device), p0)
+
+
+def filter_gains(mask: Tensor, q: Noise, r: Noise, p0: float = 0.0) -> Tensor:
+    """The gain K_t the filter applies at each token, [..., T] float64 (0 on masked tokens).
+
+    q and r as in `kalman_filter`; the gains never depend on z, only on the mask and the noise.
+    """
+    _check_noise_tensors(mask, q, r, p0)
+    if isinstance(q, Tensor) or isinstance(r, Tensor):
+        return _parallel_gains(mask, mask, q, r, p0).reshape(mask.shape)
+    valid = mask.to(torch.bool)
+    table = kalman_gains(max(mask.shape[-1], 1), q, r, p0).to(mask.device)
+    index = (valid.to(torch.int64).cumsum(-1) * valid).clamp_min(1) - 1
+    return torch.where(valid, table[index], 0.0)
+
+
+def _filter_parallel(z: Tensor, mask: Tensor, q: Noise, r: Noise, p0: float, x0: float) -> Tensor:
     dtype = _compute_dtype(z)
-    table = kalman_gains(max(z.shape[-1], 1), q, r, p0)
-    _, log_a, b = _recurrence_terms(z, mask, table, dtype)
+    if isinstance(q, Tensor) or isinstance(r, Tensor):
+        gains = _parallel_gains(z, mask, q, r, p0).reshape(z.shape)
+        log_a, b = _terms_from_gains(z, mask, gains, dtype)
+        max_decay = float(-log_a.min()) if log_a.numel() else 0.0
+    else:
+        table = kalman_gains(max(z.shape[-1], 1), q, r, p0)
+        _, log_a, b = _recurrence_terms(z, mask, table, dtype)
+        max_decay = float(-torch.log1p(-table).clamp_min(_LOG_ZERO).min())
     if x0 != 0.0:
         # x_0 = a_0 x0 + b_0: folding x0 into the first term lets the scan start from zero.
         b = b + torch.nn.functional.pad(log_a[..., :1].exp() * x0, (0, b.shape[-1] - 1))
-    max_decay = float(-torch.log1p(-table).clamp_min(_LOG_ZERO).min())
     block = _block_size(max_decay, dtype)
     rows = b.reshape(-1, b.shape[-1])
     x: Tensor = _LinearRecurrence.apply(log_a.reshape(rows.shape), rows, block)  # type: ignore[no-untyped-call]
     return x.reshape(z.shape)
 
 
-def _filter_sequential(z: Tensor, mask: Tensor, q: float, r: float, p0: float, x0: float) -> Tensor:
+def _filter_sequential(z: Tensor, mask: Tensor, q: Noise, r: Noise, p0: float, x0: float) -> Tensor:
     # The plain recursion with its own covariance update (not the gain table), so that it is an
     # independent reference for the parallel method.
     dtype = _compute_dtype(z)
     valid = mask.to(torch.bool)
     observed = torch.where(valid, z.to(dtype), 0.0)
+    q64 = (
+        q.to(torch.float64)
+        if isinstance(q, Tensor)
+        else torch.full(z.shape, float(q), dtype=torch.float64)
+    )
+    r64 = r.to(torch.float64) if isinstance(r, Tensor) else float(r)
     x = torch.full(z.shape[:-1], x0, dtype=dtype, device=z.device)
     p = torch.full(z.shape[:-1], p0, dtype=torch.float64, device=z.device)
     states = []
     for t in range(z.shape[-1]):
         m = valid[..., t]
-        p_prior = p + q
-        k = p_prior / (p_prior + r)
+        p_prior = p + q64[..., t].to(z.device)
+        k = p_prior / (p_prior + r64)
         x = torch.where(m, x + k.to(dtype) * (observed[..., t] - x), x)
         p = torch.where(m, (1.0 - k) * p_prior, p)
         states.append(x)
@@ -224,10 +357,12 @@ def _filter_sequential(z: Tensor, mask: Tensor, q: float, r: float, p0: float, x
 
 
 def _filter_closed_form(
-    z: Tensor, mask: Tensor, q: float, r: float, p0: float, x0: float
+    z: Tensor, mask: Tensor, q: Noise, r: Noise, p0: float, x0: float
 ) -> Tensor:
     # The official implementation's form, for comparison only: float32 prefix products clamped
     # at 1e-30 and a division by them.
+    if isinstance(q, Tensor) or isinstance(r, Tensor):
+        raise ValueError("method 'closed_form' takes scalar q and r only")
     table = kalman_gains(max(z.shape[-1], 1), q, r, p0)
     gain, _, b = _recurrence_terms(z, mask, table, torch.float32)
     prefix = (1.0 - gain).cumprod(-1).clamp_min(1e-30)
@@ -244,8 +379,8 @@ _METHODS = {
 def kalman_filter(
     z: Tensor,
     mask: Tensor,
-    q: float,
-    r: float,
+    q: Noise,
+    r: Noise,
     p0: float = 0.0,
     x0: float = 0.0,
     method: FilterMethod = "parallel",
@@ -256,7 +391,8 @@ def kalman_filter(
         z: [..., T] observed token log-ratios (any float dtype; computed in float32, or float64
             for float64 input).
         mask: [..., T] bool or 0/1, True on valid tokens. Masked tokens hold the state.
-        q, r: process and measurement noise variances (q >= 0, r > 0).
+        q: process noise variance (>= 0): a float, or a [..., T] tensor of per-token values.
+        r: measurement noise variance (> 0): a float, or a [...] tensor, one per response.
         p0, x0: initial state variance and mean.
         method: "parallel" (blocked scan, the training path), "sequential" (reference loop) or
             "closed_form" (the paper's official form, for comparison).
@@ -266,7 +402,6 @@ def kalman_filter(
         masked position the value is the state held from the last valid token (x0 before any),
         always finite when the valid z are.
     """
-    _check_noise(q, r, p0)
     if mask.shape != z.shape:
         raise ValueError(f"mask shape {tuple(mask.shape)} must equal z shape {tuple(z.shape)}")
     if not z.is_floating_point():
@@ -275,5 +410,85 @@ def kalman_filter(
         raise ValueError(f"unknown method {method!r}; valid methods: {sorted(_METHODS)}")
     if z.ndim == 0:
         raise ValueError("z must have at least one (time) dimension")
+    _check_noise_tensors(z, q, r, p0)
     x = _METHODS[method](z, mask, q, r, p0, x0)
     return x.to(z.dtype)
+
+
+# Fewer windowed samples than this and the moments are mostly noise: keep q_min.
+_MIN_ADAPTIVE_SAMPLES = 16
+# Standard errors the drift moment must clear before Q rises above q_min: on white noise this
+# keeps the estimate at q_min for ~99% of tokens (measured with window 128, lag 16).
+_SIGNAL_MARGIN = 2.0
+
+
+def _window_sums(values: Tensor, start: Tensor, stop: Tensor) -> Tensor:
+    """sum(values[..., start:stop]) per position, from one cumulative sum."""
+    cumulative = torch.nn.functional.pad(values.cumsum(-1), (1, 0))
+    return cumulative.gather(-1, stop) - cumulative.gather(-1, start)
+
+
+@torch.no_grad()
+def adaptive_process_noise(
+    z: Tensor,
+    mask: Tensor,
+    r: float,
+    q_min: float,
+    q_max: float,
+    window: int = 128,
+    lag: int = 16,
+) -> Tensor:
+    """Per-token process noise Q_t [..., T] float64, estimated causally from the data.
+
+    The estimator matches the variogram of the filter's own model. Under z_t = x_t + v_t,
+    x_t = x_{t-1} + w_t, a difference over L valid tokens has variance
+    E(z_t - z_{t-L})^2 = L Q + 2 R, so with V_1 and V_L the windowed mean squares of the 1- and
+    L-token differences, Q = (V_L - V_1) / (L - 1) and R = (V_1 - Q) / 2. (While the gain is
+    small the filter's innovations e_t = z_t - x_{t-1} are z_t less a nearly constant state, so
+    these are also the innovations' differences: the match reads the innovation sequence.) The
+    windows hold the last `window` valid tokens before t, so the noise used at t never reads z_t.
+    Q rises only where the drift is significant, with se the naive standard error of the
+    windowed (V_L - V_1) / (L - 1) samples:
+
+        Q_t = clamp(r * max(Q_hat - 2 se, 0) / R_hat, q_min, q_max)
+
+    i.e. the estimated ratio Q/R applied to the configured r. q_min before
+    `_MIN_ADAPTIVE_SAMPLES` samples exist and on masked positions (unused there). Detached: the
+    noise is a setting chosen from the data, not a path for gradients.
+    """
+    _check_noise(q_min, r, 0.0)
+    if not (math.isfinite(q_max) and q_max >= q_min):
+        raise ValueError(f"q_max must be finite and >= q_min ({q_min}), got {q_max}")
+    if lag < 2:
+        raise ValueError(f"lag must be >= 2 (it is compared with 1-token differences), got {lag}")
+    if window < _MIN_ADAPTIVE_SAMPLES:
+        raise ValueError(f"window must be >= {_MIN_ADAPTIVE_SAMPLES} tokens, got {window}")
+    valid = mask.to(torch.bool).reshape(-1, mask.shape[-1])
+    values = torch.where(valid, z.detach().reshape(valid.shape).to(torch.float64), 0.0)
+    # Valid tokens first, in order: the j-th valid token of a row lands in column j.
+    order = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)
+    compact = values.gather(-1, order)
+    length = compact.shape[-1]
+    short = torch.nn.functional.pad(compact[:, 1:] - compact[:, :-1], (1, 0)) ** 2
+    long = torch.nn.functional.pad(compact[:, lag:] - compact[:, :-lag], (min(lag, length), 0))
+    long = long[:, :length] ** 2
+    drift = (long - short) / (lag - 1)
+    # Token j (the j-th valid one) sees samples i in [max(lag, j - window), j - 1].
+    j = torch.arange(length, device=valid.device).expand_as(compact)
+    start = (j - window).clamp_min(lag).clamp_max(j)
+    count = (j - start).to(torch.float64)
+    n = count.clamp_min(1.0)
+    drift_mean = _window_sums(drift, start, j) / n
+    drift_square = _window_sums(drift * drift, start, j) / n
+    short_mean = _window_sums(short, start, j) / n
+    standard_error = ((drift_square - drift_mean**2).clamp_min(0.0) / n).sqrt()
+    q_hat = (drift_mean - _SIGNAL_MARGIN * standard_error).clamp_min(0.0)
+    r_hat = (short_mean - q_hat) / 2.0
+    ratio = torch.where(r_hat > 0, q_hat / r_hat.clamp_min(1e-300), math.inf)
+    ratio = torch.where(q_hat > 0, ratio, 0.0)
+    estimate = (ratio * r).clamp(q_min, q_max)
+    estimate = torch.where(count >= _MIN_ADAPTIVE_SAMPLES, estimate, q_min)
+    out = torch.full_like(values, q_min)
+    out.scatter_(-1, order, estimate)
+    out = torch.where(valid, out, q_min)
+    return out.reshape(z.shape)

@@ -32,11 +32,14 @@ class LearnerImpl:
         algorithm: AlgorithmConfig,
         temperature: float,
         seed: int,
+        ratio_dir: str | None = None,
     ) -> None:
         """Seed torch, use one torch thread per reserved CPU, and build the core."""
         torch.manual_seed(seed)
         threads = max(1, int(learner.num_cpus))
-        self._core = LearnerCore(model_path, learner, algorithm, temperature, seed, threads)
+        self._core = LearnerCore(
+            model_path, learner, algorithm, temperature, seed, threads, ratio_dir
+        )
 
     def version(self) -> int:
         """Policy version of the current weights (completed steps)."""
@@ -69,8 +72,11 @@ class LearnerImpl:
 Learner = ray.remote(LearnerImpl)
 
 
-def start_learner(spec: RunSpec, model_path: str) -> Any:
-    """Start the learner actor of `spec` with its CPU/GPU reservation; return the handle."""
+def start_learner(spec: RunSpec, model_path: str, ratio_dir: str | None = None) -> Any:
+    """Start the learner actor of `spec` with its CPU/GPU reservation; return the handle.
+
+    `ratio_dir` (on the learner's machine) receives `learner.record_ratios_every`'s files.
+    """
     return Learner.options(num_cpus=spec.learner.num_cpus, num_gpus=spec.learner.num_gpus).remote(
-        model_path, spec.learner, spec.algorithm, spec.generation.temperature, spec.seed
+        model_path, spec.learner, spec.algorithm, spec.generation.temperature, spec.seed, ratio_dir
     )

@@ -65,7 +65,12 @@ def masked_mean(values: Tensor, mask: Tensor) -> float:
 
 @torch.no_grad()
 def ratio_views(
-    config: EstimatorConfig, logp: Tensor, ref_logp: Tensor, advantages: Tensor, mask: Tensor
+    config: EstimatorConfig,
+    logp: Tensor,
+    ref_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    staleness: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Detached raw and estimator ratios [B, T] of one minibatch, 1 off the mask.
 
@@ -77,7 +82,9 @@ def ratio_views(
     ref_logp = torch.where(mask, ref_logp, 0.0)
     raw = masked_log_ratio(logp, ref_logp, mask).clamp(-20.0, 20.0).exp()
     adv = torch.where(mask, advantages.unsqueeze(-1).expand(mask.shape), 0.0)
-    estimate = get_estimator(config.name).estimate(logp, ref_logp, adv, mask, config)
+    estimate = get_estimator(config.name).estimate(
+        logp, ref_logp, adv, mask, config, staleness=staleness
+    )
     one = torch.ones((), dtype=raw.dtype, device=raw.device)
     return torch.where(mask, raw, one), torch.where(mask, estimate.ratio.float(), one)
 

@@ -62,11 +62,13 @@ def linear_warmup(warmup_steps: int) -> Callable[[int], float]:
 class Minibatch:
     """The rows of one optimiser step and what their loss needs.
 
-    advantages [b]; ref_logp [b, T] (behaviour or proximal); behaviour_logp [b, T] when the
-    reference is proximal (decoupled-PPO weights), else None.
+    rows [b]: the rows' indices in the step's batch; advantages [b]; ref_logp [b, T] (behaviour
+    or proximal); behaviour_logp [b, T] when the reference is proximal (decoupled-PPO weights),
+    else None.
     """
 
     batch: TrainingBatch
+    rows: Tensor
     advantages: Tensor
     ref_logp: Tensor
     behaviour_logp: Tensor | None
@@ -74,16 +76,40 @@ class Minibatch:
 
 @dataclass
 class RatioLog:
-    """Detached raw and estimator ratios [b, T] of every minibatch of a step, with their masks."""
+    """Detached raw and estimator ratios [b, T] of every minibatch of a step, with their masks
+    (every epoch: the step's diagnostics), and what `save` writes of the first epoch's rows."""
 
     raw: list[Tensor] = field(default_factory=list)
     filtered: list[Tensor] = field(default_factory=list)
     masks: list[Tensor] = field(default_factory=list)
+    first_epoch: list[dict[str, Tensor]] = field(default_factory=list)
 
-    def add(self, raw: Tensor, filtered: Tensor, mask: Tensor) -> None:
+    def add(self, raw: Tensor, filtered: Tensor, mask: Tensor, part: Minibatch | None) -> None:
+        """Log one minibatch; `part` is given for first-epoch minibatches only."""
         self.raw.append(raw)
         self.filtered.append(filtered)
         self.masks.append(mask)
+        if part is not None:
+            self.first_epoch.append(
+                {
+                    "log_ratio": raw.log().cpu(),
+                    "mask": mask.cpu(),
+                    "row": part.rows.cpu(),
+                    "staleness": part.batch.staleness.cpu(),
+                    "advantage": part.advantages.detach().float().cpu(),
+                }
+            )
+
+    def save(self, path: Path, version: int) -> None:
+        """Write the first epoch's log-ratios for offline analysis (format: `ratio_file`)."""
+        record = {key: torch.cat([m[key] for m in self.first_epoch]) for key in RATIO_FILE_ROWS}
+        sizes = torch.tensor([len(m["row"]) for m in self.first_epoch])
+        record["minibatch"] = torch.repeat_interleave(torch.arange(len(sizes)), sizes)
+        record["version"] = torch.tensor(version)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        torch.save(record, partial)
+        partial.replace(path)
 
     def metrics(self) -> dict[str, float]:
         """ratio_diagnostics of all rows at once, prefixed `raw_` and `filtered_`."""
@@ -92,6 +118,20 @@ class RatioLog:
             **diagnostic_metrics("raw_", torch.cat(self.raw), mask),
             **diagnostic_metrics("filtered_", torch.cat(self.filtered), mask),
         }
+
+
+RATIO_FILE_ROWS = ("log_ratio", "mask", "row", "staleness", "advantage")
+
+
+def ratio_file(ratio_dir: Path, version: int) -> Path:
+    """Where the log-ratios of the step that started from version `version` are saved.
+
+    The file (named after the step, version + 1) is a torch dict of the first epoch's rows in
+    minibatch order: log_ratio [N, T] float32 (log of the raw ratio, z clamped to +-20, 0 off
+    the mask), mask [N, T] bool, row [N] (the row's index in the step's batch), staleness [N],
+    advantage [N], minibatch [N]; and version (the weights the step started from).
+    """
+    return ratio_dir / f"step-{version + 1:06d}.pt"
 
 
 class LearnerCore:
@@ -105,12 +145,14 @@ class LearnerCore:
         temperature: float,
         seed: int = 0,
         num_threads: int | None = None,
+        ratio_dir: str | Path | None = None,
     ) -> None:
         """Load the model and tokenizer from `model_path`; version 0 is those weights.
 
         `temperature` is the generation temperature (the learner divides logits by it);
         `seed` seeds the minibatch permutations; `num_threads`, when given, is passed to
-        torch.set_num_threads (a process-wide setting).
+        torch.set_num_threads (a process-wide setting); `ratio_dir` receives the log-ratio
+        files of `learner.record_ratios_every` (`ratio_file`).
         """
         if not temperature > 0:
             raise ValueError(
@@ -120,6 +162,7 @@ class LearnerCore:
             torch.set_num_threads(num_threads)
         self.learner, self.algorithm, self.temperature = learner, algorithm, temperature
         self.model_path = str(model_path)
+        self.ratio_dir = None if ratio_dir is None else Path(ratio_dir)
         self.device = torch.device(learner.device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         pad_id = self.tokenizer.pad_token_id
@@ -171,11 +214,16 @@ class LearnerCore:
         for epoch in range(self.learner.ppo_epochs):
             for rows in self._minibatch_rows(batch.num_rows):
                 behaviour = None if behaviour_logp is None else behaviour_logp[rows]
-                part = Minibatch(batch.select(rows), advantages[rows], ref_logp[rows], behaviour)
+                part = Minibatch(
+                    batch.select(rows), rows, advantages[rows], ref_logp[rows], behaviour
+                )
                 records.append(self._train_minibatch(part, epoch == 0, ratios))
         self.scheduler.step()
         self._version += 1
         self._steps += 1
+        every = self.learner.record_ratios_every
+        if every and self.ratio_dir is not None and self._version % every == 0:
+            ratios.save(ratio_file(self.ratio_dir, self._version - 1), self._version - 1)
         metrics = {**batch_metrics(batch), **reduce_minibatches(records), **ratios.metrics()}
         # A count per pass over the batch, like tokens_trained (not multiplied by the epochs).
         metrics["nonfinite_tokens"] /= self.learner.ppo_epochs
@@ -218,6 +266,7 @@ class LearnerCore:
             part.advantages,
             mask,
             behaviour_logp=part.behaviour_logp,
+            staleness=part.batch.staleness,
             correction=algorithm.off_policy,
             loss_agg_mode=algorithm.resolved_loss_agg_mode,
             norm_length=algorithm.norm_length,
@@ -225,8 +274,10 @@ class LearnerCore:
         )
         extra = () if part.behaviour_logp is None else (part.behaviour_logp,)
         valid = finite_mask(mask, logp.detach(), part.ref_logp, *extra)
-        views = ratio_views(algorithm.estimator, logp, part.ref_logp, part.advantages, valid)
-        ratios.add(*views, valid)
+        views = ratio_views(
+            algorithm.estimator, logp, part.ref_logp, part.advantages, valid, part.batch.staleness
+        )
+        ratios.add(*views, valid, part if with_entropy else None)
         torch.autograd.backward(loss)
         grad_norm = self._clip_gradients()
         loss_value = float(loss.detach())

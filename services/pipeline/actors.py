@@ -115,8 +115,11 @@ class RunActors:
                 log.debug("kill %s: %s", handle, error)
 
 
-def start_actors(spec: RunSpec, model_dir: Path) -> RunActors:
-    """Start generation workers, verifier actors and the learner; wait until all are up."""
+def start_actors(spec: RunSpec, model_dir: Path, ratio_dir: Path | None = None) -> RunActors:
+    """Start generation workers, verifier actors and the learner; wait until all are up.
+
+    `ratio_dir`: where the learner saves log-ratios when `learner.record_ratios_every` is set.
+    """
     gen = spec.generation
     generation = [
         GenerationWorker.options(num_cpus=gen.num_cpus, num_gpus=gen.num_gpus).remote(
@@ -134,7 +137,7 @@ def start_actors(spec: RunSpec, model_dir: Path) -> RunActors:
         )
         for _ in range(reward.num_workers)
     ]
-    learner = start_learner(spec, str(model_dir))
+    learner = start_learner(spec, str(model_dir), None if ratio_dir is None else str(ratio_dir))
     actors = RunActors(generation, verifiers, learner)
     # A constructor that fails (bad model, bad backend option) surfaces here, before any work.
     ray.get([h.__ray_call__.remote(lambda _self: None) for h in actors.all()])

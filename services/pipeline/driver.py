@@ -55,6 +55,7 @@ from services.tasks.models import resolve_model
 
 log = logging.getLogger(__name__)
 
+RATIO_DIR = "ratios"  # the learner's log-ratio files (learner.record_ratios_every)
 WAIT_SECONDS = 0.5  # longest the loop sleeps without news (it then checks for a cancel)
 
 
@@ -176,7 +177,7 @@ class RunDriver:
         try:
             model_dir = resolve_model(self.spec.model)
             check_cluster_resources(self.spec)
-            actors = start_actors(self.spec, model_dir)
+            actors = start_actors(self.spec, model_dir, self.run_dir.path / RATIO_DIR)
         except Exception as error:
             self._report_status("failed", error=f"starting the run: {error}")
             raise
@@ -296,7 +297,11 @@ class RunDriver:
     def _dispatch_learner(self, actors: RunActors) -> None:
         if self._learner_busy():
             return
-        batch = self.buffer.take_batch(self.spec.pipeline.batch_groups, self.counters.step)
+        pipe = self.spec.pipeline
+        self.buffer.evict_stale(self.counters.step)
+        if len(self.buffer) < pipe.batch_groups * (1 + pipe.lead_batches):
+            return
+        batch = self.buffer.take_batch(pipe.batch_groups, self.counters.step)
         if batch is None:
             return
         metrics_ref, weights_ref = actors.learner.step.options(num_returns=2).remote(batch)

@@ -54,7 +54,7 @@ def sample_responses(
                     padding=True,
                     padding_side="left",
                     add_special_tokens=False,
-                )
+                ).to(model.device)
                 # PreTrainedModel does not declare `generate`; every causal LM class mixes it in.
                 out = cast(GenerationMixin, model).generate(**enc, generation_config=config)
                 new = out[:, enc["input_ids"].shape[1] :]

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from kpo_core.config import AlgorithmConfig, LearnerConfig
+from kpo_core.kalman import kalman_gains
 from kpo_core.losses import NonFiniteInputError
 from kpo_core.ratios import ESTIMATORS
 from services.learner.batch import collate
 from services.learner.logprobs import response_logprobs
-from services.learner.step import LearnerCore
+from services.learner.step import LearnerCore, ratio_file
 from services.messages import ScoredGroup, ScoredResponse
 from tests.services.learner.conftest import make_core
 
@@ -264,3 +265,128 @@ def test_without_clipping_the_same_gradient_norm_is_reported(
 def test_a_zero_temperature_is_refused(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="temperature must be > 0"):
         LearnerCore(tiny_model_dir, LearnerConfig(), AlgorithmConfig(), temperature=0.0)
+
+
+RATIO_KEYS = {"log_ratio", "mask", "row", "staleness", "advantage", "minibatch", "version"}
+
+
+def recording_core(model_dir: Path, ratio_dir: Path, **learner: object) -> LearnerCore:
+    """The default (KPO) learner, lr 1e-3, saving log-ratios under `ratio_dir`."""
+    config = LearnerConfig.model_validate({"lr": 1e-3, **learner})
+    return LearnerCore(model_dir, config, AlgorithmConfig(), temperature=1.0, ratio_dir=ratio_dir)
+
+
+def check_ratio_record(record: dict[str, torch.Tensor], groups: list[ScoredGroup]) -> None:
+    """Keys, shapes and masking of one saved file, against the batch it was taken on."""
+    assert record.keys() == RATIO_KEYS
+    batch = collate(groups, 0, 0)
+    rows, width = batch.response_mask.shape
+    log_ratio, mask = record["log_ratio"], record["mask"]
+    assert log_ratio.shape == mask.shape == (rows, width)
+    for key in ("row", "staleness", "advantage", "minibatch"):
+        assert record[key].shape == (rows,)
+    assert mask.dtype == torch.bool and log_ratio.dtype == torch.float32
+    assert bool(torch.isfinite(log_ratio).all())
+    assert bool((log_ratio[~mask] == 0).all())
+    # Every row once (first epoch), in minibatch order, traceable to the batch by its index.
+    assert sorted(record["row"].tolist()) == list(range(rows))
+    assert torch.equal(mask, batch.response_mask[record["row"]])
+    # The first response of each group is the rewarded one: a positive advantage.
+    first = record["row"] % 4 == 0
+    assert bool((record["advantage"][first] > 0).all())
+    assert bool((record["advantage"][~first] < 0).all())
+
+
+def test_record_ratios_every_two_saves_steps_two_and_four(
+    tiny_model_dir: Path, groups: list[ScoredGroup], tmp_path: Path
+) -> None:
+    core = recording_core(tiny_model_dir, tmp_path, record_ratios_every=2, minibatches=2)
+    for _ in range(4):
+        core.train_step(groups)
+    saved = sorted(tmp_path.iterdir())
+    assert len(saved) == 2
+    records = [torch.load(path) for path in saved]
+    for record, started_from in zip(records, (1, 3), strict=True):
+        check_ratio_record(record, groups)
+        # Two minibatches of the 12 rows, in order: 6 rows each.
+        assert record["minibatch"].tolist() == [0] * 6 + [1] * 6
+        # The groups were sampled by version 0: staleness is the version the step started from.
+        assert record["staleness"].tolist() == [started_from] * 12
+    # Steps 2 and 4 started from versions 1 and 3 (ratio_file's doc and naming).
+    assert [int(record["version"]) for record in records] == [1, 3]
+    assert saved == [ratio_file(tmp_path, 1), ratio_file(tmp_path, 3)]
+
+
+def test_saved_on_policy_log_ratios_are_zero_once_per_row(
+    tiny_model_dir: Path, groups: list[ScoredGroup], tmp_path: Path
+) -> None:
+    core = recording_core(tiny_model_dir, tmp_path, record_ratios_every=1, ppo_epochs=2)
+    core.train_step(groups)
+    saved = sorted(tmp_path.iterdir())
+    assert len(saved) == 1
+    record = torch.load(saved[0])
+    check_ratio_record(record, groups)  # 12 rows, not 24: the second epoch is not saved
+    mask = record["mask"]
+    assert bool(mask.any())
+    # The weights that sampled the batch: log(pi / pi_behaviour) = 0 up to float32 rounding.
+    assert float(record["log_ratio"][mask].abs().max()) < 1e-4
+    assert record["staleness"].tolist() == [0] * 12
+    assert record["minibatch"].tolist() == [0] * 12
+    assert saved == [ratio_file(tmp_path, 0)] and int(record["version"]) == 0
+
+
+def test_a_nonfinite_token_is_off_the_saved_mask(
+    tiny_model_dir: Path, groups: list[ScoredGroup], tmp_path: Path
+) -> None:
+    core = recording_core(tiny_model_dir, tmp_path, record_ratios_every=1)
+    core.train_step(with_behaviour_logprob(groups, math.nan))
+    (path,) = tmp_path.iterdir()
+    record = torch.load(path)
+    assert bool(torch.isfinite(record["log_ratio"]).all())
+    tokens = int(collate(groups, 0, 0).response_mask.sum())
+    assert int(record["mask"].sum()) == tokens - 1
+
+
+def test_record_ratios_every_zero_writes_nothing(
+    tiny_model_dir: Path, groups: list[ScoredGroup], tmp_path: Path
+) -> None:
+    ratio_dir = tmp_path / "ratios"
+    core = recording_core(tiny_model_dir, ratio_dir, record_ratios_every=0)
+    for _ in range(2):
+        core.train_step(groups)
+    assert not ratio_dir.exists()
+
+
+def kalman_core(model_dir: Path, staleness_alpha: float) -> LearnerCore:
+    algorithm = AlgorithmConfig.model_validate(
+        {"estimator": {"name": "kalman", "staleness_alpha": staleness_alpha}}
+    )
+    return LearnerCore(model_dir, LearnerConfig(lr=1e-3), algorithm, temperature=1.0)
+
+
+def table_gain_mean(groups: list[ScoredGroup], r: float) -> float:
+    """Mean gain over the valid tokens of the batch with the paper's scalar (q, r, p0 = 0)."""
+    mask = collate(groups, 0, 0).response_mask
+    counts = mask.to(torch.int64).cumsum(-1)[mask]
+    return float(kalman_gains(int(counts.max()), 1e-6, r, 0.0)[counts - 1].mean())
+
+
+def test_staleness_alpha_lowers_the_kalman_gain_of_stale_rows_only(
+    tiny_model_dir: Path, groups: list[ScoredGroup]
+) -> None:
+    plain, aware = kalman_core(tiny_model_dir, 0.0), kalman_core(tiny_model_dir, 1.0)
+    fresh = [core.train_step(groups) for core in (plain, aware)]
+    # On-policy rows (staleness 0): R is r either way, so the same gains and the same update.
+    assert fresh[0]["staleness_max"] == 0.0
+    assert fresh[0]["kalman_gain_mean"] == fresh[1]["kalman_gain_mean"]
+    assert fresh[0]["kalman_gain_mean"] == pytest.approx(table_gain_mean(groups, 1.0), rel=1e-9)
+    assert same_parameters(aware, parameters(plain))
+    # The same batch one version stale: R = r (1 + 1 * 1) = 2 for every row.
+    stale = [core.train_step(groups) for core in (plain, aware)]
+    assert stale[0]["staleness_mean"] == stale[1]["staleness_mean"] == 1.0
+    assert stale[1]["kalman_gain_mean"] < stale[0]["kalman_gain_mean"]
+    assert stale[0]["kalman_gain_mean"] == pytest.approx(table_gain_mean(groups, 1.0), rel=1e-9)
+    assert stale[1]["kalman_gain_mean"] == pytest.approx(table_gain_mean(groups, 2.0), rel=1e-9)
+    assert all(math.isfinite(v) for v in stale[1].values()), stale[1]
+    # The smoother filter reaches the loss, not only the metric.
+    assert not same_parameters(aware, parameters(plain))

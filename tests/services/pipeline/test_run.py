@@ -170,3 +170,32 @@ def test_checkpoints_carry_the_buffer_and_the_prompts_in_flight(tmp_path: Path) 
     assert counters["groups_issued"] == trained + len(state["buffer"])
     assert state["prompt_position"] == counters["groups_issued"] + len(state["handed_back"])
     assert live >= 0
+
+
+def test_lead_batches_keeps_generation_exactly_that_many_versions_ahead(tmp_path: Path) -> None:
+    lead, steps = 3, 8
+    # One prompt per generation call: a batch takes four calls in a row, so that the learner
+    # would catch up with generation without the lead (measured: staleness 0.25 - 1).
+    spec = tiny_spec(
+        "generation.prompts_per_batch=1",
+        "pipeline.max_staleness=3",
+        f"pipeline.lead_batches={lead}",
+        f"pipeline.steps={steps}",
+        "pipeline.checkpoint_every=0",
+    )
+    assert spec.pipeline.mode == "async"
+    assert execute_run(spec, RunDirectory(tmp_path)) == "succeeded"
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    # The learner waits for lead + 1 batches and the admission budget allows no more than
+    # (version + max_staleness + 1) batches in all, so the first lead + 1 batches are sampled
+    # by version 0 and batch s >= lead + 1 only once version s - lead is out: step k trains
+    # groups exactly min(k - 1, lead) versions old, every group of the batch alike.
+    expected = [float(min(k - 1, lead)) for k in range(1, steps + 1)]
+    assert [r["staleness_mean"] for r in records] == expected
+    assert [r["staleness_max"] for r in records] == expected
+    # The learner took its batch from lead + 1 buffered ones, and nothing more could be
+    # admitted before its step was done: lead batches are left at every record.
+    assert all(r["buffer_groups"] == lead * spec.pipeline.batch_groups for r in records)
+    assert all(r["groups_dropped_stale"] == 0 for r in records)
+    assert all(r["rollouts_dropped_stale"] == 0 for r in records)

@@ -1,0 +1,148 @@
+"""The study's figures (PNG): training curves, held-out accuracy, ratio dynamics, filter error."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: the study runs on machines without a display
+import matplotlib.pyplot as plt
+import numpy as np
+from torch import Tensor
+
+from services.pipeline.plots import moving_average
+from stability_study.filter_accuracy import FilterComparison
+from stability_study.grid import Cell, Staleness
+from stability_study.runner import RunResult
+from stability_study.summary import curve
+
+CURVE_PANELS = (
+    ("reward_mean", "reward (moving average)", True, False),
+    ("entropy", "entropy", True, False),
+    ("clip_fraction", "clip fraction", True, False),
+    ("approx_kl", "KL to the reference (k3)", True, True),
+)
+
+
+def _save(figure: Any, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def _band(axis: Any, results: Sequence[RunResult], key: str, smooth: bool, label: str) -> None:
+    steps, mean, std = curve(results, key)
+    if steps.size == 0:
+        return
+    if smooth:
+        mean = np.array(moving_average(list(mean), 5))
+        std = np.array(moving_average(list(std), 5))
+    (line,) = axis.plot(steps, mean, label=label, linewidth=1.3)
+    axis.fill_between(steps, mean - std, mean + std, color=line.get_color(), alpha=0.15)
+
+
+def plot_training_curves(
+    results: Mapping[Cell, Sequence[RunResult]], columns: Sequence[Staleness], path: Path
+) -> Path:
+    """Rows: reward, entropy, clip fraction, KL; columns: staleness; a line per method (mean
+    over seeds, band +- one standard deviation)."""
+    figure, axes = plt.subplots(
+        len(CURVE_PANELS), len(columns), figsize=(5 * len(columns), 11), sharex=True
+    )
+    axes = np.atleast_2d(axes).reshape(len(CURVE_PANELS), len(columns))
+    for col, staleness in enumerate(columns):
+        cells = [c for c in results if c.staleness == staleness]
+        for row, (key, title, smooth, log_scale) in enumerate(CURVE_PANELS):
+            axis = axes[row, col]
+            for cell in cells:
+                _band(axis, results[cell], key, smooth, cell.method.label)
+            axis.set_title(f"{title}: {staleness.label}", fontsize=9)
+            if log_scale:
+                axis.set_yscale("log")
+            axis.grid(alpha=0.3)
+        axes[-1, col].set_xlabel("learner step")
+    axes[0, 0].legend(fontsize=7)
+    return _save(figure, path)
+
+
+def plot_accuracy(
+    results: Mapping[Cell, Sequence[RunResult]], columns: Sequence[Staleness], path: Path
+) -> Path:
+    """Held-out accuracy by learner step, mean +- standard deviation over seeds."""
+    figure, axes = plt.subplots(1, len(columns), figsize=(5 * len(columns), 4), sharey=True)
+    for axis, staleness in zip(np.atleast_1d(axes), columns, strict=True):
+        for cell, runs in results.items():
+            if cell.staleness != staleness:
+                continue
+            steps = sorted(set.intersection(*(set(r.accuracy) for r in runs)))
+            values = np.array([[r.accuracy[s] for s in steps] for r in runs])
+            std = values.std(0, ddof=1) if len(runs) > 1 else np.zeros(len(steps))
+            axis.errorbar(steps, values.mean(0), yerr=std, label=cell.method.label, capsize=3)
+        axis.set_title(f"held-out accuracy: {staleness.label}", fontsize=9)
+        axis.set_xlabel("learner step")
+        axis.grid(alpha=0.3)
+    np.atleast_1d(axes)[0].legend(fontsize=7)
+    return _save(figure, path)
+
+
+def plot_ratio_dynamics(
+    examples: Mapping[str, tuple[Tensor, dict[str, Tensor]]],
+    windows: Mapping[str, Mapping[str, Mapping[str, Any]]],
+    path: Path,
+) -> Path:
+    """Top: one recorded response's raw and filtered ratios per staleness. Bottom: window-wise
+    off-policy frequency (up + down) of raw vs filtered ratios."""
+    names = list(examples)
+    figure, axes = plt.subplots(2, len(names), figsize=(5 * len(names), 7))
+    axes = np.atleast_2d(axes).reshape(2, len(names))
+    for col, name in enumerate(names):
+        raw, filtered = examples[name]
+        axis = axes[0, col]
+        axis.plot(raw.exp().numpy(), linewidth=0.8, alpha=0.6, label="raw")
+        for label, values in filtered.items():
+            axis.plot(values.exp().numpy(), linewidth=1.4, label=label)
+        axis.set_title(f"token ratios of one response: {name}", fontsize=9)
+        axis.set_xlabel("token")
+        axis.grid(alpha=0.3)
+        axis = axes[1, col]
+        for label, table in windows[name].items():
+            up = np.array(table["window_frequency_up"])
+            down = np.array(table["window_frequency_down"])
+            if up.size:
+                axis.plot(np.arange(1, up.size + 1), up + down, marker="o", label=label)
+        axis.set_title(f"off-policy tokens per 50-token window: {name}", fontsize=9)
+        axis.set_xlabel("window")
+        axis.set_ylim(-0.02, 1.02)
+        axis.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=7)
+    axes[1, 0].legend(fontsize=7)
+    return _save(figure, path)
+
+
+def plot_filter_accuracy(rows: Sequence[FilterComparison], path: Path) -> Path:
+    """Max error against the float64 recursion, by sequence length."""
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for q in sorted({r.q for r in rows}):
+        chosen = [r for r in rows if r.q == q]
+        lengths = [r.length for r in chosen]
+        axis.plot(lengths, [r.parallel_error for r in chosen], marker="o", label=f"ours, q={q:g}")
+        axis.plot(
+            lengths,
+            [r.closed_form_error for r in chosen],
+            marker="x",
+            linestyle="--",
+            label=f"official closed form, q={q:g}",
+        )
+    axis.axhline(1e-6, color="grey", linewidth=0.8, linestyle=":")
+    axis.set_xscale("log", base=2)
+    axis.set_yscale("log")
+    axis.set_xlabel("tokens in the sequence")
+    axis.set_ylabel("max |x - x_float64 recursion|")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=7)
+    return _save(figure, path)

@@ -1,0 +1,92 @@
+"""Running the cells: one pipeline run per (cell, seed), then its held-out evaluations.
+
+Each run lives in `<out>/runs/<cell>/seed-<n>/` (the pipeline's run directory: metrics.jsonl,
+config.json, ratios/, curves.png) plus `evals.json` (held-out accuracy by step, and the run's
+seconds including its evaluations), which is written last and marks the run finished. A study
+that is interrupted picks up at the first unfinished run; a half-written run is started again
+from scratch, so every finished run is one uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kpo_core.config import RunSpec
+from services.pipeline.checkpoints import LEARNER_DIR, list_checkpoints
+from services.pipeline.launch import execute_run
+from services.pipeline.outputs import CHECKPOINTS_DIR, MetricsRecord, RunDirectory, read_metrics
+from stability_study.grid import Cell, cell_spec
+
+EVALS_FILE = "evals.json"
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One finished run: its per-step records and held-out accuracy by step (0 = start)."""
+
+    cell: Cell
+    seed: int
+    path: Path
+    records: list[MetricsRecord]
+    accuracy: dict[int, float]
+    seconds: float  # the run and its evaluations
+
+
+def run_path(out: Path, cell: Cell, seed: int) -> Path:
+    return out / "runs" / cell.key / f"seed-{seed}"
+
+
+def load_result(out: Path, cell: Cell, seed: int) -> RunResult | None:
+    """The finished run of (cell, seed) under `out`, or None if it has not finished."""
+    path = run_path(out, cell, seed)
+    try:
+        evals = json.loads((path / EVALS_FILE).read_text(encoding="utf-8"))
+        accuracy = {int(step): float(value) for step, value in evals["accuracy"].items()}
+        seconds = float(evals["seconds"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return RunResult(cell, seed, path, read_metrics(path), accuracy, seconds)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def run_one(
+    base: RunSpec,
+    cell: Cell,
+    seed: int,
+    out: Path,
+    initial_accuracy: float,
+    accuracy_of: Callable[[Path], float],
+) -> RunResult:
+    """Run (cell, seed) to its last step, evaluate each checkpoint, and record the result.
+
+    Checkpoints are deleted once evaluated: the study keeps metrics, ratios and evaluations.
+    """
+    started = time.perf_counter()
+    path = run_path(out, cell, seed)
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    spec = cell_spec(base, cell, seed)
+    state = execute_run(spec, RunDirectory(path))
+    if state != "succeeded":
+        raise RuntimeError(f"run {cell.key} seed {seed} ended {state}; see {path}")
+    accuracy = {0: initial_accuracy}
+    checkpoints = path / CHECKPOINTS_DIR
+    for step, checkpoint in list_checkpoints(checkpoints):
+        accuracy[step] = accuracy_of(checkpoint / LEARNER_DIR)
+    shutil.rmtree(checkpoints, ignore_errors=True)
+    seconds = time.perf_counter() - started
+    evals = {"accuracy": {str(step): value for step, value in accuracy.items()}, "seconds": seconds}
+    _write_json(path / EVALS_FILE, evals)
+    return RunResult(cell, seed, path, read_metrics(path), accuracy, seconds)

@@ -2,15 +2,17 @@
 
     python benchmarks/study.py                    # the reduced grid (< 60 min on 2 CPU cores)
     python benchmarks/study.py --full             # extensions and proximal at staleness 2 and 8
-    python benchmarks/study.py --config gpu.yaml  # e.g. a real model directory, backend vllm,
-                                                  # learner.device cuda (any RunSpec file)
+    python benchmarks/study.py --config examples/study-gentle.yaml   # a second step size
+    python benchmarks/study.py --set model=/models/qwen --set generation.backend=vllm ...
+                                                  # GPU scale: any RunSpec override or file
 
 The grid (stability_study.grid): GRPO, GSPO, GMPO, KPO clipped and unclipped, CTPO, each
 synchronous and at max_staleness 2 and 8 (generation held that many versions ahead), plus KPO
 with staleness-aware R, with adaptive Q, and against proximal log-probs. Every run is the base
-spec (examples/study.yaml) with the cell's settings; runs go to --out and are reused when the
-study is started again. The report block of docs/results.md, its figures and the per-step CSV
-files under docs/results/ are rewritten from all finished runs.
+spec (examples/study.yaml unless --config) with the cell's settings; runs go to runs/NAME
+(NAME: the config's stem unless --name) and are reused when the study is started again. The
+study's block of docs/results.md, its figures and its per-step CSV files under
+docs/results/NAME/ are rewritten from all its finished runs.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
 import shlex
 import sys
 import time
@@ -38,6 +41,11 @@ from stability_study.runner import RunResult, load_result, run_one
 from stability_study.summary import summarize
 
 ROOT = Path(__file__).resolve().parents[1]
+# The report's section for each group of cells beyond the baselines (grid.Cell.group).
+GROUP_SECTIONS = {
+    "extension": "Beyond the paper: staleness-aware R and adaptive Q",
+    "ablation": "KPO with token-mean aggregation",
+}
 DEFAULT_CONFIG = ROOT / "examples" / "study.yaml"
 
 
@@ -47,11 +55,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")
     parser.add_argument("--full", action="store_true", help="the full grid")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "study")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="where runs are kept (default: runs/NAME)"
+    )
     parser.add_argument("--docs", type=Path, default=ROOT / "docs", help="where results.md goes")
     parser.add_argument("--eval-prompts", type=int, default=512)
     parser.add_argument("--eval-device", default="cpu")
-    parser.add_argument("--only", default="", help="run only cells whose key contains this")
+    parser.add_argument(
+        "--only", default="", help="run only cells whose key matches this regular expression"
+    )
+    parser.add_argument(
+        "--name", default="", help="the study's name in the report (default: the config's stem)"
+    )
     parser.add_argument(
         "--report-only", action="store_true", help="no new runs: report the finished ones"
     )
@@ -129,7 +144,9 @@ def write_report(
     seconds: float,
 ) -> Path:
     docs = args.docs
-    assets = docs / "results"
+    # Figures and data of each study in a folder of its own, linked relative to results.md.
+    link = f"results/{args.name}"
+    assets = docs / link
     summaries = {cell: summarize(runs) for cell, runs in results.items()}
     columns = [s for s in STALENESS if any(c.staleness == s for c in results)]
     baseline = {c: r for c, r in results.items() if c.group == "baseline"}
@@ -150,9 +167,11 @@ def write_report(
             plots.plot_training_curves(beyond, beyond_columns, assets / "extensions.png")
         )
     block = [
-        "## How these numbers were made",
+        f"## Study `{args.name}`: {_relative(args.config)}",
         "",
-        f"- Command: `{' '.join(shlex.quote(a) for a in sys.argv)}`",
+        "### How these numbers were made",
+        "",
+        f"- Command: `python {' '.join(shlex.quote(a) for a in _run_command())}`",
         f"- Grid: {'full' if args.full else 'reduced'}; {args.seeds} seeds per cell; "
         f"{base.pipeline.steps} learner steps per run; held-out accuracy on "
         f"{args.eval_prompts} unseen prompts at each checkpoint.",
@@ -160,32 +179,33 @@ def write_report(
         f"setting{'; overrides: ' + ', '.join(args.overrides) if args.overrides else ''}.",
         f"- Machine: {machine_line()}.",
         f"- Time: {sum(r.seconds for runs in results.values() for r in runs) / 60:.1f} min of "
-        f"runs and evaluations; this invocation took {seconds / 60:.1f} min.",
+        "runs and evaluations in all; the invocation that wrote this report took "
+        f"{seconds / 60:.1f} min (finished runs are reused).",
         f"- Raw per-step metrics of every run: `{_relative(assets / 'metrics')}/<cell>.csv`; "
         "held-out accuracy: `evals.csv` there.",
         "",
         *report.settings_table(list(results)),
         "",
-        "## Estimators on fresh and stale batches",
+        "### Estimators on fresh and stale batches",
         "",
         *report.outcome_table([summaries[c] for c in baseline]),
         "",
-        "![training curves](results/curves.png)",
+        f"![training curves]({link}/curves.png)",
         "",
-        "![held-out accuracy](results/accuracy.png)",
+        f"![held-out accuracy]({link}/accuracy.png)",
         "",
     ]
-    extensions = [summaries[c] for c in results if c.group == "extension"]
-    if extensions:
-        anchors = [summaries[c] for c in beyond if c.group == "baseline"]
-        block += [
-            "## Beyond the paper: staleness-aware R and adaptive Q",
-            "",
-            *report.outcome_table(anchors + extensions),
-            "",
-        ]
-        if beyond_columns:
-            block += ["![KPO variants](results/extensions.png)", ""]
+    anchor_cells = [c for c in baseline if c.method.key in ("grpo", "kpo")]
+    for group, title in GROUP_SECTIONS.items():
+        cells = [c for c in results if c.group == group]
+        if not cells:
+            continue
+        # Each section with plain KPO and GRPO at the same staleness settings, for reference.
+        shown = {c.staleness for c in cells}
+        rows = [c for c in anchor_cells if c.staleness in shown] + cells
+        block += [f"### {title}", "", *report.outcome_table([summaries[c] for c in rows]), ""]
+    if beyond_columns:
+        block += [f"![KPO variants]({link}/extensions.png)", ""]
     pairs = [
         (summaries[b], summaries[p])
         for p in results
@@ -195,16 +215,16 @@ def write_report(
     ]
     if pairs:
         block += [
-            "## KPO against behaviour vs proximal log-probs",
+            "### KPO against behaviour vs proximal log-probs",
             "",
             *report.reference_table(pairs),
             "",
         ]
-    block += ["## Collapses", "", *report.collapse_notes(list(summaries.values())), ""]
-    block += _dynamics_section(results, assets, figures, args.filter_lengths)
+    block += ["### Collapses", "", *report.collapse_notes(list(summaries.values())), ""]
+    block += _dynamics_section(results, assets, link, figures, args.filter_lengths)
     report.write_metrics_csv(results, assets / "metrics")
     document = docs / "results.md"
-    report.replace_block(document, block, "Stability study")
+    report.replace_block(document, args.name, block, "Stability study")
     print(f"report: {document}; figures: {', '.join(str(f) for f in figures)}")
     return Path(document)
 
@@ -212,6 +232,7 @@ def write_report(
 def _dynamics_section(
     results: dict[Cell, list[RunResult]],
     assets: Path,
+    link: str,
     figures: list[Path],
     lengths: Sequence[int],
 ) -> list[str]:
@@ -236,25 +257,30 @@ def _dynamics_section(
     comparison = filter_accuracy.compare(sample, lengths)
     figures.append(plots.plot_filter_accuracy(comparison, assets / "filter_accuracy.png"))
     return [
-        "## Ratio dynamics: raw vs filtered",
+        "### Ratio dynamics: raw vs filtered",
         "",
         "Recorded token log-ratios of the GRPO runs (every recorded step, all minibatches, "
         "against the behaviour log-probs), filtered offline at each q/r (R = 1).",
         "",
         *report.dynamics_table(tables, sizes),
         "",
-        "![ratio dynamics](results/ratio_dynamics.png)",
+        f"![ratio dynamics]({link}/ratio_dynamics.png)",
         "",
-        "## Exact parallel filter vs the official closed form",
+        "### Exact parallel filter vs the official closed form",
         "",
         "Recorded log-ratios tiled to each length (2 rows, float32 input); error against the "
         "sequential recursion in float64; forward time, best of 5, on this machine.",
         "",
         *report.filter_table(comparison),
         "",
-        "![filter accuracy](results/filter_accuracy.png)",
+        f"![filter accuracy]({link}/filter_accuracy.png)",
         "",
     ]
+
+
+def _run_command() -> list[str]:
+    """This invocation's command line without --report-only: the command that makes the runs."""
+    return [a for a in sys.argv if a != "--report-only"]
 
 
 def _relative(path: Path) -> str:
@@ -272,9 +298,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         HeldOutEvaluator(base, args.eval_prompts, args.eval_device)
     except ValueError as error:  # SpecError names the file and key
         raise SystemExit(f"error: {error}") from None
-    cells = [c for c in grid(args.full) if args.only in c.key]
+    try:
+        pattern = re.compile(args.only)
+    except re.error as error:
+        raise SystemExit(f"error: --only {args.only!r}: {error}") from None
+    cells = [c for c in grid(args.full) if pattern.search(c.key)]
     if not cells:
-        raise SystemExit(f"no cell key contains {args.only!r}")
+        raise SystemExit(f"error: no cell key matches {args.only!r}")
+    args.name = args.name or args.config.stem
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", args.name):
+        raise SystemExit(f"error: --name {args.name!r}: use letters, digits, '.', '_', '-'")
+    args.out = args.out or ROOT / "runs" / args.name
     print(f"{len(cells)} cells x {args.seeds} seeds, {base.pipeline.steps} steps per run")
     results = run_grid(base, cells, args)
     if not results:

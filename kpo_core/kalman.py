@@ -284,8 +284,8 @@ def _riccati_scan(q: Tensor, r: Tensor, mask: Tensor, p0: float) -> Tensor:
     return torch.where(valid, prior / (prior + r64), 0.0)
 
 
-def _parallel_gains(z: Tensor, mask: Tensor, q: Noise, r: Noise, p0: float) -> Tensor:
-    """Per-token gains [N, T] float64 of the rows of z flattened to [N, T]."""
+def _parallel_gains(mask: Tensor, q: Noise, r: Noise, p0: float) -> Tensor:
+    """Per-token gains [N, T] float64 of the rows of the mask flattened to [N, T]."""
     rows = mask.reshape(-1, mask.shape[-1])
     n = rows.shape[0]
     r_rows = (
@@ -302,18 +302,13 @@ def filter_gains(mask: Tensor, q: Noise, r: Noise, p0: float = 0.0) -> Tensor:
     q and r as in `kalman_filter`; the gains never depend on z, only on the mask and the noise.
     """
     _check_noise_tensors(mask, q, r, p0)
-    if isinstance(q, Tensor) or isinstance(r, Tensor):
-        return _parallel_gains(mask, mask, q, r, p0).reshape(mask.shape)
-    valid = mask.to(torch.bool)
-    table = kalman_gains(max(mask.shape[-1], 1), q, r, p0).to(mask.device)
-    index = (valid.to(torch.int64).cumsum(-1) * valid).clamp_min(1) - 1
-    return torch.where(valid, table[index], 0.0)
+    return _parallel_gains(mask, q, r, p0).reshape(mask.shape)
 
 
 def _filter_parallel(z: Tensor, mask: Tensor, q: Noise, r: Noise, p0: float, x0: float) -> Tensor:
     dtype = _compute_dtype(z)
     if isinstance(q, Tensor) or isinstance(r, Tensor):
-        gains = _parallel_gains(z, mask, q, r, p0).reshape(z.shape)
+        gains = _parallel_gains(mask, q, r, p0).reshape(z.shape)
         log_a, b = _terms_from_gains(z, mask, gains, dtype)
         max_decay = float(-log_a.min()) if log_a.numel() else 0.0
     else:

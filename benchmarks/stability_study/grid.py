@@ -19,6 +19,7 @@ class Method:
     estimator: dict[str, Any]
     reference: str = "behaviour"
     off_policy: dict[str, Any] = field(default_factory=dict)
+    loss_agg_mode: str | None = None  # None: the estimator's default
 
 
 @dataclass(frozen=True, eq=False)
@@ -35,7 +36,7 @@ class Cell:
     method: Method
     staleness: Staleness
     # baseline: the paper's estimators; extension: our KPO options; reference: behaviour vs
-    # proximal ratios.
+    # proximal ratios; ablation: KPO with another loss aggregation.
     group: str
 
     @property
@@ -65,6 +66,12 @@ PROXIMAL = Method(
     off_policy={"tis_cap": 2.0},
 )
 
+# KPO's default aggregation (seq-mean-token-mean, the official code's) weights each token by
+# 1 / its response's length; token-mean does not.
+TOKEN_MEAN = Method(
+    "kpo-token-mean", "KPO clipped, token-mean", {"name": "kalman"}, loss_agg_mode="token-mean"
+)
+
 SYNC = Staleness("sync", "synchronous", {"mode": "sync", "max_staleness": 0})
 STALE_2 = Staleness(
     "stale-2", "max_staleness 2", {"mode": "async", "max_staleness": 2, "lead_batches": 2}
@@ -77,11 +84,14 @@ STALENESS = (SYNC, STALE_2, STALE_8)
 
 def grid(full: bool) -> list[Cell]:
     """Every cell: all baselines at every staleness; the extensions and the proximal reference
-    at max_staleness 8 (the reduced grid) or at 2 and 8 (`full`)."""
+    at max_staleness 8 (the reduced grid) or at 2 and 8 (`full`); the aggregation ablation
+    synchronous and at 8 (or at every staleness)."""
     cells = [Cell(m, s, "baseline") for s in STALENESS for m in BASELINES]
     stale = (STALE_2, STALE_8) if full else (STALE_8,)
     cells += [Cell(m, s, "extension") for s in stale for m in EXTENSIONS]
     cells += [Cell(PROXIMAL, s, "reference") for s in stale]
+    ablated = STALENESS if full else (SYNC, STALE_8)
+    cells += [Cell(TOKEN_MEAN, s, "ablation") for s in ablated]
     return cells
 
 
@@ -93,6 +103,7 @@ def cell_spec(base: RunSpec, cell: Cell, seed: int) -> RunSpec:
     data["algorithm"]["estimator"] = dict(cell.method.estimator)
     data["algorithm"]["reference"] = cell.method.reference
     data["algorithm"]["off_policy"] = dict(cell.method.off_policy)
+    data["algorithm"]["loss_agg_mode"] = cell.method.loss_agg_mode
     pipeline = data["pipeline"]
     pipeline.update(cell.staleness.pipeline)
     # Let the staleness setting size the buffer (the base spec resolved it for its own).

@@ -35,22 +35,30 @@ def _save(figure: Any, path: Path) -> Path:
     return path
 
 
-def _band(axis: Any, results: Sequence[RunResult], key: str, smooth: bool, label: str) -> None:
-    steps, mean, std = curve(results, key)
+# Floor of log-scale panels: k3 KL estimates can come out at -1e-9 from rounding.
+LOG_FLOOR = 1e-6
+
+
+def _band(
+    axis: Any, results: Sequence[RunResult], key: str, smooth: bool, log_scale: bool, label: str
+) -> None:
+    """The mean over seeds as a line, the seeds' range (min to max) as a band."""
+    steps, mean, low, high = curve(results, key)
     if steps.size == 0:
         return
     if smooth:
-        mean = np.array(moving_average(list(mean), 5))
-        std = np.array(moving_average(list(std), 5))
+        mean, low, high = (np.array(moving_average(list(v), 5)) for v in (mean, low, high))
+    if log_scale:
+        mean, low, high = (np.maximum(v, LOG_FLOOR) for v in (mean, low, high))
     (line,) = axis.plot(steps, mean, label=label, linewidth=1.3)
-    axis.fill_between(steps, mean - std, mean + std, color=line.get_color(), alpha=0.15)
+    axis.fill_between(steps, low, high, color=line.get_color(), alpha=0.12)
 
 
 def plot_training_curves(
     results: Mapping[Cell, Sequence[RunResult]], columns: Sequence[Staleness], path: Path
 ) -> Path:
     """Rows: reward, entropy, clip fraction, KL; columns: staleness; a line per method (mean
-    over seeds, band +- one standard deviation)."""
+    over seeds; band: the seeds' range)."""
     figure, axes = plt.subplots(
         len(CURVE_PANELS), len(columns), figsize=(5 * len(columns), 11), sharex=True
     )
@@ -60,7 +68,7 @@ def plot_training_curves(
         for row, (key, title, smooth, log_scale) in enumerate(CURVE_PANELS):
             axis = axes[row, col]
             for cell in cells:
-                _band(axis, results[cell], key, smooth, cell.method.label)
+                _band(axis, results[cell], key, smooth, log_scale, cell.method.label)
             axis.set_title(f"{title}: {staleness.label}", fontsize=9)
             if log_scale:
                 axis.set_yscale("log")
@@ -117,6 +125,7 @@ def plot_ratio_dynamics(
                 axis.plot(np.arange(1, up.size + 1), up + down, marker="o", label=label)
         axis.set_title(f"off-policy tokens per 50-token window: {name}", fontsize=9)
         axis.set_xlabel("window")
+        axis.xaxis.get_major_locator().set_params(integer=True)
         axis.set_ylim(-0.02, 1.02)
         axis.grid(alpha=0.3)
     axes[0, 0].legend(fontsize=7)

@@ -116,8 +116,10 @@ def summarize(results: Sequence[RunResult]) -> CellSummary:
     )
 
 
-def curve(results: Sequence[RunResult], key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(steps, mean, std) of `key` over the seeds, on the steps every run recorded it."""
+def curve(
+    results: Sequence[RunResult], key: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(steps, mean, min, max) of `key` over the seeds, on the steps every run recorded it."""
     by_step: dict[int, list[float]] = {}
     for result in results:
         for record in result.records:
@@ -126,6 +128,9 @@ def curve(results: Sequence[RunResult], key: str) -> tuple[np.ndarray, np.ndarra
                 by_step.setdefault(int(record["step"]), []).append(float(value))
     steps = np.array(sorted(s for s, v in by_step.items() if len(v) == len(results)))
     values = [by_step[int(s)] for s in steps]
-    mean = np.array([np.mean(v) for v in values])
-    std = np.array([np.std(v, ddof=1) if len(v) > 1 else 0.0 for v in values])
-    return steps, mean, std
+    return (
+        steps,
+        np.array([np.mean(v) for v in values]),
+        np.array([min(v) for v in values]),
+        np.array([max(v) for v in values]),
+    )

@@ -22,6 +22,7 @@ from stability_study.grid import (
     PROXIMAL,
     STALE_8,
     SYNC,
+    TOKEN_MEAN,
     Cell,
     cell_spec,
     grid,
@@ -35,13 +36,14 @@ STUDY_CONFIG = ROOT / "examples" / "study.yaml"
 
 def test_grid_covers_every_estimator_and_staleness() -> None:
     reduced, full = grid(full=False), grid(full=True)
-    assert len({c.key for c in reduced}) == len(reduced) == 6 * 3 + 2 + 1
-    assert len({c.key for c in full}) == len(full) == 6 * 3 + 2 * 2 + 2
+    assert len({c.key for c in reduced}) == len(reduced) == 6 * 3 + 2 + 1 + 2
+    assert len({c.key for c in full}) == len(full) == 6 * 3 + 2 * 2 + 2 + 3
     names = {c.method.estimator["name"] for c in reduced}
     assert names == {"token", "sequence", "geometric", "kalman", "cumulative"}
     assert {c.staleness.key for c in reduced} == {"sync", "stale-2", "stale-8"}
     # Extensions and the proximal reference only where batches are stale.
-    assert all(c.staleness.key != "sync" for c in full if c.group != "baseline")
+    assert all(c.staleness.key != "sync" for c in full if c.group in ("extension", "reference"))
+    assert {c.staleness.key for c in reduced if c.group == "ablation"} == {"sync", "stale-8"}
 
 
 def test_cell_specs_apply_estimator_reference_and_staleness() -> None:
@@ -60,6 +62,9 @@ def test_cell_specs_apply_estimator_reference_and_staleness() -> None:
         0,
     )
     assert sync.algorithm.estimator.name == "token"
+    assert sync.algorithm.loss_agg_mode is None  # the estimator's own default
+    token_mean = cell_spec(base, Cell(TOKEN_MEAN, SYNC, "ablation"), seed=0)
+    assert token_mean.algorithm.resolved_loss_agg_mode == "token-mean"
     adaptive = cell_spec(base, Cell(EXTENSIONS[1], STALE_8, "extension"), seed=0)
     assert adaptive.algorithm.estimator.adaptive_q is not None  # type: ignore[union-attr]
     # What the study never changes comes from the base spec.
@@ -101,16 +106,21 @@ def test_spread_is_mean_and_sample_deviation() -> None:
     assert Spread.of([]).format() == "n/a"
 
 
-def test_report_block_is_replaced_and_the_reading_kept(tmp_path: Path) -> None:
+def test_report_blocks_are_replaced_and_the_reading_kept(tmp_path: Path) -> None:
     document = tmp_path / "results.md"
-    report.replace_block(document, ["first"], "Stability study")
+    report.replace_block(document, "main", ["first"], "Stability study")
     assert document.read_text().startswith("# Stability study")
-    text = document.read_text().replace(report.END, report.END + "\n\nMy reading.")
+    end = report.markers("main")[1]
+    text = document.read_text().replace(end, end + "\n\nMy reading.")
     document.write_text("Intro.\n" + text)
-    report.replace_block(document, ["second"], "ignored")
+    report.replace_block(document, "other", ["other study"], "ignored")
+    report.replace_block(document, "main", ["second"], "ignored")
     final = document.read_text()
     assert "second" in final and "first" not in final
-    assert final.startswith("Intro.") and final.rstrip().endswith("My reading.")
+    assert final.startswith("Intro.") and "My reading." in final
+    # Another study's block is appended once and left alone by the first study's rewrite.
+    assert final.count("other study") == 1
+    assert final.index("My reading.") < final.index("other study")
 
 
 def write_ratio_files(run_dir: Path, rows: int = 6, width: int = 120) -> None:
@@ -171,7 +181,7 @@ def test_the_study_runs_a_cell_end_to_end_and_reports_it(
 
     out, docs = tmp_path / "out", tmp_path / "docs"
     argv = [
-        "--only", "grpo__sync", "--seeds", "1", "--eval-prompts", "16",
+        "--only", "^grpo__sync$", "--seeds", "1", "--eval-prompts", "16", "--name", "tiny",
         "--set", "pipeline.steps=4", "--set", "pipeline.checkpoint_every=2",
         "--set", "learner.record_ratios_every=2",
         "--out", str(out), "--docs", str(docs), "--filter-lengths", "1024",
@@ -189,9 +199,10 @@ def test_the_study_runs_a_cell_end_to_end_and_reports_it(
     document = (docs / "results.md").read_text()
     assert "| GRPO (token) | synchronous |" in document
     assert "## Ratio dynamics: raw vs filtered" in document
+    assert "## Study `tiny`" in document and "](results/tiny/curves.png)" in document
     for figure in ("curves.png", "accuracy.png", "ratio_dynamics.png", "filter_accuracy.png"):
-        assert (docs / "results" / figure).stat().st_size > 10_000
-    with (docs / "results" / "metrics" / "grpo__sync.csv").open() as handle:
+        assert (docs / "results" / "tiny" / figure).stat().st_size > 10_000
+    with (docs / "results" / "tiny" / "metrics" / "grpo__sync.csv").open() as handle:
         rows = list(csv.DictReader(handle))
     assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]
     assert all(float(r["staleness_mean"]) == 0.0 for r in rows)
@@ -204,8 +215,13 @@ def test_the_study_runs_a_cell_end_to_end_and_reports_it(
     assert (docs / "results.md").read_text().rstrip().endswith("Hand-written reading.")
 
 
-def test_bad_study_config_is_a_message_naming_the_key(tmp_path: Path) -> None:
+def test_bad_study_arguments_are_messages_naming_the_problem(tmp_path: Path) -> None:
     import study
+
+    with pytest.raises(SystemExit, match="no cell key matches 'nothing'"):
+        study.main(["--only", "nothing", "--report-only"])
+    with pytest.raises(SystemExit, match=r"--only '\(': "):
+        study.main(["--only", "(", "--report-only"])
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("learner:\n  lr: -1\n")

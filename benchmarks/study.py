@@ -1,14 +1,14 @@
 """Stability study: every estimator on fresh and stale batches, several seeds, one report.
 
     python benchmarks/study.py                    # the reduced grid (< 60 min on 2 CPU cores)
-    python benchmarks/study.py --full             # extensions and proximal at staleness 2 and 8
+    python benchmarks/study.py --full             # every extra cell at every staleness
     python benchmarks/study.py --config examples/study-gentle.yaml   # a second step size
     python benchmarks/study.py --set model=/models/qwen --set generation.backend=vllm ...
                                                   # GPU scale: any RunSpec override or file
 
 The grid (stability_study.grid): GRPO, GSPO, GMPO, KPO clipped and unclipped, CTPO, each
 synchronous and at max_staleness 2 and 8 (generation held that many versions ahead), plus KPO
-with staleness-aware R, with adaptive Q, and against proximal log-probs. Every run is the base
+against proximal log-probs and KPO with token-mean aggregation. Every run is the base
 spec (examples/study.yaml unless --config) with the cell's settings; runs go to runs/NAME
 (NAME: the config's stem unless --name) and are reused when the study is started again. The
 study's block of docs/results.md, its figures and its per-step CSV files under
@@ -42,10 +42,7 @@ from stability_study.summary import summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 # The report's section for each group of cells beyond the baselines (grid.Cell.group).
-GROUP_SECTIONS = {
-    "extension": "Beyond the paper: staleness-aware R and adaptive Q",
-    "ablation": "KPO with token-mean aggregation",
-}
+GROUP_SECTIONS = {"ablation": "KPO with token-mean aggregation"}
 DEFAULT_CONFIG = ROOT / "examples" / "study.yaml"
 
 
@@ -150,7 +147,7 @@ def write_report(
     summaries = {cell: summarize(runs) for cell, runs in results.items()}
     columns = [s for s in STALENESS if any(c.staleness == s for c in results)]
     baseline = {c: r for c, r in results.items() if c.group == "baseline"}
-    # The extensions' figure: KPO variants with GRPO and plain KPO for reference.
+    # The variants' figure: KPO variants with GRPO and plain KPO for reference.
     extended = {c.staleness for c in results if c.group != "baseline"}
     beyond = {
         c: r
@@ -163,9 +160,7 @@ def write_report(
     ]
     beyond_columns = [s for s in columns if s in extended]
     if beyond_columns:
-        figures.append(
-            plots.plot_training_curves(beyond, beyond_columns, assets / "extensions.png")
-        )
+        figures.append(plots.plot_training_curves(beyond, beyond_columns, assets / "variants.png"))
     block = [
         f"## Study `{args.name}`: {_relative(args.config)}",
         "",
@@ -205,7 +200,7 @@ def write_report(
         rows = [c for c in anchor_cells if c.staleness in shown] + cells
         block += [f"### {title}", "", *report.outcome_table([summaries[c] for c in rows]), ""]
     if beyond_columns:
-        block += [f"![KPO variants]({link}/extensions.png)", ""]
+        block += [f"![KPO variants]({link}/variants.png)", ""]
     pairs = [
         (summaries[b], summaries[p])
         for p in results

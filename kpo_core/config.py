@@ -66,22 +66,8 @@ class GeometricEstimator(_ClippedEstimator):
     default_loss_agg_mode: ClassVar[LossAggMode] = "seq-mean-token-mean"
 
 
-class AdaptiveNoise(StrictModel):
-    """Process noise estimated online per token (kpo_core.kalman.adaptive_process_noise)."""
-
-    window: int = Field(128, ge=16, description="valid tokens in the estimation window")
-    lag: int = Field(16, ge=2, description="the long difference of the variogram match")
-    q_max: float = Field(1e-2, gt=0.0, description="upper bound of the estimated Q")
-
-
 class KalmanEstimator(_ClippedEstimator):
-    """KPO: token log-ratios smoothed by a causal Kalman filter, as straight-through weights.
-
-    Two extensions beyond the paper, both off by default: `staleness_alpha` scales each
-    response's R by (1 + alpha k) for a response sampled k policy versions ago, so older samples
-    are smoothed harder; `adaptive_q` estimates Q per token from the data, between `q` and
-    `adaptive_q.q_max`.
-    """
+    """KPO: token log-ratios smoothed by a causal Kalman filter, as straight-through weights."""
 
     name: Literal["kalman"] = "kalman"
     q: float = Field(1e-6, ge=0.0, description="process noise variance Q")
@@ -93,22 +79,7 @@ class KalmanEstimator(_ClippedEstimator):
     clip_low: float = Field(3e-4, ge=0.0, lt=1.0)
     clip_high: float = Field(4e-4, ge=0.0)
     max_log_ratio: float = Field(10.0, gt=0.0, description="cap on log rho before exp")
-    staleness_alpha: float = Field(
-        0.0, ge=0.0, description="R_k = r * (1 + staleness_alpha * k) at staleness k; 0: off"
-    )
-    adaptive_q: AdaptiveNoise | None = Field(
-        None, description="estimate Q online from the log-ratios; null: the constant q"
-    )
     default_loss_agg_mode: ClassVar[LossAggMode] = "seq-mean-token-mean"
-
-    @model_validator(mode="after")
-    def _adaptive_bounds(self) -> KalmanEstimator:
-        if self.adaptive_q is not None and self.adaptive_q.q_max < self.q:
-            raise ValueError(
-                f"adaptive_q.q_max ({self.adaptive_q.q_max}) must be >= q ({self.q}), "
-                "the lower bound of the estimate"
-            )
-        return self
 
 
 class CumulativeEstimator(_ClippedEstimator):

@@ -28,11 +28,10 @@ x_t = A_t (x0 + sum_s b_s / A_s) with A_t = prod(1 - K) clamped at 1e-30, which 
 vanishing products and departs from the exact recursion beyond ~70k tokens; it is kept here as
 `method="closed_form"` for comparison only.
 
-Two generalisations keep the parallel evaluation (both off by default):
-- Per-response measurement noise r [...] (e.g. growing with the staleness of the policy that
-  sampled the response): one gain table per distinct value, gathered per row.
-- Per-token process noise q [..., T] (e.g. estimated online by `adaptive_process_noise`): the
-  gains then vary along the sequence, but the covariance recursion is still data-free given q.
+Two generalisations keep the parallel evaluation, for noise schedules of your own:
+- Per-response measurement noise r [...]: one gain table per distinct value, gathered per row.
+- Per-token process noise q [..., T]: the gains then vary along the sequence, but the
+  covariance recursion still never reads z.
   One step P -> (P + Q_t) R / (P + Q_t + R) is a linear fractional map, the 2x2 matrix
   [[R, R Q_t], [1, Q_t + R]] acting on P in homogeneous coordinates, so the posterior variances
   are prefix products of 2x2 matrices: a doubling scan in float64, rescaled at every level (all
@@ -408,82 +407,3 @@ def kalman_filter(
     _check_noise_tensors(z, q, r, p0)
     x = _METHODS[method](z, mask, q, r, p0, x0)
     return x.to(z.dtype)
-
-
-# Fewer windowed samples than this and the moments are mostly noise: keep q_min.
-_MIN_ADAPTIVE_SAMPLES = 16
-# Standard errors the drift moment must clear before Q rises above q_min: on white noise this
-# keeps the estimate at q_min for ~99% of tokens (measured with window 128, lag 16).
-_SIGNAL_MARGIN = 2.0
-
-
-def _window_sums(values: Tensor, start: Tensor, stop: Tensor) -> Tensor:
-    """sum(values[..., start:stop]) per position, from one cumulative sum."""
-    cumulative = torch.nn.functional.pad(values.cumsum(-1), (1, 0))
-    return cumulative.gather(-1, stop) - cumulative.gather(-1, start)
-
-
-@torch.no_grad()
-def adaptive_process_noise(
-    z: Tensor,
-    mask: Tensor,
-    r: float,
-    q_min: float,
-    q_max: float,
-    window: int = 128,
-    lag: int = 16,
-) -> Tensor:
-    """Per-token process noise Q_t [..., T] float64, estimated causally from the data.
-
-    The estimator matches the variogram of the filter's own model. Under z_t = x_t + v_t,
-    x_t = x_{t-1} + w_t, a difference over L valid tokens has variance
-    E(z_t - z_{t-L})^2 = L Q + 2 R, so with V_1 and V_L the windowed mean squares of the 1- and
-    L-token differences, Q = (V_L - V_1) / (L - 1) and R = (V_1 - Q) / 2. (While the gain is
-    small the filter's innovations e_t = z_t - x_{t-1} are z_t less a nearly constant state, so
-    these are also the innovations' differences: the match reads the innovation sequence.) The
-    windows hold the last `window` valid tokens before t, so the noise used at t never reads z_t.
-    Q rises only where the drift is significant, with se the naive standard error of the
-    windowed (V_L - V_1) / (L - 1) samples:
-
-        Q_t = clamp(r * max(Q_hat - 2 se, 0) / R_hat, q_min, q_max)
-
-    i.e. the estimated ratio Q/R applied to the configured r. q_min before
-    `_MIN_ADAPTIVE_SAMPLES` samples exist and on masked positions (unused there). Detached: the
-    noise is a setting chosen from the data, not a path for gradients.
-    """
-    _check_noise(q_min, r, 0.0)
-    if not (math.isfinite(q_max) and q_max >= q_min):
-        raise ValueError(f"q_max must be finite and >= q_min ({q_min}), got {q_max}")
-    if lag < 2:
-        raise ValueError(f"lag must be >= 2 (it is compared with 1-token differences), got {lag}")
-    if window < _MIN_ADAPTIVE_SAMPLES:
-        raise ValueError(f"window must be >= {_MIN_ADAPTIVE_SAMPLES} tokens, got {window}")
-    valid = mask.to(torch.bool).reshape(-1, mask.shape[-1])
-    values = torch.where(valid, z.detach().reshape(valid.shape).to(torch.float64), 0.0)
-    # Valid tokens first, in order: the j-th valid token of a row lands in column j.
-    order = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)
-    compact = values.gather(-1, order)
-    length = compact.shape[-1]
-    short = torch.nn.functional.pad(compact[:, 1:] - compact[:, :-1], (1, 0)) ** 2
-    long = torch.nn.functional.pad(compact[:, lag:] - compact[:, :-lag], (min(lag, length), 0))
-    long = long[:, :length] ** 2
-    drift = (long - short) / (lag - 1)
-    # Token j (the j-th valid one) sees samples i in [max(lag, j - window), j - 1].
-    j = torch.arange(length, device=valid.device).expand_as(compact)
-    start = (j - window).clamp_min(lag).clamp_max(j)
-    count = (j - start).to(torch.float64)
-    n = count.clamp_min(1.0)
-    drift_mean = _window_sums(drift, start, j) / n
-    drift_square = _window_sums(drift * drift, start, j) / n
-    short_mean = _window_sums(short, start, j) / n
-    standard_error = ((drift_square - drift_mean**2).clamp_min(0.0) / n).sqrt()
-    q_hat = (drift_mean - _SIGNAL_MARGIN * standard_error).clamp_min(0.0)
-    r_hat = (short_mean - q_hat) / 2.0
-    ratio = torch.where(r_hat > 0, q_hat / r_hat.clamp_min(1e-300), math.inf)
-    ratio = torch.where(q_hat > 0, ratio, 0.0)
-    estimate = (ratio * r).clamp(q_min, q_max)
-    estimate = torch.where(count >= _MIN_ADAPTIVE_SAMPLES, estimate, q_min)
-    out = torch.full_like(values, q_min)
-    out.scatter_(-1, order, estimate)
-    out = torch.where(valid, out, q_min)
-    return out.reshape(z.shape)

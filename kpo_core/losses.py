@@ -191,7 +191,6 @@ def policy_loss(
     mask: Tensor,
     *,
     behaviour_logp: Tensor | None = None,
-    staleness: Tensor | None = None,
     loss_agg_mode: LossAggMode | None = None,
     norm_length: int | None = None,
     nonfinite: NonFinitePolicy = "raise",
@@ -202,8 +201,6 @@ def policy_loss(
     `options` are the fields of that estimator's config (e.g. clip_low, clip_high, dual_clip_c,
     q, r, p0, x0, gradient, clipped) plus the off-policy options tis_cap, mis_low, mis_high and
     tis_level ("token" | "sequence"), which apply when `behaviour_logp` is given.
-    `staleness` [B]: policy versions between each response's sampler and the current weights
-    (read by `kalman` with staleness_alpha > 0).
     `nonfinite="raise"` (default) rejects NaN/inf in valid tokens; "mask" drops those tokens and
     reports their count as `nonfinite_tokens`.
     """
@@ -215,7 +212,6 @@ def policy_loss(
         advantages,
         mask,
         behaviour_logp=behaviour_logp,
-        staleness=staleness,
         correction=correction,
         loss_agg_mode=loss_agg_mode,
         norm_length=norm_length,
@@ -231,7 +227,6 @@ def compute_policy_loss(
     mask: Tensor,
     *,
     behaviour_logp: Tensor | None = None,
-    staleness: Tensor | None = None,
     correction: OffPolicyCorrection | None = None,
     loss_agg_mode: LossAggMode | None = None,
     norm_length: int | None = None,
@@ -253,14 +248,7 @@ def compute_policy_loss(
     if behaviour_logp is not None:
         behaviour_logp = torch.where(mask, behaviour_logp, 0.0).detach()
     adv = torch.where(mask, adv, 0.0).detach()
-    if staleness is not None and staleness.shape != mask.shape[:-1]:
-        raise ValueError(
-            f"staleness must have one value per response, shape {tuple(mask.shape[:-1])}, "
-            f"got {tuple(staleness.shape)}"
-        )
-    estimate = get_estimator(config.name).estimate(
-        logp, ref_logp, adv, mask, config, staleness=staleness
-    )
+    estimate = get_estimator(config.name).estimate(logp, ref_logp, adv, mask, config)
     per_token, clipped = clipped_surrogate(estimate, adv, mask)
     metrics = _loss_metrics(logp, ref_logp, estimate, clipped, mask)
     if behaviour_logp is not None:

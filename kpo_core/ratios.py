@@ -3,10 +3,8 @@
 Shapes: logp, ref_logp, mask [B, T]; advantages [B, T] (already broadcast). z_t = logp - ref_logp
 is the token log-ratio against the reference policy (behaviour or proximal, SPEC.md).
 
-Each estimator turns (logp, ref_logp, advantages, mask) and, optionally, the staleness [B] of
-each response (versions between the policy that sampled it and the current one; only `kalman`
-reads it) into a `RatioEstimate`: the ratio as a differentiable tensor plus the clip window the
-surrogate in `kpo_core.losses` applies to it.
+Each estimator turns (logp, ref_logp, advantages, mask) into a `RatioEstimate`: the ratio as a
+differentiable tensor plus the clip window the surrogate in `kpo_core.losses` applies to it.
 
 - `token` (GRPO/PPO): rho_t = exp(clamp(z_t, -20, 20)).
 - `sequence` (GSPO, arXiv 2507.18671): rho_t = exp(sg(mean z) + logp_t - sg(logp_t)).
@@ -21,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from pydantic import BaseModel
@@ -35,7 +33,7 @@ from kpo_core.config import (
     SequenceEstimator,
     TokenEstimator,
 )
-from kpo_core.kalman import Noise, adaptive_process_noise, filter_gains, kalman_filter
+from kpo_core.kalman import kalman_filter, kalman_gains
 
 Bound = Tensor | float | None
 
@@ -59,8 +57,7 @@ class RatioEstimate:
 
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
-# (logp, ref_logp, advantages, mask, config, *, staleness=None) -> RatioEstimate
-EstimatorFn = Callable[..., RatioEstimate]
+EstimatorFn = Callable[[Tensor, Tensor, Tensor, Tensor, Any], RatioEstimate]
 
 
 @dataclass(frozen=True)
@@ -75,10 +72,15 @@ ESTIMATORS: dict[str, RegisteredEstimator] = {}
 
 def register_estimator(
     name: str, config_type: type[ConfigT]
-) -> Callable[[EstimatorFn], EstimatorFn]:
+) -> Callable[
+    [Callable[[Tensor, Tensor, Tensor, Tensor, ConfigT], RatioEstimate]],
+    Callable[[Tensor, Tensor, Tensor, Tensor, ConfigT], RatioEstimate],
+]:
     """Register an estimator function under `name` with its pydantic config type."""
 
-    def decorator(fn: EstimatorFn) -> EstimatorFn:
+    def decorator(
+        fn: Callable[[Tensor, Tensor, Tensor, Tensor, ConfigT], RatioEstimate],
+    ) -> Callable[[Tensor, Tensor, Tensor, Tensor, ConfigT], RatioEstimate]:
         if name in ESTIMATORS:
             raise ValueError(f"estimator {name!r} is already registered")
         ESTIMATORS[name] = RegisteredEstimator(name, config_type, fn)
@@ -114,13 +116,7 @@ def valid_counts(mask: Tensor) -> Tensor:
 
 @register_estimator("token", TokenEstimator)
 def token_ratio(
-    logp: Tensor,
-    ref_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    cfg: TokenEstimator,
-    *,
-    staleness: Tensor | None = None,
+    logp: Tensor, ref_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: TokenEstimator
 ) -> RatioEstimate:
     z = masked_log_ratio(logp, ref_logp, mask).clamp(-20.0, 20.0)
     return RatioEstimate(z.exp(), 1.0 - cfg.clip_low, 1.0 + cfg.clip_high, cfg.dual_clip_c)
@@ -134,13 +130,7 @@ def _sequence_mean(values: Tensor, mask: Tensor) -> Tensor:
 
 @register_estimator("sequence", SequenceEstimator)
 def sequence_ratio(
-    logp: Tensor,
-    ref_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    cfg: SequenceEstimator,
-    *,
-    staleness: Tensor | None = None,
+    logp: Tensor, ref_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: SequenceEstimator
 ) -> RatioEstimate:
     log_s = _sequence_mean(masked_log_ratio(logp, ref_logp, mask), mask)
     log_rho = straight_through(log_s.expand_as(logp), logp).clamp(max=cfg.max_log_ratio)
@@ -149,13 +139,7 @@ def sequence_ratio(
 
 @register_estimator("geometric", GeometricEstimator)
 def geometric_ratio(
-    logp: Tensor,
-    ref_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    cfg: GeometricEstimator,
-    *,
-    staleness: Tensor | None = None,
+    logp: Tensor, ref_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: GeometricEstimator
 ) -> RatioEstimate:
     z = masked_log_ratio(logp, ref_logp, mask)
     sign = torch.sign(advantages)
@@ -171,64 +155,39 @@ def geometric_ratio(
 
 @register_estimator("kalman", KalmanEstimator)
 def kalman_ratio(
-    logp: Tensor,
-    ref_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    cfg: KalmanEstimator,
-    *,
-    staleness: Tensor | None = None,
+    logp: Tensor, ref_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: KalmanEstimator
 ) -> RatioEstimate:
     z = masked_log_ratio(logp, ref_logp, mask)
-    q, r = kalman_noise(z, mask, cfg, staleness)
     if cfg.gradient == "straight_through":
         # The paper's code: observations detached, filtered value as a straight-through weight.
-        x = kalman_filter(z.detach(), mask, q, r, cfg.p0, cfg.x0)
+        x = kalman_filter(z.detach(), mask, cfg.q, cfg.r, cfg.p0, cfg.x0)
         log_rho = straight_through(x, logp)
     else:
-        x = kalman_filter(z, mask, q, r, cfg.p0, cfg.x0)
+        x = kalman_filter(z, mask, cfg.q, cfg.r, cfg.p0, cfg.x0)
         log_rho = x
     rho = log_rho.clamp(max=cfg.max_log_ratio).exp()
-    any_valid = bool(mask.any())
+    gain = _mean_gain(mask, cfg)
+    filtered = x.detach().exp()
     metrics = {
-        "kalman_gain_mean": float(filter_gains(mask, q, r, cfg.p0)[mask].mean())
-        if any_valid
-        else 0.0,
-        "filtered_ratio_mean": float(x.detach().exp()[mask].mean()) if any_valid else 1.0,
+        "kalman_gain_mean": gain,
+        "filtered_ratio_mean": float(filtered[mask].mean()) if bool(mask.any()) else 1.0,
     }
-    if isinstance(q, Tensor) and any_valid:
-        metrics["kalman_q_mean"] = float(q[mask].mean())
     if not cfg.clipped:
         return RatioEstimate(rho, None, None, metrics=metrics)
     return RatioEstimate(rho, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high, metrics=metrics)
 
 
-def kalman_noise(
-    z: Tensor, mask: Tensor, cfg: KalmanEstimator, staleness: Tensor | None
-) -> tuple[Noise, Noise]:
-    """(Q, R) of `cfg` for these responses: scalars, per-token Q [B, T], per-response R [B]."""
-    r: Noise = cfg.r
-    if cfg.staleness_alpha > 0.0 and staleness is not None:
-        k = staleness.to(device=z.device, dtype=torch.float64).clamp_min(0.0)
-        r = cfg.r * (1.0 + cfg.staleness_alpha * k)
-    q: Noise = cfg.q
-    if cfg.adaptive_q is not None:
-        adaptive = cfg.adaptive_q
-        q = adaptive_process_noise(
-            z, mask, cfg.r, cfg.q, adaptive.q_max, adaptive.window, adaptive.lag
-        )
-    return q, r
+def _mean_gain(mask: Tensor, cfg: KalmanEstimator) -> float:
+    counts = valid_counts(mask)[mask]
+    if counts.numel() == 0:
+        return 0.0
+    table = kalman_gains(int(counts.max()), cfg.q, cfg.r, cfg.p0)
+    return float(table[(counts - 1).cpu()].mean())
 
 
 @register_estimator("cumulative", CumulativeEstimator)
 def cumulative_ratio(
-    logp: Tensor,
-    ref_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    cfg: CumulativeEstimator,
-    *,
-    staleness: Tensor | None = None,
+    logp: Tensor, ref_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: CumulativeEstimator
 ) -> RatioEstimate:
     cumulative = masked_log_ratio(logp, ref_logp, mask).cumsum(-1)
     rho = straight_through(cumulative, logp).clamp(max=cfg.max_log_ratio).exp()

@@ -35,8 +35,8 @@ class Staleness:
 class Cell:
     method: Method
     staleness: Staleness
-    # baseline: the paper's estimators; extension: our KPO options; reference: behaviour vs
-    # proximal ratios; ablation: KPO with another loss aggregation.
+    # baseline: the paper's estimators; reference: behaviour vs proximal ratios; ablation: KPO
+    # with another loss aggregation.
     group: str
 
     @property
@@ -51,10 +51,6 @@ BASELINES = (
     Method("kpo", "KPO clipped", {"name": "kalman"}),
     Method("kpo-unclipped", "KPO unclipped", {"name": "kalman", "clipped": False}),
     Method("ctpo", "CTPO (cumulative)", {"name": "cumulative"}),
-)
-EXTENSIONS = (
-    Method("kpo-stale-r", "KPO + staleness-aware R", {"name": "kalman", "staleness_alpha": 1.0}),
-    Method("kpo-adaptive-q", "KPO + adaptive Q", {"name": "kalman", "adaptive_q": {}}),
 )
 # Decoupled PPO (AReaL): ratios against the proximal policy, stale samples weighted by
 # pi_prox / pi_behaviour truncated at 2.
@@ -83,12 +79,11 @@ STALENESS = (SYNC, STALE_2, STALE_8)
 
 
 def grid(full: bool) -> list[Cell]:
-    """Every cell: all baselines at every staleness; the extensions and the proximal reference
-    at max_staleness 8 (the reduced grid) or at 2 and 8 (`full`); the aggregation ablation
-    synchronous and at 8 (or at every staleness)."""
+    """Every cell: all baselines at every staleness; the proximal reference at max_staleness 8
+    (the reduced grid) or at 2 and 8 (`full`); the aggregation ablation synchronous and at 8
+    (or at every staleness)."""
     cells = [Cell(m, s, "baseline") for s in STALENESS for m in BASELINES]
     stale = (STALE_2, STALE_8) if full else (STALE_8,)
-    cells += [Cell(m, s, "extension") for s in stale for m in EXTENSIONS]
     cells += [Cell(PROXIMAL, s, "reference") for s in stale]
     ablated = STALENESS if full else (SYNC, STALE_8)
     cells += [Cell(TOKEN_MEAN, s, "ablation") for s in ablated]

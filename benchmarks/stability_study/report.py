@@ -51,7 +51,6 @@ CSV_COLUMNS = (
     "step_seconds",
     "wall_seconds",
     "kalman_gain_mean",
-    "kalman_q_mean",
     "filtered_ratio_mean",
     "raw_switch_frequency",
     "filtered_switch_frequency",

@@ -65,12 +65,7 @@ def masked_mean(values: Tensor, mask: Tensor) -> float:
 
 @torch.no_grad()
 def ratio_views(
-    config: EstimatorConfig,
-    logp: Tensor,
-    ref_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    staleness: Tensor | None = None,
+    config: EstimatorConfig, logp: Tensor, ref_logp: Tensor, advantages: Tensor, mask: Tensor
 ) -> tuple[Tensor, Tensor]:
     """Detached raw and estimator ratios [B, T] of one minibatch, 1 off the mask.
 
@@ -82,9 +77,7 @@ def ratio_views(
     ref_logp = torch.where(mask, ref_logp, 0.0)
     raw = masked_log_ratio(logp, ref_logp, mask).clamp(-20.0, 20.0).exp()
     adv = torch.where(mask, advantages.unsqueeze(-1).expand(mask.shape), 0.0)
-    estimate = get_estimator(config.name).estimate(
-        logp, ref_logp, adv, mask, config, staleness=staleness
-    )
+    estimate = get_estimator(config.name).estimate(logp, ref_logp, adv, mask, config)
     one = torch.ones((), dtype=raw.dtype, device=raw.device)
     return torch.where(mask, raw, one), torch.where(mask, estimate.ratio.float(), one)
 

@@ -266,7 +266,6 @@ class LearnerCore:
             part.advantages,
             mask,
             behaviour_logp=part.behaviour_logp,
-            staleness=part.batch.staleness,
             correction=algorithm.off_policy,
             loss_agg_mode=algorithm.resolved_loss_agg_mode,
             norm_length=algorithm.norm_length,
@@ -274,9 +273,7 @@ class LearnerCore:
         )
         extra = () if part.behaviour_logp is None else (part.behaviour_logp,)
         valid = finite_mask(mask, logp.detach(), part.ref_logp, *extra)
-        views = ratio_views(
-            algorithm.estimator, logp, part.ref_logp, part.advantages, valid, part.batch.staleness
-        )
+        views = ratio_views(algorithm.estimator, logp, part.ref_logp, part.advantages, valid)
         ratios.add(*views, valid, part if with_entropy else None)
         torch.autograd.backward(loss)
         grad_norm = self._clip_gradients()

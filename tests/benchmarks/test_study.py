@@ -18,7 +18,6 @@ from services.pipeline.specs import load_run_spec
 from stability_study import dynamics, filter_accuracy, report
 from stability_study.grid import (
     BASELINES,
-    EXTENSIONS,
     PROXIMAL,
     STALE_8,
     SYNC,
@@ -36,13 +35,13 @@ STUDY_CONFIG = ROOT / "examples" / "study.yaml"
 
 def test_grid_covers_every_estimator_and_staleness() -> None:
     reduced, full = grid(full=False), grid(full=True)
-    assert len({c.key for c in reduced}) == len(reduced) == 6 * 3 + 2 + 1 + 2
-    assert len({c.key for c in full}) == len(full) == 6 * 3 + 2 * 2 + 2 + 3
+    assert len({c.key for c in reduced}) == len(reduced) == 6 * 3 + 1 + 2
+    assert len({c.key for c in full}) == len(full) == 6 * 3 + 2 + 3
     names = {c.method.estimator["name"] for c in reduced}
     assert names == {"token", "sequence", "geometric", "kalman", "cumulative"}
     assert {c.staleness.key for c in reduced} == {"sync", "stale-2", "stale-8"}
-    # Extensions and the proximal reference only where batches are stale.
-    assert all(c.staleness.key != "sync" for c in full if c.group in ("extension", "reference"))
+    # The proximal reference only where batches are stale.
+    assert all(c.staleness.key != "sync" for c in full if c.group == "reference")
     assert {c.staleness.key for c in reduced if c.group == "ablation"} == {"sync", "stale-8"}
 
 
@@ -65,8 +64,6 @@ def test_cell_specs_apply_estimator_reference_and_staleness() -> None:
     assert sync.algorithm.loss_agg_mode is None  # the estimator's own default
     token_mean = cell_spec(base, Cell(TOKEN_MEAN, SYNC, "ablation"), seed=0)
     assert token_mean.algorithm.resolved_loss_agg_mode == "token-mean"
-    adaptive = cell_spec(base, Cell(EXTENSIONS[1], STALE_8, "extension"), seed=0)
-    assert adaptive.algorithm.estimator.adaptive_q is not None  # type: ignore[union-attr]
     # What the study never changes comes from the base spec.
     assert stale.learner == base.learner and stale.generation == base.generation
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from kpo_core.config import AlgorithmConfig, LearnerConfig
-from kpo_core.kalman import kalman_gains
 from kpo_core.losses import NonFiniteInputError
 from kpo_core.ratios import ESTIMATORS
 from services.learner.batch import collate
@@ -355,38 +354,3 @@ def test_record_ratios_every_zero_writes_nothing(
     for _ in range(2):
         core.train_step(groups)
     assert not ratio_dir.exists()
-
-
-def kalman_core(model_dir: Path, staleness_alpha: float) -> LearnerCore:
-    algorithm = AlgorithmConfig.model_validate(
-        {"estimator": {"name": "kalman", "staleness_alpha": staleness_alpha}}
-    )
-    return LearnerCore(model_dir, LearnerConfig(lr=1e-3), algorithm, temperature=1.0)
-
-
-def table_gain_mean(groups: list[ScoredGroup], r: float) -> float:
-    """Mean gain over the valid tokens of the batch with the paper's scalar (q, r, p0 = 0)."""
-    mask = collate(groups, 0, 0).response_mask
-    counts = mask.to(torch.int64).cumsum(-1)[mask]
-    return float(kalman_gains(int(counts.max()), 1e-6, r, 0.0)[counts - 1].mean())
-
-
-def test_staleness_alpha_lowers_the_kalman_gain_of_stale_rows_only(
-    tiny_model_dir: Path, groups: list[ScoredGroup]
-) -> None:
-    plain, aware = kalman_core(tiny_model_dir, 0.0), kalman_core(tiny_model_dir, 1.0)
-    fresh = [core.train_step(groups) for core in (plain, aware)]
-    # On-policy rows (staleness 0): R is r either way, so the same gains and the same update.
-    assert fresh[0]["staleness_max"] == 0.0
-    assert fresh[0]["kalman_gain_mean"] == fresh[1]["kalman_gain_mean"]
-    assert fresh[0]["kalman_gain_mean"] == pytest.approx(table_gain_mean(groups, 1.0), rel=1e-9)
-    assert same_parameters(aware, parameters(plain))
-    # The same batch one version stale: R = r (1 + 1 * 1) = 2 for every row.
-    stale = [core.train_step(groups) for core in (plain, aware)]
-    assert stale[0]["staleness_mean"] == stale[1]["staleness_mean"] == 1.0
-    assert stale[1]["kalman_gain_mean"] < stale[0]["kalman_gain_mean"]
-    assert stale[0]["kalman_gain_mean"] == pytest.approx(table_gain_mean(groups, 1.0), rel=1e-9)
-    assert stale[1]["kalman_gain_mean"] == pytest.approx(table_gain_mean(groups, 2.0), rel=1e-9)
-    assert all(math.isfinite(v) for v in stale[1].values()), stale[1]
-    # The smoother filter reaches the loss, not only the metric.
-    assert not same_parameters(aware, parameters(plain))

@@ -3,15 +3,17 @@
 Layout of one checkpoint, `checkpoints/step-00000010/`:
     learner/            the learner's part (a loadable model directory, optimiser, RNG state)
     driver_state.json   step, data position, rollout buffer contents, counters
-    manifest.json       written last: the step and the size of every file
+    manifest.json       written last: the step, and the size and SHA-256 of every file
 
-Everything is written into a hidden temporary directory that is renamed into place at the end,
-so a crash mid-write leaves no directory that looks complete; a checkpoint whose files do not
-match its manifest is skipped with a message, falling back to the previous one.
+Everything is written into a hidden temporary directory, flushed to disk (fsync) and renamed
+into place at the end, so a crash or power loss mid-write leaves no directory that looks
+complete; a checkpoint whose files do not match its manifest (missing, truncated, or with
+changed bytes) is skipped with a message, falling back to the previous one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -32,12 +34,36 @@ def checkpoint_name(step: int) -> str:
     return f"{_PREFIX}{step:08d}"
 
 
-def _file_sizes(directory: Path) -> dict[str, int]:
+def _files(directory: Path) -> dict[str, Path]:
     return {
-        str(path.relative_to(directory)): path.stat().st_size
+        str(path.relative_to(directory)): path
         for path in sorted(directory.rglob("*"))
         if path.is_file() and path.name != MANIFEST
     }
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    # A directory is opened read-only to sync its entries (the renames and new files in it).
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _sync_tree(directory: Path) -> None:
+    """Flush every file and directory under `directory` to disk."""
+    for path in sorted(directory.rglob("*"), reverse=True):
+        _fsync(path)
+    _fsync(directory)
 
 
 def write_checkpoint(
@@ -54,26 +80,48 @@ def write_checkpoint(
     tmp.mkdir()
     write_learner(tmp / LEARNER_DIR)
     (tmp / DRIVER_STATE).write_text(json.dumps(driver_state), encoding="utf-8")
-    manifest = {"step": step, "files": _file_sizes(tmp)}
+    files = {
+        name: {"size": path.stat().st_size, "sha256": _sha256(path)}
+        for name, path in _files(tmp).items()
+    }
+    manifest = {"step": step, "files": files}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+    _sync_tree(tmp)
     if final.exists():  # a checkpoint of the same step from an earlier, interrupted attempt
         shutil.rmtree(final)
     os.replace(tmp, final)
+    _fsync(root)
     return final
 
 
 def verify_checkpoint(path: Path) -> str | None:
-    """None if the checkpoint at `path` is complete, else what is wrong with it."""
+    """None if the checkpoint at `path` is complete and intact, else what is wrong with it.
+
+    Sizes are compared first (cheap), then SHA-256 digests. Manifests written before digests
+    were recorded ({name: size}) are checked by size only.
+    """
     try:
         manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
-        expected: dict[str, int] = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
+        expected = {
+            name: entry if isinstance(entry, dict) else {"size": entry}
+            for name, entry in manifest["files"].items()
+        }
+        sizes = {name: int(entry["size"]) for name, entry in expected.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         return f"unreadable manifest: {error}"
-    actual = _file_sizes(path)
-    if actual != expected:
-        missing = sorted(expected.keys() - actual.keys())
-        changed = sorted(k for k in expected.keys() & actual.keys() if expected[k] != actual[k])
+    files = _files(path)
+    actual = {name: file.stat().st_size for name, file in files.items()}
+    if actual != sizes:
+        missing = sorted(sizes.keys() - actual.keys())
+        changed = sorted(k for k in sizes.keys() & actual.keys() if sizes[k] != actual[k])
         return f"files differ from the manifest (missing {missing}, wrong size {changed})"
+    corrupt = [
+        name
+        for name, entry in expected.items()
+        if "sha256" in entry and _sha256(files[name]) != entry["sha256"]
+    ]
+    if corrupt:
+        return f"files differ from their SHA-256 in the manifest: {corrupt}"
     return None
 
 

@@ -45,6 +45,32 @@ def test_a_damaged_checkpoint_is_skipped_for_the_previous_one(
     assert "wrong size ['learner/model.safetensors']" in caplog.text
 
 
+def test_changed_bytes_of_the_same_size_are_caught_by_the_digest(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    write_checkpoint(tmp_path, 1, {"step": 1}, fake_learner)
+    newest = write_checkpoint(tmp_path, 2, {"step": 2}, fake_learner)
+    weights = newest / "learner" / "model.safetensors"
+    damaged = bytearray(weights.read_bytes())
+    damaged[50] ^= 0xFF  # one flipped byte, same size: a silent disk or copy error
+    weights.write_bytes(bytes(damaged))
+    found = latest_checkpoint(tmp_path)
+    assert found is not None and found[0] == 1
+    assert "SHA-256" in caplog.text and "learner/model.safetensors" in caplog.text
+
+
+def test_a_manifest_of_sizes_only_is_still_accepted(tmp_path: Path) -> None:
+    # Checkpoints written before digests were recorded: {name: size}.
+    path = write_checkpoint(tmp_path, 5, {"step": 5}, fake_learner)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"] = {name: entry["size"] for name, entry in manifest["files"].items()}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    found = latest_checkpoint(tmp_path)
+    assert found is not None and found[0] == 5
+    (path / "driver_state.json").write_text("{}" + " " * 100)  # the size now differs
+    assert latest_checkpoint(tmp_path) is None
+
+
 def test_a_write_that_dies_midway_leaves_no_checkpoint(tmp_path: Path) -> None:
     def dies(path: Path) -> None:
         path.mkdir()

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from kpo_core.config import RunSpec, describe_validation_error
 from services.pipeline.prompts import PromptStream
 from services.tasks import PromptFileError
-from services.tasks.models import ModelDirError, resolve_model
+from services.tasks.models import ModelDirError, check_tokenizer, resolve_model
 
 
 class SpecError(ValueError):
@@ -92,6 +92,7 @@ def preflight(spec: RunSpec, source: str) -> Path:
     starts; returns the model directory."""
     try:
         model_dir = resolve_model(spec.model)
+        check_tokenizer(model_dir)
     except ModelDirError as error:
         raise SpecError(f"{source}: model: {error}") from None
     try:

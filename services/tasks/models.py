@@ -45,3 +45,20 @@ def resolve_model(model: str) -> Path:
             f"(architectures: {architectures!r}); RL needs a *ForCausalLM model"
         )
     return path.resolve()
+
+
+def check_tokenizer(model_dir: Path) -> None:
+    """Fail, naming the directory, when its tokenizer cannot be loaded or has no EOS token:
+    generation could then never end a response, and would only stop at max_new_tokens."""
+    # Imported here, as in resolve_model: resolving a path does not need transformers.
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError) as error:
+        raise ModelDirError(f"cannot load the tokenizer of {model_dir}: {error}") from None
+    if tokenizer.eos_token_id is None:
+        raise ModelDirError(
+            f"the tokenizer of {model_dir} has no EOS token, so no response could ever end "
+            "(set eos_token in its tokenizer_config.json)"
+        )

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
 from kpo_core.config import RunSpec
 from services.pipeline.specs import SpecError, apply_overrides, load_run_spec, preflight
+from services.tasks.models import resolve_model
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
@@ -83,6 +85,21 @@ def test_preflight_names_a_missing_model_and_a_broken_prompt_file(tmp_path: Path
     spec = RunSpec.model_validate({"task": {"name": "jsonl", "path": str(bad)}})
     with pytest.raises(SpecError, match=r"run.yaml: task.path: .*p.jsonl:1: invalid JSON"):
         preflight(spec, "run.yaml")
+
+
+def test_preflight_names_a_tokenizer_without_an_eos_token(tmp_path: Path) -> None:
+    model = tmp_path / "no-eos"
+    shutil.copytree(resolve_model("tiny-arith"), model)
+    config_file = model / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    assert preflight(RunSpec(model=str(model)), "run.yaml") == model.resolve()
+    config["eos_token"] = None
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(SpecError, match=r"run\.yaml: model: the tokenizer of .*no-eos has no EOS"):
+        preflight(RunSpec(model=str(model)), "run.yaml")
+    (model / "tokenizer.json").write_text("{not json")
+    with pytest.raises(SpecError, match=r"run\.yaml: model: cannot load the tokenizer of"):
+        preflight(RunSpec(model=str(model)), "run.yaml")
 
 
 def test_the_spec_names_match_the_service_registries() -> None:

@@ -122,8 +122,8 @@ def serve(conn: Connection) -> None:
     while True:
         try:
             message = conn.recv()
-        except EOFError:
-            return  # the pool closed its end
+        except (EOFError, ConnectionError):
+            return  # the pool closed its end, or its process died (a reset, not a clean EOF)
         if message is None:
             return
         task_id, args = message
@@ -133,6 +133,8 @@ def serve(conn: Connection) -> None:
             reply = (task_id, False, _describe(exc))
         try:
             conn.send(reply)
+        except ConnectionError:
+            return  # the pool is gone; nobody is left to answer
         except Exception as exc:
             # The result did not pickle; `send` pickles before writing, so the pipe is intact.
             conn.send((task_id, False, _describe(exc)))

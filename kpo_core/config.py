@@ -206,6 +206,21 @@ class RewardConfig(StrictModel):
     num_cpus: float = Field(0.25, ge=0.0, description="CPUs reserved per verifier actor")
     timeout_s: float = Field(2.0, gt=0.0, description="wall-clock limit of one check")
     format_reward: float = Field(0.0, ge=0.0, lt=1.0, description="added for a well-formed answer")
+    call_timeout_s: float = Field(
+        300.0,
+        gt=0.0,
+        description="wall-clock limit of one verifier actor call (a whole batch); an actor "
+        "past it is taken for hung, replaced, and the batch scored again",
+    )
+
+    @model_validator(mode="after")
+    def _call_outlasts_a_check(self) -> RewardConfig:
+        if self.call_timeout_s <= self.timeout_s:
+            raise ValueError(
+                f"call_timeout_s ({self.call_timeout_s}) must exceed timeout_s "
+                f"({self.timeout_s}): a call holds at least one check"
+            )
+        return self
 
 
 class LearnerConfig(StrictModel):
@@ -266,6 +281,18 @@ class PipelineConfig(StrictModel):
     steps: int = Field(100, ge=1, description="learner steps of the run")
     checkpoint_every: int = Field(10, ge=0, description="steps between checkpoints; 0: last only")
     keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept on disk")
+    learner_restarts: int = Field(
+        2,
+        ge=0,
+        description="times the run resumes itself from its last checkpoint after the learner "
+        "dies; 0: a dead learner fails the run",
+    )
+    actor_replacements: int = Field(
+        10,
+        ge=0,
+        description="generation and verifier actors that may die (or hang) and be replaced, "
+        "in all, before the run fails",
+    )
 
     @model_validator(mode="after")
     def _resolve(self) -> PipelineConfig:

@@ -138,6 +138,32 @@ RUN_COUNTERS = (
         "groups_dropped_stale",
         "Response groups dropped for exceeding the staleness bound.",
     ),
+    # Faults the run survived (docs/reliability.md).
+    RecordMetric(
+        "kpo_learner_restarts_total",
+        "learner_restarts",
+        "Times the run resumed itself from a checkpoint after its learner died.",
+    ),
+    RecordMetric(
+        "kpo_generation_replacements_total",
+        "generation_replacements",
+        "Generation actors replaced after they died.",
+    ),
+    RecordMetric(
+        "kpo_verifier_replacements_total",
+        "verifier_replacements",
+        "Verifier actors replaced after they died or hung.",
+    ),
+    RecordMetric(
+        "kpo_rescored_groups_total",
+        "rescored_groups",
+        "Response groups scored again because their verifier actor died or hung.",
+    ),
+    RecordMetric(
+        "kpo_unverified_groups_total",
+        "unverified_groups",
+        "Response groups marked unverified (reward 0) after their verifier failed twice.",
+    ),
 )
 # A histogram's key may hold one duration or a list of them (several batches in one step).
 RUN_HISTOGRAMS = (

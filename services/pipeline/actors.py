@@ -115,30 +115,41 @@ class RunActors:
                 log.debug("kill %s: %s", handle, error)
 
 
+def start_generation_worker(spec: RunSpec, model_dir: Path) -> Any:
+    """One generation actor (not waited for: its first call waits for the constructor)."""
+    gen = spec.generation
+    return GenerationWorker.options(num_cpus=gen.num_cpus, num_gpus=gen.num_gpus).remote(
+        gen.backend, str(model_dir), **gen.options
+    )
+
+
+def start_verifier(spec: RunSpec) -> Any:
+    """One verifier actor (not waited for)."""
+    reward = spec.reward
+    return start_verifier_actor(
+        reward.verifier,
+        {"timeout_s": reward.timeout_s, "format_reward": reward.format_reward},
+        num_workers=reward.processes_per_worker,
+        num_cpus=reward.num_cpus,
+    )
+
+
 def start_actors(spec: RunSpec, model_dir: Path, ratio_dir: Path | None = None) -> RunActors:
     """Start generation workers, verifier actors and the learner; wait until all are up.
 
     `ratio_dir`: where the learner saves log-ratios when `learner.record_ratios_every` is set.
     """
-    gen = spec.generation
-    generation = [
-        GenerationWorker.options(num_cpus=gen.num_cpus, num_gpus=gen.num_gpus).remote(
-            gen.backend, str(model_dir), **gen.options
-        )
-        for _ in range(gen.num_workers)
-    ]
-    reward = spec.reward
-    verifiers = [
-        start_verifier_actor(
-            reward.verifier,
-            {"timeout_s": reward.timeout_s, "format_reward": reward.format_reward},
-            num_workers=reward.processes_per_worker,
-            num_cpus=reward.num_cpus,
-        )
-        for _ in range(reward.num_workers)
-    ]
-    learner = start_learner(spec, str(model_dir), None if ratio_dir is None else str(ratio_dir))
-    actors = RunActors(generation, verifiers, learner)
-    # A constructor that fails (bad model, bad backend option) surfaces here, before any work.
-    ray.get([h.__ray_call__.remote(lambda _self: None) for h in actors.all()])
+    actors = RunActors(
+        generation=[
+            start_generation_worker(spec, model_dir) for _ in range(spec.generation.num_workers)
+        ],
+        verifiers=[start_verifier(spec) for _ in range(spec.reward.num_workers)],
+        learner=start_learner(spec, str(model_dir), None if ratio_dir is None else str(ratio_dir)),
+    )
+    try:
+        # A constructor that fails (bad model, bad backend option) surfaces here, before any work.
+        ray.get([h.__ray_call__.remote(lambda _self: None) for h in actors.all()])
+    except BaseException:
+        actors.kill()  # a cancel or a failure while starting leaves no actor behind
+        raise
     return actors

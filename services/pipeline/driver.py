@@ -13,27 +13,42 @@ compared with.
 Weights go from the learner to the generation actors through the object store: the learner's
 `step` returns them as a second return value, stored once and owned by this process; every
 generation actor is offered the ref and fetches it when its current batch is done.
+
+Faults (docs/reliability.md): a generation actor that dies is replaced and its prompts are
+issued again; a verifier actor that dies, or hangs past `reward.call_timeout_s`, is replaced and
+its batch is scored again (twice failed: its responses are marked unverified, reward 0). Both
+draw on `pipeline.actor_replacements`. A learner that dies takes the attempt with it: every
+actor is stopped and the run resumes from its last checkpoint, up to `pipeline.learner_restarts`
+times. Nothing is trained twice: results of the lost attempt are dropped with it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
-import signal
+import os
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
 
 from kpo_core.config import RunSpec
 from services.generation.base import SamplingSettings
-from services.messages import Prompt, Response, ScoredGroup
-from services.pipeline.actors import RunActors, check_cluster_resources, start_actors
+from services.messages import Prompt, Response, ScoredGroup, ScoredResponse
+from services.pipeline.actors import (
+    RunActors,
+    check_cluster_resources,
+    start_actors,
+    start_generation_worker,
+    start_verifier,
+)
 from services.pipeline.buffer import RolloutBuffer
 from services.pipeline.checkpoints import (
     LEARNER_DIR,
@@ -51,12 +66,16 @@ from services.pipeline.records import (
     prompt_from_json,
     prompt_to_json,
 )
+from services.pipeline.signals import on_stop_signals
 from services.tasks.models import resolve_model
 
 log = logging.getLogger(__name__)
 
 RATIO_DIR = "ratios"  # the learner's log-ratio files (learner.record_ratios_every)
 WAIT_SECONDS = 0.5  # longest the loop sleeps without news (it then checks for a cancel)
+ROLE_KEYS = {"generation": "generation", "verifier": "verifiers"}  # role -> status.json key
+SCORING_ATTEMPTS = 2  # a batch whose verifier actor failed this often is marked unverified
+VERIFIER_LOST = "verifier actor lost"  # the `failure` of a response no actor could score
 
 
 @dataclass
@@ -71,18 +90,42 @@ class Counters:
     rollouts_dropped_stale: int = 0  # responses
     groups_dropped_stale: int = 0
     elapsed_seconds: float = 0.0  # wall time of earlier attempts of this run
+    # Faults survived (docs/reliability.md); also in every metrics record.
+    learner_restarts: int = 0
+    generation_replacements: int = 0
+    verifier_replacements: int = 0
+    rescored_groups: int = 0  # scored again after their verifier actor died or hung
+    unverified_groups: int = 0  # their verifier actor failed SCORING_ATTEMPTS times
+
+    def faults(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in FAULT_COUNTERS}
+
+
+FAULT_COUNTERS = (
+    "learner_restarts",
+    "generation_replacements",
+    "verifier_replacements",
+    "rescored_groups",
+    "unverified_groups",
+)
 
 
 @dataclass(frozen=True)
 class GenerationCall:
     worker: int
+    actor: Any  # the handle called: a replacement may sit at `worker` by the time this fails
     prompts: list[Prompt]
     started: float
 
 
 @dataclass(frozen=True)
 class ScoringCall:
+    verifier: int
+    actor: Any
     prompts: list[Prompt]
+    groups: list[list[Response]]
+    started: float
+    attempt: int = 1
 
 
 @dataclass(frozen=True)
@@ -116,6 +159,10 @@ class CancelRequested(Exception):
     """Raised by the signal handler on a second Ctrl-C: stop without waiting."""
 
 
+class FaultBudgetExhausted(RuntimeError):
+    """More actors died than the run's spec allows it to survive."""
+
+
 def sampling_seed(run_seed: int, call: int) -> int:
     """A distinct, reproducible sampling seed for every generation call of a run."""
     digest = hashlib.sha256(f"{run_seed}/{call}".encode()).digest()
@@ -131,21 +178,30 @@ class RunDriver:
         self.spec = spec
         self.run_dir = run_dir
         self.observers = [run_dir, *observers]
-        self.counters = Counters()
-        pipe = spec.pipeline
-        self.buffer = RolloutBuffer(pipe.buffer_groups, pipe.max_staleness)
-        self.prompts = PromptStream(spec.task, spec.seed)
         self._pending: dict[Any, GenerationCall | ScoringCall | LearnerCall] = {}
         self._idle_workers: list[int] = []
         self._next_verifier = 0
         self._weights_ref: Any = None  # newest published weights, kept alive while offered
+        self._weights_version = 0
+        self._hung: list[Any] = []  # verifier handles killed as hung (each is killed once)
+        self._actor_pids: dict[str, list[int]] = {}
+        self._new_pids: list[tuple[str, int, Any]] = []  # (role key, index, pid ref)
         self._throughput = _Throughput()
         self._started = time.perf_counter()
-        self._last_checkpoint_step = -1
         self._cancel = False
-        self._resume_path: Path | None = None
+        self._model_dir: Path | None = None
+        self._start_from_scratch()
 
     # --- lifecycle --------------------------------------------------------------------------
+
+    def _start_from_scratch(self) -> None:
+        """Step 0: no progress, no buffered groups, the prompt stream from its beginning."""
+        self.counters = Counters()
+        pipe = self.spec.pipeline
+        self.buffer = RolloutBuffer(pipe.buffer_groups, pipe.max_staleness)
+        self.prompts = PromptStream(self.spec.task, self.spec.seed)
+        self._resume_path: Path | None = None
+        self._last_checkpoint_step = -1
 
     def restore(self) -> int | None:
         """Load the newest complete checkpoint's driver state; its step, or None if none."""
@@ -172,21 +228,30 @@ class RunDriver:
         return step
 
     def run(self) -> RunState:
-        """Start the actors, drive the loop to the last step (or a cancel), clean up."""
+        """Start the actors, drive the loop to the last step (or a cancel), clean up.
+
+        Signals are handled from the start, so a cancel while the actors start up also ends
+        with a `cancelled` record (and no actors left behind).
+        """
         resumed_step = self.restore()
-        try:
-            model_dir = resolve_model(self.spec.model)
-            check_cluster_resources(self.spec)
-            actors = start_actors(self.spec, model_dir, self.run_dir.path / RATIO_DIR)
-        except Exception as error:
-            self._report_status("failed", error=f"starting the run: {error}")
-            raise
+        actors: RunActors | None = None
         try:
             with self._signals_request_cancel():
-                self._report_status("running", actors=actors.pids(), resumed_from=resumed_step)
-                self._start(actors, resumed_step)
-                self._loop(actors)
-                self._finish(actors)
+                self._model_dir = resolve_model(self.spec.model)
+                check_cluster_resources(self.spec)
+                actors = self._start_actors()
+                self._report_status("running", actors=self._actor_pids, resumed_from=resumed_step)
+                while True:
+                    try:
+                        self._start(actors, resumed_step)
+                        self._loop(actors)
+                        self._finish(actors)
+                        break
+                    except RayActorError as error:  # the learner's: the others are handled
+                        if self._cancel:  # being stopped anyway: its last checkpoint stands
+                            log.warning("the learner died during the cancel: %s", error)
+                            break
+                        actors, resumed_step = self._restart_from_checkpoint(actors, error)
             state: RunState = "cancelled" if self._cancel else "succeeded"
             self._report_status(state)
             return state
@@ -194,11 +259,21 @@ class RunDriver:
             self._report_status("cancelled", error="stopped at once by a second interrupt")
             return "cancelled"
         except Exception as error:
-            self._report_status("failed", error=f"{type(error).__name__}: {error}")
+            message = f"{type(error).__name__}: {error}"
+            self._report_status(
+                "failed", error=f"starting the run: {error}" if actors is None else message
+            )
             raise
         finally:
-            actors.kill()
+            if actors is not None:
+                actors.kill()
             self._plot()
+
+    def _start_actors(self) -> RunActors:
+        assert self._model_dir is not None
+        actors = start_actors(self.spec, self._model_dir, self.run_dir.path / RATIO_DIR)
+        self._actor_pids, self._new_pids = actors.pids(), []
+        return actors
 
     def _start(self, actors: RunActors, resumed_step: int | None) -> None:
         if resumed_step is not None and self._resume_path is not None:
@@ -213,8 +288,53 @@ class RunDriver:
         self._idle_workers = list(range(len(actors.generation)))
         self._throughput = _Throughput()
 
-    @contextmanager
-    def _signals_request_cancel(self) -> Iterator[None]:
+    def _restart_from_checkpoint(
+        self, actors: RunActors, error: RayActorError
+    ) -> tuple[RunActors, int | None]:
+        """The learner died: end this attempt and go on from the last checkpoint (or step 0).
+
+        Everything since that checkpoint is dropped, in flight or buffered, and its prompts are
+        issued again, so no rollout is lost and none is trained twice; the metrics records of
+        the lost steps are replaced by those of the steps done again.
+        """
+        allowed = self.spec.pipeline.learner_restarts
+        faults = self.counters.faults()
+        if allowed == 0:
+            raise error
+        if faults["learner_restarts"] >= allowed:
+            raise FaultBudgetExhausted(
+                f"the learner died again after {allowed} restarts "
+                f"(pipeline.learner_restarts): {type(error).__name__}: {error}"
+            ) from error
+        elapsed = self._elapsed()
+        actors.kill()
+        self._pending.clear()
+        self._weights_ref, self._weights_version = None, 0
+        resumed_step = self.restore()
+        if resumed_step is None:
+            self._start_from_scratch()
+            self.run_dir.keep_metrics_through(0)
+        faults["learner_restarts"] += 1
+        for name, value in faults.items():
+            setattr(self.counters, name, value)
+        self.counters.elapsed_seconds, self._started = elapsed, time.perf_counter()
+        log.warning(
+            "the learner died (%s); restart %d of %d from %s",
+            type(error).__name__,
+            faults["learner_restarts"],
+            allowed,
+            "step 0" if resumed_step is None else f"the checkpoint of step {resumed_step}",
+        )
+        actors = self._start_actors()
+        self._report_status(
+            "running",
+            actors=self._actor_pids,
+            resumed_from=resumed_step if resumed_step is not None else 0,
+            learner_restarts=faults["learner_restarts"],
+        )
+        return actors, resumed_step
+
+    def _signals_request_cancel(self) -> AbstractContextManager[None]:
         """SIGINT/SIGTERM ask for a clean stop; a second one stops at once."""
 
         def handler(signum: int, frame: FrameType | None) -> None:
@@ -223,15 +343,7 @@ class RunDriver:
             log.warning("cancel requested (signal %d): finishing the current step", signum)
             self._cancel = True
 
-        try:
-            previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-        except ValueError:  # not the main thread: signals stay with whoever owns them
-            previous = {}
-        try:
-            yield
-        finally:
-            for signum, old in previous.items():
-                signal.signal(signum, old)
+        return on_stop_signals(handler)
 
     def cancel(self) -> None:
         """Ask the loop to stop after the current learner step (from another thread)."""
@@ -256,6 +368,8 @@ class RunDriver:
             ready, _ = ray.wait(list(self._pending), num_returns=1, timeout=WAIT_SECONDS)
             for ref in ready:
                 self._complete(actors, ref, self._pending.pop(ref))
+            self._stop_hung_verifiers()
+            self._record_pids()
 
     def _generation_room(self) -> int:
         """How many more groups generation may be asked for now."""
@@ -291,8 +405,9 @@ class RunDriver:
                 seed=sampling_seed(self.spec.seed, self.counters.generation_calls),
             )
             self.counters.generation_calls += 1
-            ref = actors.generation[worker].generate.remote(prompts, gen.group_size, sampling)
-            self._pending[ref] = GenerationCall(worker, prompts, time.perf_counter())
+            actor = actors.generation[worker]
+            ref = actor.generate.remote(prompts, gen.group_size, sampling)
+            self._pending[ref] = GenerationCall(worker, actor, prompts, time.perf_counter())
 
     def _dispatch_learner(self, actors: RunActors) -> None:
         if self._learner_busy():
@@ -310,13 +425,22 @@ class RunDriver:
     def _complete(
         self, actors: RunActors, ref: Any, call: GenerationCall | ScoringCall | LearnerCall
     ) -> None:
+        try:
+            result = ray.get(ref)
+        except RayActorError as error:
+            if isinstance(call, GenerationCall):
+                self._on_generation_lost(actors, call, error)
+            elif isinstance(call, ScoringCall):
+                self._on_scoring_lost(actors, call, error)
+            else:
+                raise
+            return
         if isinstance(call, GenerationCall):
-            self._on_generated(actors, call, ray.get(ref))
+            self._on_generated(actors, call, result)
         elif isinstance(call, ScoringCall):
-            scored: list[ScoredGroup] = ray.get(ref)
-            self.buffer.add(scored, reserved=len(call.prompts))
+            self.buffer.add(result, reserved=len(call.prompts))
         else:
-            self._on_trained(actors, call, ray.get(ref))
+            self._on_trained(actors, call, result)
 
     def _on_generated(
         self, actors: RunActors, call: GenerationCall, groups: list[list[Response]]
@@ -326,10 +450,125 @@ class RunDriver:
         self.counters.tokens_generated_total += tokens
         self._throughput.tokens += tokens
         self._throughput.batch_seconds.append(time.perf_counter() - call.started)
-        verifier = actors.verifiers[self._next_verifier % len(actors.verifiers)]
+        verifier = self._next_verifier % len(actors.verifiers)
         self._next_verifier += 1
-        ref = verifier.score.remote(list(zip(call.prompts, groups, strict=True)))
-        self._pending[ref] = ScoringCall(call.prompts)
+        self._score(actors, verifier, call.prompts, groups)
+
+    def _score(
+        self,
+        actors: RunActors,
+        verifier: int,
+        prompts: list[Prompt],
+        groups: list[list[Response]],
+        attempt: int = 1,
+    ) -> None:
+        actor = actors.verifiers[verifier]
+        ref = actor.score.remote(list(zip(prompts, groups, strict=True)))
+        self._pending[ref] = ScoringCall(
+            verifier, actor, prompts, groups, time.perf_counter(), attempt
+        )
+
+    # --- faults of generation and verifier actors ---------------------------------------------
+
+    def _on_generation_lost(
+        self, actors: RunActors, call: GenerationCall, error: RayActorError
+    ) -> None:
+        """Replace the dead worker and issue its prompts again (nothing of them was kept)."""
+        self._replace(actors, "generation", call.worker, call.actor, error)
+        self.prompts.give_back(call.prompts)
+        self.buffer.release(len(call.prompts))
+        self.counters.groups_issued -= len(call.prompts)
+        self._idle_workers.append(call.worker)
+
+    def _on_scoring_lost(self, actors: RunActors, call: ScoringCall, error: RayActorError) -> None:
+        """Replace the dead (or hung) verifier and score the batch again, or give up on it."""
+        self._replace(actors, "verifier", call.verifier, call.actor, error)
+        if call.attempt >= SCORING_ATTEMPTS:
+            # The batch itself may be what kills verifiers: it must not take the run with it.
+            log.warning(
+                "%d groups failed scoring %d times: their responses are marked unverified",
+                len(call.groups),
+                call.attempt,
+            )
+            self.counters.unverified_groups += len(call.groups)
+            self.buffer.add(_unverified(call), reserved=len(call.prompts))
+            return
+        self.counters.rescored_groups += len(call.groups)
+        self._score(actors, call.verifier, call.prompts, call.groups, call.attempt + 1)
+
+    def _replace(
+        self, actors: RunActors, role: str, index: int, dead: Any, error: RayActorError
+    ) -> None:
+        """Put a new actor at `actors.<role>[index]`, unless `dead` was replaced already."""
+        pool = actors.generation if role == "generation" else actors.verifiers
+        if pool[index] is not dead:
+            return  # several calls failed with the same actor; it was replaced at the first
+        c = self.counters
+        used = c.generation_replacements + c.verifier_replacements
+        allowed = self.spec.pipeline.actor_replacements
+        if used >= allowed:
+            raise FaultBudgetExhausted(
+                f"a {role} actor died after {used} actors were replaced already "
+                f"(pipeline.actor_replacements = {allowed}): {type(error).__name__}: {error}"
+            ) from error
+        log.warning("%s actor %d died (%s): replacing it", role, index, type(error).__name__)
+        try:
+            ray.kill(dead, no_restart=True)
+        except Exception as kill_error:  # already gone, which is what we want
+            log.debug("kill %s: %s", dead, kill_error)
+        if role == "generation":
+            assert self._model_dir is not None
+            pool[index] = start_generation_worker(self.spec, self._model_dir)
+            c.generation_replacements += 1
+            if self._weights_ref is not None:
+                pool[index].offer_weights.remote(self._weights_version, [self._weights_ref])
+        else:
+            pool[index] = start_verifier(self.spec)
+            c.verifier_replacements += 1
+        # Asked now, read once the actor is up (a vLLM engine takes minutes): see _record_pids.
+        pid_ref = pool[index].__ray_call__.remote(lambda _self: os.getpid())
+        self._new_pids.append((ROLE_KEYS[role], index, pid_ref))
+
+    def _record_pids(self) -> None:
+        """Put the pids of replacement actors that are up into status.json, for operators."""
+        if not self._new_pids:
+            return
+        refs = [ref for _, _, ref in self._new_pids]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        if not ready:
+            return
+        waiting = []
+        for key, index, ref in self._new_pids:
+            if ref not in ready:
+                waiting.append((key, index, ref))
+                continue
+            # One that died while starting is replaced again when its first call fails.
+            with contextlib.suppress(RayActorError):
+                self._actor_pids[key][index] = ray.get(ref)
+        self._new_pids = waiting
+        self.run_dir.update_details(actors=self._actor_pids)
+
+    def _stop_hung_verifiers(self) -> None:
+        """Kill a verifier actor whose call has run past `reward.call_timeout_s`.
+
+        Its calls then fail like those of a dead actor, which replaces it. Checks inside an
+        actor have their own timeout (reward.timeout_s); this catches the actor itself stuck.
+        """
+        limit = self.spec.reward.call_timeout_s
+        now = time.perf_counter()
+        for call in list(self._pending.values()):
+            if not isinstance(call, ScoringCall) or now - call.started <= limit:
+                continue
+            if any(call.actor is hung for hung in self._hung):
+                continue
+            self._hung.append(call.actor)
+            log.warning(
+                "verifier actor %d has not answered in %.0f s (reward.call_timeout_s): "
+                "taking it for hung",
+                call.verifier,
+                now - call.started,
+            )
+            ray.kill(call.actor, no_restart=True)
 
     def _on_trained(
         self, actors: RunActors, call: LearnerCall, learner_metrics: dict[str, float]
@@ -353,6 +592,7 @@ class RunDriver:
             "rollouts_dropped_stale": self.counters.rollouts_dropped_stale,
             "groups_dropped_stale": self.counters.groups_dropped_stale,
             "buffer_groups": len(self.buffer),
+            **self.counters.faults(),
         }
         for observer in self.observers:
             observer.on_metrics(record)
@@ -365,7 +605,7 @@ class RunDriver:
         # worker then fetches only the newest version, when its current batch is done.
         for worker in actors.generation:
             worker.offer_weights.remote(version, [weights_ref])
-        self._weights_ref = weights_ref
+        self._weights_ref, self._weights_version = weights_ref, version
 
     # --- checkpoints, end of run ------------------------------------------------------------
 
@@ -415,3 +655,11 @@ class RunDriver:
     def _report_status(self, state: RunState, error: str | None = None, **details: Any) -> None:
         for observer in self.observers:
             observer.on_status(state, error, step=self.counters.step, **details)
+
+
+def _unverified(call: ScoringCall) -> list[ScoredGroup]:
+    """The call's groups with every response marked as not verified (reward 0)."""
+    return [
+        ScoredGroup(prompt, [ScoredResponse(r, 0.0, False, VERIFIER_LOST) for r in responses])
+        for prompt, responses in zip(call.prompts, call.groups, strict=True)
+    ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Sequence
+from types import FrameType
 
 import ray
 
@@ -11,6 +12,7 @@ from kpo_core.config import RunSpec
 from services.pipeline.actors import connect_ray
 from services.pipeline.driver import RunDriver
 from services.pipeline.outputs import RunDirectory, RunObserver, RunState
+from services.pipeline.signals import on_stop_signals
 
 ERROR_FILE = "error.txt"
 
@@ -23,7 +25,17 @@ def execute_run(
     A failure is recorded in status.json and its traceback in error.txt, then re-raised.
     """
     started_ray = not ray.is_initialized()
-    connect_ray(spec)
+    try:
+        # Until the driver handles signals itself, a cancel stops the run before it starts,
+        # with a `cancelled` record rather than none.
+        with on_stop_signals(_stop_before_start):
+            connect_ray(spec)
+    except _StoppedBeforeStart:
+        for observer in (run_dir, *observers):
+            observer.on_status("cancelled", "cancelled before the run started", step=0)
+        if started_ray and ray.is_initialized():
+            ray.shutdown()
+        return "cancelled"
     try:
         return RunDriver(spec, run_dir, observers).run()
     except Exception:
@@ -32,3 +44,11 @@ def execute_run(
     finally:
         if started_ray:
             ray.shutdown()
+
+
+class _StoppedBeforeStart(Exception):
+    """SIGINT or SIGTERM arrived while Ray was starting."""
+
+
+def _stop_before_start(signum: int, frame: FrameType | None) -> None:
+    raise _StoppedBeforeStart

@@ -100,6 +100,11 @@ class RunDirectory:
         with (self.path / METRICS_FILE).open("a", encoding="utf-8") as file:
             file.write(line + "\n")
 
+    def update_details(self, **details: Any) -> None:
+        """Change details of status.json (the actors' pids after a replacement), not the state."""
+        self._status.update(details)
+        _write_atomic(self.path / STATUS_FILE, json.dumps(self._status, indent=2) + "\n")
+
     def on_status(self, state: RunState, error: str | None = None, **details: Any) -> None:
         transitions = self._status.setdefault("transitions", [])
         transitions.append({"state": state, "at": time.time()})

@@ -55,6 +55,7 @@ def record(step: int, **values: Any) -> dict[str, Any]:
         "raw_low_frequency_ratio": 0.1,
         "filtered_low_frequency_ratio": 0.9,
         "tokens_generated_total": 1000 * step,
+        "rescored_groups": 5,
         "tokens_trained_total": 800 * step,
         "rollouts_dropped_stale": 2 * step,
         "groups_dropped_stale": step // 2,
@@ -116,7 +117,11 @@ def test_running_run_is_exported_with_its_latest_values(any_store: Store) -> Non
     # Durations 0.3, 0.7 and 2.0 s: buckets le=0.25 -> 0, le=0.5 -> 1, le=1 -> 2, le=2.5 -> 3.
     run_id = running_run(
         any_store,
-        [record(1, step_seconds=0.3), record(2, step_seconds=0.7), record(3, step_seconds=2.0)],
+        [
+            record(1, step_seconds=0.3),
+            record(2, step_seconds=0.7),
+            record(3, step_seconds=2.0, learner_restarts=1, verifier_replacements=2),
+        ],
     )
     queued = any_store.create_run({"name": "waiting"}).id
 
@@ -136,6 +141,9 @@ def test_running_run_is_exported_with_its_latest_values(any_store: Store) -> Non
     assert value(found, "kpo_tokens_generated_total", **one) == 3000
     assert value(found, "kpo_tokens_trained_total", **one) == 2400
     assert value(found, "kpo_rollouts_dropped_stale_total", **one) == 6
+    assert value(found, "kpo_learner_restarts_total", **one) == 1
+    assert value(found, "kpo_verifier_replacements_total", **one) == 2
+    assert value(found, "kpo_rescored_groups_total", **one) == 5
     buckets = {"0.25": 0, "0.5": 1, "1.0": 2, "2.5": 3, "+Inf": 3}
     for le, count in buckets.items():
         assert value(found, "kpo_learner_step_seconds_bucket", **one, le=le) == count

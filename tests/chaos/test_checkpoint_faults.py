@@ -1,0 +1,53 @@
+"""A run killed outright (SIGKILL of the whole process group), its newest checkpoint then
+corrupted, and a leftover of an interrupted checkpoint write: `kpo resume` must skip both, say
+so, and go on from the newest intact checkpoint."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from services.pipeline.checkpoints import LEARNER_DIR, list_checkpoints
+from services.pipeline.outputs import read_metrics
+from tests.chaos.runs import KpoRun, assert_ledger_balances, kpo, steps_in
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_resume_skips_a_corrupt_checkpoint_and_falls_back_to_the_previous(
+    tmp_path: Path,
+) -> None:
+    with KpoRun(tmp_path, "pipeline.steps=8", "pipeline.checkpoint_every=2") as run:
+        run.wait_for_steps(5)
+        os.killpg(run.process.pid, signal.SIGKILL)
+        run.finish()
+    checkpoints = list_checkpoints(run.out / "checkpoints")
+    assert [step for step, _ in checkpoints] == [2, 4]
+    newest = checkpoints[-1][1]
+    weights = max((newest / LEARNER_DIR).rglob("*"), key=lambda p: p.stat().st_size)
+    flip_a_byte(weights)
+    leftover = run.out / "checkpoints" / ".tmp-checkpoint-000006-1"
+    leftover.mkdir()
+    (leftover / "driver_state.json").write_text("{")
+
+    resumed = subprocess.run(
+        kpo("resume", str(run.out)), capture_output=True, text=True, timeout=400, check=False
+    )
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output
+    assert f"skipping checkpoint {newest}" in output and "SHA-256" in output
+    records = read_metrics(run.out)
+    assert steps_in(run.out) == list(range(1, 9))
+    assert [r["policy_version"] for r in records] == list(range(1, 9))
+    assert not leftover.exists()  # pruned with the other leftovers
+    assert_ledger_balances(run.out, batch_groups=4)

@@ -107,6 +107,9 @@ def validate(manifest: Manifest) -> None:
         )
         for path, template in pod_templates(manifest):
             validate_core(as_pod_template(template, f"{name}-{path}"), f"{where} {path}")
+        autoscaler = autoscaler_pod(manifest)
+        if autoscaler is not None:
+            validate_core(as_pod_template(autoscaler, f"{name}-autoscaler"), f"{where} autoscaler")
         return
     validate_core(manifest, where)
 
@@ -139,6 +142,26 @@ def pod_templates(manifest: Manifest) -> Iterator[tuple[str, Manifest]]:
     yield "head", spec["headGroupSpec"]["template"]
     for group in spec.get("workerGroupSpecs", []):
         yield f"worker-{group['groupName']}", group["template"]
+
+
+# The fields of a RayCluster's `autoscalerOptions` that KubeRay copies into the autoscaler
+# container it adds to the head pod.
+AUTOSCALER_CONTAINER_FIELDS = ("resources", "securityContext", "volumeMounts", "env", "envFrom")
+
+
+def autoscaler_pod(manifest: Manifest) -> Manifest | None:
+    """The head's pod template with the autoscaler sidecar alone in it, as far as the chart sets
+    the sidecar (`autoscalerOptions`); None without the in-tree autoscaler."""
+    spec = manifest.get("spec", {})
+    if manifest["kind"] == "RayJob":
+        spec = spec.get("rayClusterSpec", {})
+    if manifest["kind"] not in ("RayCluster", "RayJob") or not spec.get("enableInTreeAutoscaling"):
+        return None
+    options = spec.get("autoscalerOptions", {})
+    container = {"name": "autoscaler", "image": options.get("image", "autoscaler")}
+    container |= {key: options[key] for key in AUTOSCALER_CONTAINER_FIELDS if key in options}
+    head = spec["headGroupSpec"]["template"]
+    return {**head, "spec": {**head["spec"], "containers": [container]}}
 
 
 def as_pod_template(template: Manifest, name: str) -> Manifest:

@@ -4,7 +4,10 @@ For every ci/*.yaml: `helm lint --strict` and `helm template`, and every rendere
 validated (tests/deploy/manifests.py: core kinds by kubernetes-validate --strict, KubeRay and
 Prometheus Operator kinds by the project's schemas, Ray pod templates as core PodTemplates).
 Then what the objects must mean: probes, secrets, the addresses the control plane is given,
-selectors that select, references that resolve, and values the schema or the chart refuse.
+selectors that select, references that resolve, every container non-root, read-only and
+unprivileged with a volume wherever it writes, the NetworkPolicies (evaluated offline by
+tests/deploy/network_policy.py) admitting exactly the connections the release makes, and values
+the schema or the chart refuse.
 """
 
 from __future__ import annotations
@@ -15,7 +18,10 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from itertools import pairwise
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -28,14 +34,17 @@ from tests.deploy.manifests import (
     NAMESPACE,
     REPO,
     Manifest,
+    autoscaler_pod,
     containers,
     env_of,
     helm_template,
     named,
     one,
     pod_templates,
+    render,
     validate,
 )
+from tests.deploy.network_policy import Pod, admitted, isolating
 
 CI_NAMES = [path.name for path in CI_VALUES]
 CONTROL_PLANE = "kpo-control-plane"
@@ -140,6 +149,9 @@ def test_default_release_has_the_expected_objects(rendered: dict[str, list[Manif
             "RayCluster",
             "Pod",
             "Pod",
+            "NetworkPolicy",
+            "NetworkPolicy",
+            "NetworkPolicy",
         ]
     )
     tests = [m for m in rendered["default-values.yaml"] if m["kind"] == "Pod"]
@@ -437,6 +449,502 @@ def test_chart_tests_check_health_metrics_and_auth(rendered: dict[str, list[Mani
     assert url == f"http://{CONTROL_PLANE}:8000"
 
 
+# --- security defaults: who runs, what it may write ---------------------------------------------
+
+# The images' user (deploy/docker/Dockerfile): its home directory holds the Python libraries'
+# caches, so the chart mounts a volume there.
+IMAGE_HOME = "/home/kpo"
+
+
+def every_container(manifests: list[Manifest]) -> Iterator[tuple[str, Manifest, Manifest]]:
+    """(where, pod spec, container) of every container the release runs, the autoscaler sidecar
+    KubeRay adds to the Ray head included (as far as the chart sets it)."""
+    for where, _, spec in pod_specs(manifests):
+        for container in containers(spec):
+            yield f"{where} {container['name']}", spec, container
+    for m in manifests:
+        pod = autoscaler_pod(m)
+        if pod is not None:
+            yield (
+                f"{m['kind']}/{m['metadata']['name']} autoscaler",
+                pod["spec"],
+                pod["spec"]["containers"][0],
+            )
+
+
+@pytest.mark.parametrize("values", CI_NAMES)
+def test_every_container_is_non_root_read_only_and_unprivileged(
+    rendered: dict[str, list[Manifest]], values: str
+) -> None:
+    manifests = rendered[values]
+    seen = set()
+    for where, spec, container in every_container(manifests):
+        seen.add(where)
+        pod = spec.get("securityContext", {})
+        own = container.get("securityContext", {})
+
+        def effective(key: str, pod: Manifest = pod, own: Manifest = own) -> Any:
+            return own.get(key, pod.get(key))
+
+        assert effective("runAsNonRoot") is True, where
+        assert isinstance(effective("runAsUser"), int) and effective("runAsUser") > 0, where
+        assert isinstance(pod.get("fsGroup"), int) and pod["fsGroup"] > 0, where
+        assert own.get("readOnlyRootFilesystem") is True, where
+        assert own.get("allowPrivilegeEscalation") is False, where
+        assert own.get("privileged", False) is False, where
+        assert "ALL" in own.get("capabilities", {}).get("drop", []), where
+        assert not own.get("capabilities", {}).get("add"), where
+        assert (effective("seccompProfile") or {}).get("type") == "RuntimeDefault", where
+        for key in ("hostNetwork", "hostPID", "hostIPC"):
+            assert not spec.get(key), f"{where}: {key}"
+        assert not any("hostPath" in v for v in spec.get("volumes", [])), where
+    if values == "default-values.yaml":
+        assert seen == {
+            f"Deployment/{CONTROL_PLANE} control-plane",
+            "StatefulSet/kpo-redis redis",
+            f"RayCluster/{RAY_CLUSTER} head ray-head",
+            f"RayCluster/{RAY_CLUSTER} worker-gpu ray-worker",
+            f"RayCluster/{RAY_CLUSTER} autoscaler",
+            "Pod/kpo-test-connection test",
+            "Pod/kpo-test-auth test",
+        }
+
+
+def test_images_run_as_the_user_and_home_the_chart_expects(
+    rendered: dict[str, list[Manifest]],
+) -> None:
+    """The chart's uid, gid and home volume are those of the images' user."""
+    dockerfile = (REPO / "deploy" / "docker" / "Dockerfile").read_text(encoding="utf-8")
+    assert set(re.findall(r"--home-dir (\S+)", dockerfile)) == {IMAGE_HOME}
+    assert set(re.findall(r"groupadd --gid (\d+)", dockerfile)) == {"10001"}
+    assert set(re.findall(r"useradd --uid (\d+)", dockerfile)) == {"10001"}
+    assert set(re.findall(r"^USER (\S+)$", dockerfile, re.M)) == {"10001:10001"}
+    manifests = rendered["default-values.yaml"]
+    for where, spec, _ in every_container(manifests):
+        if "redis" in where:
+            continue  # the redis image's own user
+        context = spec["securityContext"]
+        assert (context["runAsUser"], context["runAsGroup"], context["fsGroup"]) == (
+            10001,
+            10001,
+            10001,
+        ), where
+
+
+def volume_sources(manifests: list[Manifest]) -> dict[str, dict[str, Manifest]]:
+    """The volumes each pod can mount, by pod: its own and its StatefulSet's claim templates."""
+    claims = {
+        f"StatefulSet/{m['metadata']['name']}": {
+            c["metadata"]["name"]: {"persistentVolumeClaim": {}}
+            for c in m["spec"].get("volumeClaimTemplates", [])
+        }
+        for m in named(manifests, "StatefulSet")
+    }
+    result = {}
+    for where, _, spec in pod_specs(manifests):
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        result[where] = volumes | claims.get(where, {})
+    return result
+
+
+@pytest.mark.parametrize("values", CI_NAMES)
+def test_every_directory_written_is_a_volume(
+    rendered: dict[str, list[Manifest]], values: str
+) -> None:
+    """With read-only root filesystems, each place a process writes is a writable volume: /tmp
+    and the home directory (caches), Ray's /tmp/ray and /dev/shm, the data directory, Redis'
+    /data (its claim)."""
+    manifests = rendered[values]
+    data_dir = one(manifests, "ConfigMap", CONTROL_PLANE)["data"]["KPO_DATA_DIR"]
+    ray = {"/tmp", "/tmp/ray", IMAGE_HOME, "/dev/shm", data_dir}
+    needs = {
+        "control-plane": {"/tmp", IMAGE_HOME, data_dir},
+        "ray-head": ray,
+        "ray-worker": ray,
+        "autoscaler": {"/tmp", IMAGE_HOME},  # KubeRay adds the head's /tmp/ray itself
+        "redis": {"/data"},
+        "test": set(),  # a Python script that only makes HTTP requests
+    }
+    sources = volume_sources(manifests)
+    for where, spec, container in every_container(manifests):
+        volumes = sources.get(where.rsplit(" ", 1)[0], {v["name"]: v for v in spec["volumes"]})
+        mounts = {m["mountPath"]: m for m in container.get("volumeMounts", [])}
+        for path in needs[container["name"]]:
+            assert path in mounts, f"{where}: nothing writable at {path}"
+            mount = mounts[path]
+            assert not mount.get("readOnly"), f"{where}: {path} is read-only"
+            volume = volumes.get(mount["name"])
+            assert volume is not None, f"{where}: {path}: no volume {mount['name']}"
+            assert "emptyDir" in volume or "persistentVolumeClaim" in volume, (where, volume)
+        for mount in mounts.values():
+            assert mount["name"] in volumes, f"{where}: mounts the unknown volume {mount['name']}"
+    for cluster in named(manifests, "RayCluster"):
+        for where, template in pod_templates(cluster):
+            # KubeRay shares the head's volume named `ray-logs` with the autoscaler sidecar.
+            (container,) = template["spec"]["containers"]
+            logs = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+            assert logs["/tmp/ray"] == "ray-logs", where
+    redis = named(manifests, "ConfigMap", "kpo-redis")
+    if redis:
+        assert "dir /data" in redis[0]["data"]["redis.conf"].splitlines()
+
+
+# --- secrets: only from Secrets, files or the environment of a secretKeyRef ---------------------
+
+# Settings of `kpo serve` that hold a secret, and the other variables the chart gives one to.
+SECRET_SETTINGS = {
+    field.validation_alias
+    for field in ApiSettings.model_fields.values()
+    if "SecretStr" in str(field.annotation)
+}
+SECRET_VARIABLES = SECRET_SETTINGS | {"KPO_REDIS_PASSWORD", "REDIS_PASSWORD", "REDISCLI_AUTH"}
+SECRET_NAME = re.compile(r"TOKEN|PASSWORD|PASSWD|SECRET|CREDENTIAL", re.I)
+URL_PASSWORD = re.compile(r"://[^/@\s]*:([^/@\s]+)@")
+
+
+def test_secret_settings_are_known() -> None:
+    assert "KPO_API_TOKEN" in SECRET_SETTINGS
+
+
+@pytest.mark.parametrize("values", CI_NAMES)
+def test_secrets_never_in_a_config_map_or_a_plain_env_value(
+    rendered: dict[str, list[Manifest]], values: str
+) -> None:
+    """The API token and the Redis password reach a process only as a file from a Secret volume
+    or a variable from a secretKeyRef (a URL holds a `$(VAR)` of such a variable, never the
+    password); no ConfigMap holds a secret, nor a value that names one."""
+    manifests = rendered[values]
+    for config_map in named(manifests, "ConfigMap"):
+        where = f"ConfigMap/{config_map['metadata']['name']}"
+        for key, value in config_map.get("data", {}).items():
+            assert key not in SECRET_VARIABLES and not SECRET_NAME.search(key), f"{where}: {key}"
+            assert not URL_PASSWORD.search(value), f"{where}: {key} holds a URL with a password"
+            assert not re.search(r"^\s*requirepass\b", value, re.M), f"{where}: {key}"
+    for where, spec, container in every_container(manifests):
+        secret_mounts = {
+            m["mountPath"]
+            for m in container.get("volumeMounts", [])
+            if "secret" in {v["name"]: v for v in spec.get("volumes", [])}.get(m["name"], {})
+        }
+        from_secrets: set[str] = set()
+        for entry in container.get("env", []):
+            name = entry["name"]
+            if "valueFrom" in entry:
+                if "secretKeyRef" in entry["valueFrom"]:
+                    from_secrets.add(name)
+                continue
+            value = str(entry.get("value", ""))
+            if name.endswith("_FILE"):
+                # A file holding a secret lies on a read-only Secret volume.
+                assert any(value.startswith(path + "/") for path in secret_mounts), (where, name)
+                continue
+            assert name not in SECRET_VARIABLES and not SECRET_NAME.search(name), (
+                f"{where}: {name} has a plain value"
+            )
+            password = URL_PASSWORD.search(value)
+            if password:
+                reference = re.fullmatch(r"\$\((\w+)\)", password.group(1))
+                assert reference and reference.group(1) in from_secrets, (
+                    f"{where}: {name} holds a password that is not a $(VAR) of a secretKeyRef"
+                )
+        for source in container.get("envFrom", []):
+            assert "configMapRef" in source or "secretRef" in source, where
+        words = [str(word) for word in (*container.get("command", []), *container.get("args", []))]
+        for word, following in pairwise([*words, ""]):
+            assert not URL_PASSWORD.search(word), f"{where}: a password on the command line"
+            if word == "--requirepass":
+                reference = re.fullmatch(r"\$\((\w+)\)", following)
+                assert reference and reference.group(1) in from_secrets, where
+
+
+def test_no_value_takes_a_secret_in_plain_text() -> None:
+    """values.yaml names Secrets and keys; it has no key that would hold a token or password."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text(encoding="utf-8"))
+
+    def keys(node: object, path: str) -> Iterator[str]:
+        if isinstance(node, dict):
+            for key, child in node.items():
+                yield f"{path}.{key}".lstrip(".")
+                yield from keys(child, f"{path}.{key}")
+
+    secretish = [k for k in keys(values, "") if SECRET_NAME.search(k.rsplit(".", 1)[-1])]
+    assert sorted(secretish) == sorted(
+        [
+            "imagePullSecrets",
+            "apiToken",
+            "apiToken.existingSecret",
+            "apiToken.secretKey",
+            "controlPlane.ingress.tlsSecretName",
+            "redis.auth.existingSecret",
+            "redis.auth.secretKey",
+        ]
+    )
+    for key in ("apiToken", "redis.auth"):
+        node = values
+        for part in key.split("."):
+            node = node[part]
+        assert set(node) <= {"enabled", "existingSecret", "secretKey"}, key
+
+
+# --- NetworkPolicies ------------------------------------------------------------------------------
+
+# Pods outside the release, as a cluster has them.
+INGRESS_CONTROLLER = Pod.of(
+    "ingress-nginx-controller",
+    "ingress-nginx",
+    {"app.kubernetes.io/name": "ingress-nginx", "app.kubernetes.io/component": "controller"},
+)
+PROMETHEUS = Pod.of("prometheus-0", "monitoring", {"app.kubernetes.io/name": "prometheus"})
+# Another application in the release's namespace, another pod in the ingress controller's
+# namespace, and a pod elsewhere that copies the release's labels.
+NEIGHBOUR = Pod.of("neighbour", NAMESPACE, {"app": "something-else"})
+INGRESS_NEIGHBOUR = Pod.of("default-backend", "ingress-nginx", {"app": "default-backend"})
+IMPOSTOR = Pod.of(
+    "impostor",
+    "default",
+    {
+        "app.kubernetes.io/name": "kpo",
+        "app.kubernetes.io/instance": "kpo",
+        "app.kubernetes.io/component": "control-plane",
+    },
+)
+EXTERNAL_RAY = Pod.of("shared-ray-worker", "ray-system", {"ray.io/cluster": "shared-ray"})
+OUTSIDERS = (NEIGHBOUR, INGRESS_NEIGHBOUR, IMPOSTOR)
+
+
+def release_pods(manifests: list[Manifest]) -> dict[str, Pod]:
+    """The release's pods by where they come from (`Deployment/kpo-control-plane`, ...)."""
+    pods = {}
+    for where, meta, spec in pod_specs(manifests):
+        ports = {
+            p["name"]: p["containerPort"]
+            for c in spec["containers"]
+            for p in c.get("ports", [])
+            if "name" in p
+        }
+        pods[where] = Pod.of(where, NAMESPACE, meta.get("labels", {}), ports)
+    return pods
+
+
+def used_ports(manifests: list[Manifest]) -> dict[str, int]:
+    """The ports the release connects to, read from the objects: the control plane's (its
+    Service's target), the store's (KPO_STORE_URL), the job server's (RAY_ADDRESS)."""
+    env = env_of(control_plane_container(manifests))
+    service = one(manifests, "Service", CONTROL_PLANE)["spec"]["ports"][0]
+    ports = {
+        "control-plane": release_pods(manifests)[f"Deployment/{CONTROL_PLANE}"].ports[
+            service["targetPort"]
+        ],
+        "store": urlsplit(env["KPO_STORE_URL"]["value"]).port or 6379,
+        "job-server": urlsplit(
+            one(manifests, "ConfigMap", CONTROL_PLANE)["data"]["RAY_ADDRESS"]
+        ).port,
+    }
+    return {key: int(value) for key, value in ports.items() if value}
+
+
+def test_network_policies_admit_only_what_the_release_needs(
+    rendered: dict[str, list[Manifest]],
+) -> None:
+    manifests = rendered["default-values.yaml"]
+    policies = named(manifests, "NetworkPolicy")
+    pods = release_pods(manifests)
+    control_plane, redis = pods[f"Deployment/{CONTROL_PLANE}"], pods["StatefulSet/kpo-redis"]
+    head, worker = (
+        pods[f"RayCluster/{RAY_CLUSTER} head"],
+        pods[f"RayCluster/{RAY_CLUSTER} worker-gpu"],
+    )
+    tests = [pod for where, pod in pods.items() if where.startswith("Pod/")]
+    ports = used_ports(manifests)
+    api, store, jobs = ports["control-plane"], ports["store"], ports["job-server"]
+    assert (api, store, jobs) == (8000, 6379, 8265)
+    gcs, client, metrics = head.ports["gcs-server"], head.ports["client"], head.ports["metrics"]
+
+    for pod in (control_plane, redis, head, worker):
+        assert isolating(policies, pod, NAMESPACE), f"{pod.name} is not isolated"
+
+    def opens(source: Pod, destination: Pod, port: int) -> bool:
+        return admitted(policies, source, destination, port, NAMESPACE)
+
+    for source, destination, port in [
+        (INGRESS_CONTROLLER, control_plane, api),
+        (PROMETHEUS, control_plane, api),
+        *[(test, control_plane, api) for test in tests],
+        (control_plane, redis, store),
+        (head, redis, store),  # the runs' drivers
+        (worker, redis, store),  # the learner and generation actors
+        (control_plane, head, jobs),
+        (worker, head, gcs),
+        (head, worker, 10002),  # Ray's own ports between nodes (raylets, object transfers)
+        (worker, worker, 20000),
+        (PROMETHEUS, head, metrics),
+        (PROMETHEUS, worker, metrics),
+    ]:
+        assert opens(source, destination, port), f"{source.name} -> {destination.name}:{port}"
+
+    for source, destination, port in [
+        *[
+            (outsider, pod, p)
+            for outsider in OUTSIDERS
+            for pod in pods.values()
+            for p in pod.ports.values()
+        ],
+        *[(outsider, control_plane, api) for outsider in OUTSIDERS],
+        *[(outsider, redis, store) for outsider in (*OUTSIDERS, INGRESS_CONTROLLER, PROMETHEUS)],
+        *[(test, redis, store) for test in tests],
+        *[(test, head, jobs) for test in tests],
+        (INGRESS_CONTROLLER, head, jobs),
+        (PROMETHEUS, head, jobs),
+        (PROMETHEUS, control_plane, 9090),
+        (control_plane, head, gcs),  # the control plane only talks HTTP to the job server
+        (control_plane, head, client),
+        (control_plane, worker, metrics),
+        (head, control_plane, api),  # the runs report through Redis, not the API
+        (worker, control_plane, api),
+        (EXTERNAL_RAY, redis, store),
+    ]:
+        assert not opens(source, destination, port), f"{source.name} -> {destination.name}:{port}"
+
+
+@pytest.mark.parametrize("values", CI_NAMES)
+def test_network_policies_keep_every_connection_the_release_makes(
+    rendered: dict[str, list[Manifest]], values: str
+) -> None:
+    manifests = rendered[values]
+    policies = named(manifests, "NetworkPolicy")
+    assert policies, "NetworkPolicies are on by default"
+    for policy in policies:
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        for rule in policy["spec"]["ingress"]:
+            assert rule.get("from"), f"{policy['metadata']['name']}: a rule open to everyone"
+    pods = release_pods(manifests)
+    control_plane = pods[f"Deployment/{CONTROL_PLANE}"]
+    redis = pods.get("StatefulSet/kpo-redis")
+    ray = [pod for where, pod in pods.items() if where.startswith("RayCluster/")]
+    ports = used_ports(manifests)
+
+    def opens(source: Pod, destination: Pod, port: int) -> bool:
+        return admitted(policies, source, destination, port, NAMESPACE)
+
+    assert opens(INGRESS_CONTROLLER, control_plane, ports["control-plane"])
+    if redis is not None:
+        runs = ray or [EXTERNAL_RAY]  # where the runs' drivers and actors live
+        for source in (control_plane, *runs):
+            assert opens(source, redis, ports["store"]), source.name
+        assert opens(EXTERNAL_RAY, redis, ports["store"]) == (not ray)
+    if ray:
+        head = pods[f"RayCluster/{RAY_CLUSTER} head"]
+        assert opens(control_plane, head, ports["job-server"])
+        for source in ray:
+            for destination in ray:
+                for port in destination.ports.values():
+                    assert opens(source, destination, port), (source.name, destination.name)
+            assert opens(PROMETHEUS, source, source.ports["metrics"])
+    for outsider in OUTSIDERS:
+        for pod in (control_plane, *([redis] if redis else []), *ray):
+            for port in pod.ports.values():
+                assert not opens(outsider, pod, port), (outsider.name, pod.name, port)
+
+
+def test_network_policy_values(helm: str, tmp_path: Path) -> None:
+    """networkPolicy.enabled=false removes them; the peers follow their values."""
+    default = render(helm)
+    off = render(helm, sets=["networkPolicy.enabled=false"])
+    assert not named(off, "NetworkPolicy")
+    assert sorted(m["kind"] for m in off) == sorted(
+        m["kind"] for m in default if m["kind"] != "NetworkPolicy"
+    )
+
+    custom = tmp_path / "values.yaml"
+    custom.write_text(
+        yaml.safe_dump(
+            {
+                "networkPolicy": {
+                    # null removes a default (Helm merges maps).
+                    "ingressController": {"namespaceSelector": None, "podSelector": None},
+                    "prometheus": {"enabled": False},
+                    "controlPlane": {
+                        "extraFrom": [
+                            {"ipBlock": {"cidr": "10.0.0.0/8"}},
+                            {"podSelector": {"matchLabels": {"app": "kpo-cli"}}},
+                        ]
+                    },
+                    "ray": {
+                        "extraFrom": [
+                            {
+                                "namespaceSelector": {
+                                    "matchLabels": {"kubernetes.io/metadata.name": "notebooks"}
+                                }
+                            }
+                        ]
+                    },
+                }
+            }
+        )
+    )
+    manifests = render(helm, [custom])
+    for manifest in manifests:
+        validate(manifest)
+    policies = named(manifests, "NetworkPolicy")
+    pods = release_pods(manifests)
+    control_plane = pods[f"Deployment/{CONTROL_PLANE}"]
+    head = pods[f"RayCluster/{RAY_CLUSTER} head"]
+    cli = Pod.of("kpo-cli", NAMESPACE, {"app": "kpo-cli"})
+    notebook = Pod.of("notebook", "notebooks", {"app": "jupyter"})
+
+    def opens(source: Pod, destination: Pod, port: int) -> bool:
+        return admitted(policies, source, destination, port, NAMESPACE)
+
+    assert not opens(INGRESS_CONTROLLER, control_plane, 8000)
+    assert not opens(PROMETHEUS, control_plane, 8000)
+    assert not opens(PROMETHEUS, head, head.ports["metrics"])
+    assert opens(cli, control_plane, 8000) and not opens(cli, head, 8265)
+    assert opens(notebook, head, head.ports["client"]) and not opens(notebook, control_plane, 8000)
+    cp_policy = one(policies, "NetworkPolicy", CONTROL_PLANE)
+    assert {"ipBlock": {"cidr": "10.0.0.0/8"}} in [
+        peer for rule in cp_policy["spec"]["ingress"] for peer in rule["from"]
+    ]
+
+
+def test_network_policy_evaluator_follows_kubernetes() -> None:
+    """The evaluator the policy tests rely on, on cases whose answer Kubernetes documents."""
+    web = Pod.of("web", "shop", {"app": "web"}, {"http": 8080})
+    client = Pod.of("client", "shop", {"role": "client"})
+    foreign = Pod.of("client", "other", {"role": "client"})
+
+    def policy(ingress: list[Manifest], selector: Manifest | None = None) -> Manifest:
+        return {
+            "metadata": {"name": "p", "namespace": "shop"},
+            "spec": {
+                "podSelector": selector or {"matchLabels": {"app": "web"}},
+                "policyTypes": ["Ingress"],
+                "ingress": ingress,
+            },
+        }
+
+    assert admitted([], client, web, 8080, "shop")  # no policy: not isolated
+    assert not admitted([policy([])], client, web, 8080, "shop")  # isolated, no rule
+    assert admitted([policy([{}])], foreign, web, 1, "shop")  # a rule without from and ports
+    same_namespace = policy([{"from": [{"podSelector": {"matchLabels": {"role": "client"}}}]}])
+    assert admitted([same_namespace], client, web, 8080, "shop")
+    assert not admitted([same_namespace], foreign, web, 8080, "shop")
+    both = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "other"}},
+        "podSelector": {"matchLabels": {"role": "client"}},
+    }
+    assert admitted([policy([{"from": [both]}])], foreign, web, 8080, "shop")
+    assert not admitted([policy([{"from": [both]}])], client, web, 8080, "shop")
+    named_port = policy([{"from": [{"podSelector": {}}], "ports": [{"port": "http"}]}])
+    assert admitted([named_port], client, web, 8080, "shop")
+    assert not admitted([named_port], client, web, 8081, "shop")
+    ranged = policy([{"ports": [{"port": 1000, "endPort": 2000}]}])
+    assert admitted([ranged], client, web, 1500, "shop") and not admitted(
+        [ranged], client, web, 2001, "shop"
+    )
+    expression = {"matchExpressions": [{"key": "app", "operator": "In", "values": ["db"]}]}
+    assert admitted([policy([], expression)], client, web, 8080, "shop")  # selects no web pod
+
+
 # --- values the chart refuses ------------------------------------------------------------------
 
 REFUSED = {
@@ -473,6 +981,14 @@ REFUSED = {
     "replicas outside the bounds": (
         ["ray.workerGroups.gpu.minReplicas=3"],
         "need minReplicas <= replicas <= maxReplicas (got 3, 1, 4)",
+    ),
+    "external Ray cut off from the built-in Redis": (
+        ["ray.cluster.enabled=false", "ray.address=http://ray-head-svc:8265"],
+        "set networkPolicy.externalRay.from",
+    ),
+    "typo in a NetworkPolicy peer": (
+        ["networkPolicy.ingressController.podSelector.matchLabel.app=x"],
+        "Additional property matchLabel is not allowed",
     ),
 }
 

@@ -171,6 +171,29 @@ Kubernetes' $(VAR) expansion, so it is read from the Secret and never written in
 {{- end }}
 
 {{/*
+The writable directories of a container whose root filesystem is read-only: /tmp, and the home
+directory of the images' user `kpo` (deploy/docker/Dockerfile), where Python libraries keep their
+caches (torch, Triton, vLLM, matplotlib). `kpo.writableVolumes` are the pod's volumes for them.
+*/}}
+{{- define "kpo.homeDir" -}}
+/home/kpo
+{{- end }}
+
+{{- define "kpo.writableMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: home
+  mountPath: {{ include "kpo.homeDir" . }}
+{{- end }}
+
+{{- define "kpo.writableVolumes" -}}
+- name: tmp
+  emptyDir: {}
+- name: home
+  emptyDir: {}
+{{- end }}
+
+{{/*
 A Ray pod template's spec, for the head and for every worker group alike.
 (dict "ctx" $ "group" <head or merged worker group> "container" "ray-head"|"ray-worker"
       "gpus" <nvidia.com/gpu per pod> "ports" <list of ContainerPort>
@@ -210,6 +233,9 @@ containers:
         exec:
           command: ["/bin/sh", "-c", "ray stop"]
     volumeMounts:
+      {{- include "kpo.writableMounts" . | nindent 6 }}
+      # Ray's session directory (logs, sockets, runtime environments). KubeRay mounts the volume
+      # mounted here into the autoscaler sidecar too.
       - name: ray-logs
         mountPath: /tmp/ray
       - name: shm
@@ -217,6 +243,7 @@ containers:
       - name: data
         mountPath: {{ .ctx.Values.dataDir }}
 volumes:
+  {{- include "kpo.writableVolumes" . | nindent 2 }}
   - name: ray-logs
     emptyDir: {}
   - name: shm
@@ -230,6 +257,40 @@ volumes:
     {{- else }}
     emptyDir: {}
     {{- end }}
+{{- end }}
+
+{{/*
+The label selector of the release's Ray pods (head and workers): the labels the chart gives their
+templates, which KubeRay keeps on the pods it creates.
+*/}}
+{{- define "kpo.rayPodSelector" -}}
+matchLabels:
+  app.kubernetes.io/name: {{ include "kpo.name" . }}
+  app.kubernetes.io/instance: {{ .Release.Name }}
+matchExpressions:
+  - key: app.kubernetes.io/component
+    operator: In
+    values: ["ray-head", "ray-worker"]
+{{- end }}
+
+{{/* A NetworkPolicy `from` list holding the release's Ray pods. */}}
+{{- define "kpo.rayPodsPeer" -}}
+- podSelector:
+    {{- include "kpo.rayPodSelector" . | nindent 4 }}
+{{- end }}
+
+{{/*
+A NetworkPolicy `from` list of one peer from a map with namespaceSelector and podSelector (label
+selectors): the pods matching both; only podSelector: those pods in the release's namespace; only
+namespaceSelector: every pod of those namespaces; neither: nothing (no peer, so no rule).
+*/}}
+{{- define "kpo.networkPolicyPeer" -}}
+{{- $peer := dict }}
+{{- with .namespaceSelector }}{{ $_ := set $peer "namespaceSelector" . }}{{ end }}
+{{- with .podSelector }}{{ $_ := set $peer "podSelector" . }}{{ end }}
+{{- if $peer }}
+{{- list $peer | toYaml }}
+{{- end }}
 {{- end }}
 
 {{/* `ray start` parameters: the chart's defaults, then the group's own (strings, as KubeRay wants). */}}
@@ -311,6 +372,9 @@ Included by the control plane's Deployment, which every release renders.
 {{- end }}
 {{- if and .Values.ray.cluster.enabled .Values.ray.address }}
 {{- fail "ray: set either ray.cluster.enabled=true or ray.address, not both" }}
+{{- end }}
+{{- if and .Values.networkPolicy.enabled $redis.builtin.enabled (not .Values.ray.cluster.enabled) (not .Values.networkPolicy.externalRay.from) }}
+{{- fail "networkPolicy: the runs on the Ray cluster at ray.address report to the built-in Redis, so set networkPolicy.externalRay.from to the peers of that cluster's pods (or networkPolicy.enabled=false)" }}
 {{- end }}
 {{- range $name, $overrides := .Values.ray.workerGroups }}
 {{- $group := mergeOverwrite (deepCopy $.Values.ray.workerDefaults) ($overrides | default dict) }}

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: system-deps venv lint typecheck test test-vllm test-deploy helm-docs demo study bench bench-pipeline bench-api bench-generation clean
+.PHONY: system-deps venv lint typecheck test test-vllm test-deploy helm-docs demo study bench bench-pipeline bench-api bench-load soak bench-generation audit clean
 
 # The CPU build of torch goes in first: the package's torch range then resolves to it and
 # nothing pulls a CUDA build.
@@ -37,7 +37,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy kpo_core services benchmarks/study.py benchmarks/stability_study
+	$(VENV)/bin/mypy kpo_core services benchmarks/study.py benchmarks/stability_study benchmarks/bench_load.py benchmarks/soak.py
 
 test: system-deps lint typecheck
 	$(VENV)/bin/pytest --ignore=tests/services/generation/test_vllm_backend.py
@@ -69,12 +69,33 @@ bench-pipeline: $(STAMP)
 test-deploy: system-deps $(STAMP)
 	$(VENV)/bin/pytest tests/deploy
 
+# The dependency audit: every package of the virtualenv checked for known vulnerabilities with
+# pip-audit (pinned in requirements/audit.txt), falling back to PyPI's project JSON where its
+# services cannot be reached; fails on any not accepted in requirements/audit-allowlist.txt.
+# requirements/audit.py says where each package's data came from and what it could not check.
+audit: $(STAMP)
+	$(PY) -m pip install --quiet -r requirements/audit.txt
+	$(PY) requirements/audit.py --allowlist requirements/audit-allowlist.txt
+
 # The chart README's values table, regenerated from the `# --` comments of values.yaml.
 helm-docs: $(STAMP)
 	$(PY) scripts/helm_values_table.py helm/kpo
 
 bench-api: $(STAMP) system-deps
 	$(PY) benchmarks/bench_api.py
+
+# The control plane under load: 200 concurrent API clients for 60 s against `kpo serve`, with a
+# real run training behind it, against a 1-client baseline (~3 min on 2 cores). The local store
+# by default; KPO_STORE_URL=redis://... for Redis. Flags through LOAD_ARGS, e.g.
+# LOAD_ARGS="--clients 50 --json runs/load.json".
+bench-load: $(STAMP)
+	$(PY) benchmarks/bench_load.py $(LOAD_ARGS)
+
+# Memory of a long run: the RSS of the driver and of every actor of a demo run, every 30 s for
+# 30 min; the growth per process, samples.csv and rss.png in runs/soak-<time>. Flags through
+# SOAK_ARGS, e.g. SOAK_ARGS="--minutes 120".
+soak: $(STAMP)
+	$(PY) benchmarks/soak.py $(SOAK_ARGS)
 
 # hf and vllm in the same run: the vLLM environment has both.
 bench-generation:

@@ -31,6 +31,9 @@ Conventions shared by all modes:
 * A group with a single response has no baseline to compare with: its advantage is 0.
 * A group whose rewards are all equal carries no learning signal: its advantages are exactly 0
   (never a rounding residue, never NaN/inf), even with ``eps = 0``.
+* A NaN/inf reward (a verifier bug) is an error by default (``nonfinite="raise"``). With
+  ``nonfinite="drop"`` that response is left out of its group: the group's statistics are those
+  of its finite rewards (its size ``G`` counts only them), and the response's advantage is 0.
 
 The computation is vectorised over groups (``torch.unique`` + ``index_add``), so its cost does
 not grow with a Python loop over the number of prompts in the batch.
@@ -43,10 +46,12 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
-__all__ = ["AdvantageMode", "broadcast_to_tokens", "group_advantages"]
+__all__ = ["AdvantageMode", "NonFiniteRewards", "broadcast_to_tokens", "group_advantages"]
 
 AdvantageMode = Literal["grpo", "dr_grpo", "rloo"]
 _MODES: tuple[str, ...] = get_args(AdvantageMode)
+NonFiniteRewards = Literal["raise", "drop"]
+_NONFINITE: tuple[str, ...] = get_args(NonFiniteRewards)
 
 
 def _check_1d(name: str, t: Tensor) -> None:
@@ -60,6 +65,7 @@ def group_advantages(
     mode: AdvantageMode = "grpo",
     eps: float = 1e-6,
     std_unbiased: bool = True,
+    nonfinite: NonFiniteRewards = "raise",
 ) -> Tensor:
     """Group-relative advantage of every response.
 
@@ -73,16 +79,21 @@ def group_advantages(
         eps: ``>= 0``, added to ``std_g`` in ``"grpo"`` mode; ignored by the other modes.
         std_unbiased: ``"grpo"`` only: ``std_g`` with Bessel's correction (divide by ``G - 1``,
             ``torch.std``'s default) if True, else the population std (divide by ``G``).
+        nonfinite: ``"raise"``: NaN/inf rewards are an error; ``"drop"``: such a response gets
+            advantage 0 and is left out of its group's mean, std and size (the caller finds
+            them with ``~torch.isfinite(rewards)``).
 
     Returns:
         ``[N]`` advantages ``A_i`` on ``rewards``' device, with ``rewards``' dtype if it is a
         floating dtype, else float32. Groups of size 1 and groups with all-equal rewards give
-        exactly 0.
+        exactly 0 (with ``"drop"``: groups with at most one finite reward, or whose finite
+        rewards are all equal).
 
     Raises:
         ValueError: ``rewards`` or ``group_ids`` not 1-D, different lengths or devices,
-            ``group_ids`` not integer, ``rewards`` containing NaN/inf (the message gives how
-            many and the first index), unknown ``mode``, or ``eps`` negative or not finite.
+            ``group_ids`` not integer, ``rewards`` containing NaN/inf with ``nonfinite="raise"``
+            (the message gives how many and the first index), unknown ``mode`` or
+            ``nonfinite``, or ``eps`` negative or not finite.
     """
     _check_1d("rewards", rewards)
     _check_1d("group_ids", group_ids)
@@ -103,12 +114,15 @@ def group_advantages(
         raise ValueError(f"rewards must be real, got dtype {rewards.dtype}")
     if mode not in _MODES:
         raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+    if nonfinite not in _NONFINITE:
+        raise ValueError(f"nonfinite must be one of {_NONFINITE}, got {nonfinite!r}")
     if not (eps >= 0.0 and eps != float("inf")):  # written so that NaN fails too
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
 
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
-    if rewards.is_floating_point():
-        bad = ~torch.isfinite(rewards)
+    keep = torch.isfinite(rewards) if rewards.is_floating_point() else None
+    if keep is not None and nonfinite == "raise":
+        bad = ~keep
         n_bad = int(bad.sum().item())
         if n_bad:
             first = int(torch.nonzero(bad)[0, 0].item())
@@ -122,27 +136,36 @@ def group_advantages(
     # Accumulate in at least float32: half-precision sums of a few dozen rewards lose digits.
     dtype = torch.promote_types(out_dtype, torch.float32)
     r = rewards.to(dtype)
+    if keep is None:
+        keep = torch.ones_like(r, dtype=torch.bool)
+    # Dropped (non-finite) rewards enter no sum: they count 0 and contribute 0.
+    r = torch.where(keep, r, torch.zeros_like(r))
 
     # inverse[i] in [0, K) is the dense index of response i's group; K = number of groups.
     unique_ids, inverse = torch.unique(group_ids, return_inverse=True)
     num_groups = unique_ids.shape[0]
 
     counts = torch.zeros(num_groups, dtype=dtype, device=r.device).index_add_(
-        0, inverse, torch.ones_like(r)
-    )  # [K], G per group
+        0, inverse, keep.to(dtype)
+    )  # [K], G per group (finite rewards only)
     sums = torch.zeros(num_groups, dtype=dtype, device=r.device).index_add_(0, inverse, r)
-    mean = sums / counts  # [K]; counts >= 1 for every group that torch.unique found
+    mean = sums / counts.clamp_min(1.0)  # [K]; a group with no finite reward has mean 0
     centred = r - mean[inverse]  # [N], r_i - mean_g
 
     # A constant group's mean is not always exactly its value in floating point
     # (3 * 0.1 / 3 != 0.1), and with a tiny eps that rounding residue divided by an equally
-    # tiny std would become an O(1) advantage. Detect constant groups exactly via min == max.
+    # tiny std would become an O(1) advantage. Detect constant groups exactly via min == max
+    # (min >= max: a group without finite rewards keeps the fills -inf / +inf).
     g_max = torch.full((num_groups,), -torch.inf, dtype=dtype, device=r.device)
-    g_max = g_max.scatter_reduce(0, inverse, r, reduce="amax", include_self=True)
+    g_max = g_max.scatter_reduce(
+        0, inverse, torch.where(keep, r, -torch.inf), reduce="amax", include_self=True
+    )
     g_min = torch.full((num_groups,), torch.inf, dtype=dtype, device=r.device)
-    g_min = g_min.scatter_reduce(0, inverse, r, reduce="amin", include_self=True)
-    constant = (g_max == g_min)[inverse]  # [N]; also True for every group of size 1
-    centred = torch.where(constant, torch.zeros_like(centred), centred)
+    g_min = g_min.scatter_reduce(
+        0, inverse, torch.where(keep, r, torch.inf), reduce="amin", include_self=True
+    )
+    constant = (g_min >= g_max)[inverse]  # [N]; also True for every group of size 1
+    centred = torch.where(constant | ~keep, torch.zeros_like(centred), centred)
 
     if mode == "dr_grpo":
         adv = centred
@@ -153,10 +176,11 @@ def group_advantages(
     else:  # "grpo"
         sq = torch.zeros(num_groups, dtype=dtype, device=r.device).index_add_(
             0, inverse, centred * centred
-        )  # [K], sum_i (r_i - mean_g)^2
-        # Bessel: divide by G - 1; a size-1 group would give 0 / 0, but it is constant (above),
-        # so clamping its denominator to 1 only keeps NaN out of a value that is then masked.
-        denom = (counts - 1.0).clamp_min(1.0) if std_unbiased else counts
+        )  # [K], sum_i (r_i - mean_g)^2 over the finite rewards (dropped ones have centred 0)
+        # Bessel: divide by G - 1; a size-1 group (or, population std, a group without finite
+        # rewards) would give 0 / 0, but it is constant (above), so clamping its denominator
+        # to 1 only keeps NaN out of a value that is then masked.
+        denom = (counts - 1.0 if std_unbiased else counts).clamp_min(1.0)
         std = (sq / denom).sqrt()  # [K]
         # Constant groups have std 0 and centred 0: 0 / (0 + eps) is 0 for eps > 0, but
         # 0 / 0 with eps = 0 -- so divide by 1 there instead.

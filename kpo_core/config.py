@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 LossAggMode = Literal[
     "token-mean",
@@ -234,7 +241,9 @@ class LearnerConfig(StrictModel):
     ppo_epochs: int = Field(1, ge=1, description="passes over each batch")
     minibatches: int = Field(1, ge=1, description="optimiser steps per pass")
     device: str = Field("cpu", min_length=1, description="torch device of the learner")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="float16 is refused: AdamW's eps underflows in it"
+    )
     num_cpus: float = Field(1.0, ge=0.0, description="CPUs reserved for the learner actor")
     num_gpus: float = Field(0.0, ge=0.0, description="GPUs reserved for the learner actor")
     nonfinite: Literal["raise", "mask"] = Field(
@@ -246,6 +255,17 @@ class LearnerConfig(StrictModel):
         description="every N steps, save the step's token log-ratios under the run "
         "directory's ratios/ (for offline ratio diagnostics); 0: off",
     )
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _no_float16(cls, value: object) -> object:
+        if value == "float16":
+            raise ValueError(
+                "float16 is not supported for training: AdamW's eps (1e-8) and small squared "
+                "gradients underflow to 0 in it and the first update turns every weight into "
+                "NaN; use bfloat16 or float32"
+            )
+        return value
 
 
 class PipelineConfig(StrictModel):

@@ -405,5 +405,7 @@ def kalman_filter(
     if z.ndim == 0:
         raise ValueError("z must have at least one (time) dimension")
     _check_noise_tensors(z, q, r, p0)
+    if z.numel() == 0:  # no responses or no tokens: nothing to filter (keeps the graph)
+        return z * 0.0
     x = _METHODS[method](z, mask, q, r, p0, x0)
     return x.to(z.dtype)

@@ -11,6 +11,12 @@ Per token, with ratio rho from an estimator (`kpo_core.ratios`) and window [lo, 
 A token is "clipped" when the clipped term is the larger one. With `behaviour_logp` the loss is
 multiplied by the detached decoupled-PPO weight pi_ref / pi_behaviour (AReaL, arXiv 2505.24298).
 Aggregation modes follow verl's names (SPEC.md); empty responses are left out of every mean.
+
+Bad numbers (docs/numerics.md): NaN/inf in a valid token of any input is an error
+(`nonfinite="raise"`) or drops that token, counted as `nonfinite_tokens` ("mask"); a valid token
+whose log-ratio (or, with `behaviour_logp`, log-weight) exceeds `MAX_ABS_LOG_RATIO` in magnitude
+is counted as `extreme_ratio_tokens` and trained with its saturated ratio. For finite inputs the
+loss and its gradient are finite (advantages large enough to overflow the loss itself aside).
 """
 
 from __future__ import annotations
@@ -28,7 +34,13 @@ from kpo_core.config import (
     OffPolicyCorrection,
     describe_validation_error,
 )
-from kpo_core.ratios import RatioEstimate, behaviour_weights, get_estimator
+from kpo_core.ratios import (
+    RatioEstimate,
+    behaviour_weights,
+    count_extreme_tokens,
+    get_estimator,
+    masked_log_ratio,
+)
 
 NonFinitePolicy = Literal["raise", "mask"]
 _CORRECTION_OPTIONS = frozenset(OffPolicyCorrection.model_fields) - {"level"} | {"tis_level"}
@@ -101,7 +113,9 @@ def token_entropy(logits: Tensor, chunk_tokens: int = 1024) -> Tensor:
     """Entropy of softmax(logits) per token, [B, T, V] -> [B, T], float32.
 
     Rows are processed `chunk_tokens` at a time, so the float32 softmax of a real vocabulary is
-    only ever held for one chunk, never as a second full-size [B, T, V] copy.
+    only ever held for one chunk, never as a second full-size [B, T, V] copy. A logit of -inf
+    (a token with probability 0) contributes 0, as p log p does in the limit; NaN or +inf logits
+    give NaN.
     """
     flat = logits.reshape(-1, logits.shape[-1])
     parts = []
@@ -109,7 +123,9 @@ def token_entropy(logits: Tensor, chunk_tokens: int = 1024) -> Tensor:
         chunk32 = chunk.float()
         log_z = torch.logsumexp(chunk32, dim=-1, keepdim=True)
         probs = (chunk32 - log_z).exp()
-        parts.append(log_z.squeeze(-1) - (probs * chunk32).sum(-1))
+        # 0 * -inf would be NaN: the clamp makes it 0 * (-3.4e38) = 0, with a zero gradient.
+        floor = torch.finfo(chunk32.dtype).min
+        parts.append(log_z.squeeze(-1) - (probs * chunk32.clamp_min(floor)).sum(-1))
     if not parts:
         return logits.new_zeros(logits.shape[:-1], dtype=torch.float32)
     return torch.cat(parts).reshape(logits.shape[:-1])
@@ -202,7 +218,8 @@ def policy_loss(
     q, r, p0, x0, gradient, clipped) plus the off-policy options tis_cap, mis_low, mis_high and
     tis_level ("token" | "sequence"), which apply when `behaviour_logp` is given.
     `nonfinite="raise"` (default) rejects NaN/inf in valid tokens; "mask" drops those tokens and
-    reports their count as `nonfinite_tokens`.
+    reports their count as `nonfinite_tokens`. `extreme_ratio_tokens` counts the valid tokens
+    whose |log-ratio| or |log-weight| exceeds `kpo_core.ratios.MAX_ABS_LOG_RATIO`.
     """
     config, correction = _split_options(estimator, options)
     return compute_policy_loss(
@@ -260,7 +277,21 @@ def compute_policy_loss(
     mode = loss_agg_mode or config.default_loss_agg_mode
     loss = aggregate_loss(per_token, mask, mode, norm_length)
     metrics["nonfinite_tokens"] = float(dropped)
+    metrics["extreme_ratio_tokens"] = float(_extreme_tokens(logp, ref_logp, behaviour_logp, mask))
     return loss, metrics
+
+
+def _extreme_tokens(
+    logp: Tensor, ref_logp: Tensor, behaviour_logp: Tensor | None, mask: Tensor
+) -> int:
+    """Valid tokens with |z| or (with behaviour_logp) |log w| above MAX_ABS_LOG_RATIO."""
+    with torch.no_grad():
+        logp = logp.detach()
+        extreme = masked_log_ratio(logp, ref_logp, mask).abs()
+        if behaviour_logp is not None:
+            log_w = masked_log_ratio(ref_logp, behaviour_logp, mask).abs()
+            extreme = torch.maximum(extreme, log_w)
+        return count_extreme_tokens(extreme, mask)
 
 
 def _loss_metrics(

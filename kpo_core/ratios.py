@@ -8,11 +8,19 @@ differentiable tensor plus the clip window the surrogate in `kpo_core.losses` ap
 
 - `token` (GRPO/PPO): rho_t = exp(clamp(z_t, -20, 20)).
 - `sequence` (GSPO, arXiv 2507.18671): rho_t = exp(sg(mean z) + logp_t - sg(logp_t)).
-- `geometric` (GMPO, arXiv 2507.20673): rho = exp(mean z~), z~ the sign-trick log-space clip.
+- `geometric` (GMPO, arXiv 2507.20673): rho = exp(clamp(mean z~, -20, 20)), z~ the sign-trick
+  log-space clip.
 - `kalman` (KPO, arXiv 2602.10609): rho_t = exp(min(sg(x_t) + logp_t - sg(logp_t), 10)), x the
   Kalman-filtered z; or autograd through x with `gradient="through_filter"`.
 - `cumulative` (CTPO, arXiv 2605.07331): rho_t = exp(min(sg(c_t) + logp_t - sg(logp_t), 10)),
   c_t = sum_{k<=t} m_k z_k, clipped to [exp(-eps_low sqrt n_t), exp(eps_high sqrt n_t)].
+
+Extreme inputs (docs/numerics.md): z is held to +-`LOG_RATIO_LIMIT` (far beyond any real
+log-ratio: a float32 probability cannot go below e^-104), so that no sum or filter over a
+response can overflow, and every ratio is exp of a log-ratio capped at `MAX_ABS_LOG_RATIO` (20)
+or at the estimator's `max_log_ratio`. Any finite input therefore gives finite ratios, loss and
+gradient. A valid token with |z| > `MAX_ABS_LOG_RATIO` is an extreme token
+(`count_extreme_tokens`, the loss's `extreme_ratio_tokens`).
 """
 
 from __future__ import annotations
@@ -36,6 +44,13 @@ from kpo_core.config import (
 from kpo_core.kalman import kalman_filter, kalman_gains
 
 Bound = Tensor | float | None
+
+# |log-ratio| beyond which a ratio saturates: the token estimator clamps z to +-20 before exp
+# (rho in [2e-9, 4.9e8]), GMPO's mean log-ratio and the decoupled-PPO log-weights are capped
+# there too, and tokens past it are counted as extreme.
+MAX_ABS_LOG_RATIO = 20.0
+# Bound on z itself: T tokens of it sum to at most T * 1e6, finite in float32 for any length.
+LOG_RATIO_LIMIT = 1e6
 
 
 @dataclass(frozen=True)
@@ -100,8 +115,18 @@ def get_estimator(name: str) -> RegisteredEstimator:
 
 
 def masked_log_ratio(logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
-    """z = logp - ref_logp on valid tokens, 0 elsewhere (padding may hold -inf or NaN)."""
-    return torch.where(mask, logp - ref_logp, 0.0)
+    """z = logp - ref_logp on valid tokens, 0 elsewhere (padding may hold -inf or NaN).
+
+    z is clamped to +-`LOG_RATIO_LIMIT` (a difference of two finite float32 values can
+    overflow to inf); real log-ratios never get near it.
+    """
+    z = (logp - ref_logp).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    return torch.where(mask, z, 0.0)
+
+
+def count_extreme_tokens(log_ratio: Tensor, mask: Tensor) -> int:
+    """Valid tokens whose |log-ratio| exceeds `MAX_ABS_LOG_RATIO` (NaN counts as not extreme)."""
+    return int(((log_ratio.abs() > MAX_ABS_LOG_RATIO) & mask).sum())
 
 
 def straight_through(log_value: Tensor, logp: Tensor) -> Tensor:
@@ -118,7 +143,7 @@ def valid_counts(mask: Tensor) -> Tensor:
 def token_ratio(
     logp: Tensor, ref_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: TokenEstimator
 ) -> RatioEstimate:
-    z = masked_log_ratio(logp, ref_logp, mask).clamp(-20.0, 20.0)
+    z = masked_log_ratio(logp, ref_logp, mask).clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO)
     return RatioEstimate(z.exp(), 1.0 - cfg.clip_low, 1.0 + cfg.clip_high, cfg.dual_clip_c)
 
 
@@ -148,7 +173,10 @@ def geometric_ratio(
     # pushes, so a positive advantage cannot lift rho past e^eps_high (nor a negative push it
     # below e^-eps_low).
     z_tilde = sign * torch.minimum(sign * z, sign * z_clamped)
-    rho = _sequence_mean(z_tilde, mask).exp().expand_as(logp)
+    # For A < 0 the sign trick leaves log rho unbounded above (GMPO's code has no cap): cap it
+    # like the token estimator's z, so that exp cannot overflow.
+    log_rho = _sequence_mean(z_tilde, mask).clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO)
+    rho = log_rho.exp().expand_as(logp)
     clipped = (z_tilde != z) & mask
     return RatioEstimate(rho, None, None, clipped=clipped)
 
@@ -167,7 +195,7 @@ def kalman_ratio(
         log_rho = x
     rho = log_rho.clamp(max=cfg.max_log_ratio).exp()
     gain = _mean_gain(mask, cfg)
-    filtered = x.detach().exp()
+    filtered = x.detach().clamp(max=cfg.max_log_ratio).exp()
     metrics = {
         "kalman_gain_mean": gain,
         "filtered_ratio_mean": float(filtered[mask].mean()) if bool(mask.any()) else 1.0,
@@ -212,7 +240,7 @@ def behaviour_weights(
         log_w = masked_log_ratio(ref_logp, behaviour_logp, mask)
         if cfg.level == "sequence":
             log_w = log_w.sum(-1, keepdim=True).expand_as(log_w)
-        w = log_w.clamp(max=20.0).exp()
+        w = log_w.clamp(max=MAX_ABS_LOG_RATIO).exp()
         metrics: dict[str, float] = {}
         valid = mask.sum().clamp_min(1)
         if cfg.tis_cap is not None:

@@ -138,6 +138,27 @@ RUN_COUNTERS = (
         "groups_dropped_stale",
         "Response groups dropped for exceeding the staleness bound.",
     ),
+    # Bad numbers the learner masked or skipped (docs/numerics.md).
+    RecordMetric(
+        "kpo_nonfinite_rewards_total",
+        "nonfinite_rewards_total",
+        "Responses whose reward was NaN/inf, left out of training.",
+    ),
+    RecordMetric(
+        "kpo_nonfinite_tokens_total",
+        "nonfinite_tokens_total",
+        "Tokens masked for a NaN/inf log-prob.",
+    ),
+    RecordMetric(
+        "kpo_extreme_ratio_tokens_total",
+        "extreme_ratio_tokens_total",
+        "Tokens whose log-ratio exceeded the extreme-ratio threshold (|z| > 20).",
+    ),
+    RecordMetric(
+        "kpo_skipped_minibatches_total",
+        "skipped_minibatches_total",
+        "Minibatches whose loss or gradient was not finite, skipped without an update.",
+    ),
     # Faults the run survived (docs/reliability.md).
     RecordMetric(
         "kpo_learner_restarts_total",

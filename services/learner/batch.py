@@ -14,6 +14,7 @@ log-probs of the same weights.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
@@ -32,9 +33,10 @@ class TrainingBatch:
     input_ids, attention_mask, position_ids: [B, P+T] int64 (the model's inputs).
     response_ids: [B, T] int64 (pad off the mask); response_mask: [B, T] bool.
     behaviour_logp: [B, T] float32, the generation log-probs (0 off the mask).
-    rewards: [B] float32; group_ids: [B] int64, index of the row's group in the input list;
-    correct: [B] bool (verified correct); versions: [B] int64, policy version that sampled the
-    row; staleness: [B] int64, learner version minus that version; truncated: [B] bool
+    rewards: [B] float32 (as scored: may hold NaN/inf, which the step drops); group_ids: [B]
+    int64, index of the row's group in the input list; correct: [B] bool (verified correct,
+    with a finite reward); versions: [B] int64, policy version that sampled the row;
+    staleness: [B] int64, learner version minus that version; truncated: [B] bool
     (finish_reason "length").
     """
 
@@ -122,7 +124,9 @@ def collate(groups: Sequence[ScoredGroup], pad_id: int, learner_version: int) ->
         behaviour_logp=behaviour_logp,
         rewards=torch.tensor([s.reward for _, s in rows], dtype=torch.float32),
         group_ids=torch.tensor([index for index, _ in rows], dtype=torch.long),
-        correct=torch.tensor([is_correct(s) for _, s in rows], dtype=torch.bool),
+        correct=torch.tensor(
+            [is_correct(s) and math.isfinite(s.reward) for _, s in rows], dtype=torch.bool
+        ),
         versions=versions,
         staleness=learner_version - versions,
         truncated=torch.tensor([r.finish_reason == "length" for r in responses]),

@@ -5,6 +5,11 @@ log-probs were taken at that temperature (as verl does): with the weights that g
 and temperature-only sampling (top_k 0, top_p 1), the result equals the behaviour log-probs up to
 float32 summation order. Top-k / top-p truncation is NOT reproduced: against a truncated
 behaviour distribution the on-policy ratio is pi_T(y) / pi_trunc(y) <= 1, not 1.
+
+A position whose logits hold NaN or +inf (an overflow, a poisoned weight) gets log-prob NaN, and
+its logits are replaced by zeros before the softmax, so that no NaN reaches the gradient of the
+other tokens: the loss then masks and counts that token like any other non-finite log-prob
+(docs/numerics.md).
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ def response_logprobs(
         logp[b, t] = (l[b, t, y_bt] - logsumexp_v l[b, t, v]),   l = logits / temperature
 
     computed in float32 whatever the model's dtype. Returns logp [B, T] float32 (differentiable,
-    0 off the response mask) and, with `with_entropy`, the entropy of softmax(l) [B, T] float32
-    (detached: it is a metric), else None.
+    0 off the response mask, NaN where the position's logits are not finite) and, with
+    `with_entropy`, the entropy of softmax(l) [B, T] float32 (detached: it is a metric; finite
+    everywhere, meaningless where logp is NaN), else None.
     """
     width = batch.response_width
     output = model(
@@ -40,8 +46,16 @@ def response_logprobs(
         use_cache=False,
     )
     logits = output.logits[:, :-1, :].float() / temperature  # [B, T, V]
+    log_z = torch.logsumexp(logits, dim=-1)
+    # log Z is NaN or inf exactly when a logit of the position is NaN or +inf (or all are -inf).
+    bad = ~torch.isfinite(log_z)
+    if bool(bad.any()):
+        # where(), not a product: the gradient of the replaced logits is exactly 0, not 0 * NaN.
+        logits = torch.where(bad.unsqueeze(-1), 0.0, logits)
+        log_z = torch.logsumexp(logits, dim=-1)
     chosen = logits.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
-    logp = torch.where(batch.response_mask, chosen - torch.logsumexp(logits, dim=-1), 0.0)
+    logp = torch.where(bad, torch.nan, chosen - log_z)
+    logp = torch.where(batch.response_mask, logp, 0.0)
     entropy = None
     if with_entropy:
         with torch.no_grad():

@@ -2,7 +2,8 @@
 
 Every function returns plain floats (one metrics record per step, see DESIGN.md). NaN is kept
 out of the record: a minibatch whose loss or gradient was non-finite is skipped and counted
-(`skipped_minibatches`) rather than reported as NaN.
+(`skipped_minibatches`) rather than reported as NaN, NaN/inf rewards are counted
+(`nonfinite_rewards`) and left out of the reward statistics. docs/numerics.md has the policy.
 """
 
 from __future__ import annotations
@@ -15,32 +16,47 @@ from torch import Tensor
 
 from kpo_core.config import EstimatorConfig
 from kpo_core.diagnostics import ratio_diagnostics
-from kpo_core.ratios import get_estimator, masked_log_ratio
+from kpo_core.ratios import MAX_ABS_LOG_RATIO, get_estimator, masked_log_ratio
 from services.learner.batch import TrainingBatch
 
-SUMMED = frozenset({"nonfinite_tokens", "skipped_minibatches"})
+# Counts: summed over a step's minibatches (present even when every minibatch was skipped).
+SUMMED = frozenset(
+    {"nonfinite_tokens", "extreme_ratio_tokens", "skipped_minibatches", "empty_minibatches"}
+)
+# Token counts that every epoch sees again: reported per pass over the batch (sum / epochs).
+PER_PASS = ("nonfinite_tokens", "extreme_ratio_tokens")
 
 
 def batch_metrics(batch: TrainingBatch) -> dict[str, float]:
     """Reward, accuracy, length, truncation, staleness and token counts of a batch.
 
-    reward_std is the population std over all B responses; zero_variance_group_fraction is the
-    fraction of groups whose rewards are all equal (they carry no GRPO learning signal).
+    Rewards that are NaN/inf are counted (`nonfinite_rewards`) and left out of reward_mean,
+    reward_std (population std; both 0.0 when no reward is finite) and of the groups:
+    zero_variance_group_fraction is the fraction of groups whose finite rewards are all equal
+    (including groups with at most one finite reward: they carry no GRPO learning signal).
+    empty_responses counts responses with no token; tokens_trained counts every response
+    token of the batch, including those the loss later masks.
     """
     rewards = batch.rewards.double()
+    finite = torch.isfinite(rewards)
+    kept = rewards[finite]
     lengths = batch.response_mask.sum(-1).double()
     groups, inverse = torch.unique(batch.group_ids, return_inverse=True)
     shape = (groups.numel(),)
-    g_max = rewards.new_full(shape, -math.inf).scatter_reduce(0, inverse, rewards, "amax")
-    g_min = rewards.new_full(shape, math.inf).scatter_reduce(0, inverse, rewards, "amin")
+    high = torch.where(finite, rewards, -math.inf)
+    low = torch.where(finite, rewards, math.inf)
+    g_max = rewards.new_full(shape, -math.inf).scatter_reduce(0, inverse, high, "amax")
+    g_min = rewards.new_full(shape, math.inf).scatter_reduce(0, inverse, low, "amin")
     staleness = batch.staleness.double()
     return {
-        "reward_mean": float(rewards.mean()),
-        "reward_std": float(rewards.std(correction=0)),
+        "reward_mean": float(kept.mean()) if kept.numel() else 0.0,
+        "reward_std": float(kept.std(correction=0)) if kept.numel() else 0.0,
         "accuracy": float(batch.correct.double().mean()),
         "response_length_mean": float(lengths.mean()),
         "truncated_fraction": float(batch.truncated.double().mean()),
-        "zero_variance_group_fraction": float((g_max == g_min).double().mean()),
+        "zero_variance_group_fraction": float((g_min >= g_max).double().mean()),
+        "nonfinite_rewards": float((~finite).sum()),
+        "empty_responses": float((lengths == 0).sum()),
         "staleness_mean": float(staleness.mean()),
         "staleness_max": float(staleness.max()),
         "tokens_trained": float(lengths.sum()),
@@ -75,7 +91,7 @@ def ratio_views(
     """
     logp = torch.where(mask, logp.detach(), 0.0)
     ref_logp = torch.where(mask, ref_logp, 0.0)
-    raw = masked_log_ratio(logp, ref_logp, mask).clamp(-20.0, 20.0).exp()
+    raw = masked_log_ratio(logp, ref_logp, mask).clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO).exp()
     adv = torch.where(mask, advantages.unsqueeze(-1).expand(mask.shape), 0.0)
     estimate = get_estimator(config.name).estimate(logp, ref_logp, adv, mask, config)
     one = torch.ones((), dtype=raw.dtype, device=raw.device)

@@ -15,13 +15,18 @@ One step (`LearnerCore.train_step`), as in DESIGN.md's data flow:
    returned; the caller publishes `state_dict_for_publish()`.
 
 Dropout stays off (the model is kept in eval mode): with it, even on-policy ratios would not be 1.
+
+Bad numbers never stop a run under `learner.nonfinite="mask"` (the default), and never reach the
+parameters: NaN/inf rewards drop their response, NaN/inf log-probs (behaviour, proximal or the
+learner's own logits) drop their token, extreme ratios saturate, and every case is counted in the
+metrics record. The policy, case by case, is docs/numerics.md.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -31,11 +36,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from kpo_core.advantages import group_advantages
 from kpo_core.config import AlgorithmConfig, LearnerConfig
-from kpo_core.losses import compute_policy_loss
+from kpo_core.losses import NonFiniteInputError, compute_policy_loss
 from services.learner import checkpoint
 from services.learner.batch import TrainingBatch, collate
 from services.learner.logprobs import reference_logprobs, response_logprobs
 from services.learner.metrics import (
+    PER_PASS,
     batch_metrics,
     diagnostic_metrics,
     finite_mask,
@@ -193,20 +199,34 @@ class LearnerCore:
         """One learner step on `groups` (module docstring); returns its metrics record.
 
         Batch statistics (reward_*, accuracy, response_length_mean, truncated_fraction,
-        zero_variance_group_fraction, staleness_*, tokens_trained) are over the batch, once.
-        Loss metrics are per minibatch, then reduced (`reduce_minibatches`): `*_max` max,
-        `*_min` min, skipped_minibatches summed, nonfinite_tokens summed and divided by the
-        epochs, the rest averaged over minibatches where finite (so grad_norm is absent when
-        every minibatch was skipped). entropy is from the first epoch (each row once).
+        zero_variance_group_fraction, nonfinite_rewards, empty_responses, staleness_*,
+        tokens_trained) are over the batch, once. Loss metrics are per minibatch, then reduced
+        (`reduce_minibatches`): `*_max` max, `*_min` min, skipped_minibatches and
+        empty_minibatches summed, nonfinite_tokens and extreme_ratio_tokens summed and divided
+        by the epochs, the rest averaged over minibatches where finite (so grad_norm is absent
+        when no minibatch was trained). entropy is from the first epoch (each row once).
         raw_* / filtered_* are `ratio_diagnostics` of the raw ratios exp(z) and of the
         estimator's ratios over all minibatches of the step. lr is the rate this step used;
         policy_version the version after it.
 
-        With `nonfinite="raise"` a NaN/inf log-prob raises NonFiniteInputError; minibatches
-        already applied in this step keep their updates, and the version does not advance.
+        A response whose reward is NaN/inf is left out of its group's advantages and of the
+        loss (its tokens are masked). With `nonfinite="raise"` a NaN/inf reward raises
+        NonFiniteInputError before any update, and a NaN/inf log-prob raises it in the
+        minibatch that meets it: minibatches already applied in this step keep their updates,
+        and the version does not advance.
         """
         batch = collate(groups, self.pad_id, self._version).to(self.device)
+        finite_rewards = torch.isfinite(batch.rewards)
+        if self.learner.nonfinite == "raise" and not bool(finite_rewards.all()):
+            count = int((~finite_rewards).sum())
+            raise NonFiniteInputError(
+                f"{count} of {batch.num_rows} rewards are NaN/inf; learner.nonfinite='mask' "
+                "drops those responses instead"
+            )
         advantages = self._advantages(batch)
+        metrics = batch_metrics(batch)
+        # Responses without a finite reward are not trained on: no token of theirs is valid.
+        batch = replace(batch, response_mask=batch.response_mask & finite_rewards.unsqueeze(-1))
         ref_logp, behaviour_logp = self._references(batch)
         lr = float(self.scheduler.get_last_lr()[0])
         records: list[dict[str, float]] = []
@@ -224,17 +244,19 @@ class LearnerCore:
         every = self.learner.record_ratios_every
         if every and self.ratio_dir is not None and self._version % every == 0:
             ratios.save(ratio_file(self.ratio_dir, self._version - 1), self._version - 1)
-        metrics = {**batch_metrics(batch), **reduce_minibatches(records), **ratios.metrics()}
-        # A count per pass over the batch, like tokens_trained (not multiplied by the epochs).
-        metrics["nonfinite_tokens"] /= self.learner.ppo_epochs
+        metrics.update(reduce_minibatches(records))
+        metrics.update(ratios.metrics())
+        for key in PER_PASS:
+            # A count per pass over the batch, like tokens_trained (not multiplied by the epochs).
+            metrics[key] /= self.learner.ppo_epochs
         metrics.update(lr=lr, policy_version=float(self._version))
         return metrics
 
     def _advantages(self, batch: TrainingBatch) -> Tensor:
-        """Group-relative advantages [B] of the batch's rewards."""
+        """Group-relative advantages [B] of the batch's rewards (NaN/inf ones dropped: A = 0)."""
         cfg = self.algorithm.advantages
         return group_advantages(
-            batch.rewards, batch.group_ids, cfg.mode, cfg.eps, cfg.std_unbiased
+            batch.rewards, batch.group_ids, cfg.mode, cfg.eps, cfg.std_unbiased, nonfinite="drop"
         ).float()
 
     def _references(self, batch: TrainingBatch) -> tuple[Tensor, Tensor | None]:
@@ -254,7 +276,11 @@ class LearnerCore:
     def _train_minibatch(
         self, part: Minibatch, with_entropy: bool, ratios: RatioLog
     ) -> dict[str, float]:
-        """Forward, loss, backward and (if everything is finite) one optimiser step."""
+        """Forward, loss, backward and (if everything is finite) one optimiser step.
+
+        No backward and no step when no valid token is left: counted as skipped_minibatches if
+        the minibatch had tokens (all NaN/inf), else as empty_minibatches (nothing to train).
+        """
         self.optimizer.zero_grad(set_to_none=True)
         logp, entropy = response_logprobs(self.model, part.batch, self.temperature, with_entropy)
         mask = part.batch.response_mask
@@ -272,22 +298,35 @@ class LearnerCore:
             nonfinite=self.learner.nonfinite,
         )
         extra = () if part.behaviour_logp is None else (part.behaviour_logp,)
-        valid = finite_mask(mask, logp.detach(), part.ref_logp, *extra)
+        advantages = part.advantages.unsqueeze(-1).expand(mask.shape)
+        valid = finite_mask(mask, logp.detach(), part.ref_logp, advantages, *extra)
         views = ratio_views(algorithm.estimator, logp, part.ref_logp, part.advantages, valid)
         ratios.add(*views, valid, part if with_entropy else None)
+        loss_value = float(loss.detach())
+        if entropy is not None:
+            metrics["entropy"] = masked_mean(entropy, valid)
+        if not bool(valid.any()):
+            # Nothing to learn from; a backward pass could only bring 0 * NaN into the gradient.
+            had_tokens = bool(mask.any())
+            metrics.update(
+                policy_loss=loss_value,
+                skipped_minibatches=float(had_tokens),
+                empty_minibatches=float(not had_tokens),
+            )
+            return metrics
         torch.autograd.backward(loss)
         grad_norm = self._clip_gradients()
-        loss_value = float(loss.detach())
         applied = math.isfinite(loss_value) and math.isfinite(grad_norm)
         if applied:
             self.optimizer.step()
         else:
             self.optimizer.zero_grad(set_to_none=True)
         metrics.update(
-            policy_loss=loss_value, grad_norm=grad_norm, skipped_minibatches=float(not applied)
+            policy_loss=loss_value,
+            grad_norm=grad_norm,
+            skipped_minibatches=float(not applied),
+            empty_minibatches=0.0,
         )
-        if entropy is not None:
-            metrics["entropy"] = masked_mean(entropy, valid)
         return metrics
 
     def _clip_gradients(self) -> float:

@@ -96,11 +96,23 @@ class Counters:
     verifier_replacements: int = 0
     rescored_groups: int = 0  # scored again after their verifier actor died or hung
     unverified_groups: int = 0  # their verifier actor failed SCORING_ATTEMPTS times
+    # Bad numbers the learner masked or skipped (docs/numerics.md), summed over the run.
+    nonfinite_rewards_total: float = 0.0
+    nonfinite_tokens_total: float = 0.0
+    extreme_ratio_tokens_total: float = 0.0
+    skipped_minibatches_total: float = 0.0
 
     def faults(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in FAULT_COUNTERS}
 
 
+# Per-step counts of the learner's record, summed into the run totals of the same name + _total.
+LEARNER_TOTALS = (
+    "nonfinite_rewards",
+    "nonfinite_tokens",
+    "extreme_ratio_tokens",
+    "skipped_minibatches",
+)
 FAULT_COUNTERS = (
     "learner_restarts",
     "generation_replacements",
@@ -580,6 +592,11 @@ class RunDriver:
         self.counters.rollouts_dropped_stale = self.buffer.dropped_responses
         self.counters.groups_dropped_stale = self.buffer.dropped_groups
         self.counters.tokens_trained_total += int(learner_metrics["tokens_trained"])
+        totals = {}
+        for key in LEARNER_TOTALS:
+            total = getattr(self.counters, f"{key}_total") + learner_metrics.get(key, 0.0)
+            setattr(self.counters, f"{key}_total", total)
+            totals[f"{key}_total"] = total
         record: MetricsRecord = {
             "step": self.counters.step,
             "time": time.time(),
@@ -592,6 +609,7 @@ class RunDriver:
             "rollouts_dropped_stale": self.counters.rollouts_dropped_stale,
             "groups_dropped_stale": self.counters.groups_dropped_stale,
             "buffer_groups": len(self.buffer),
+            **totals,
             **self.counters.faults(),
         }
         for observer in self.observers:

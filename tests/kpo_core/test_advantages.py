@@ -250,6 +250,61 @@ def test_bad_eps_raises(eps: float) -> None:
         group_advantages(torch.zeros(2), ids([0, 0]), eps=eps)
 
 
+def test_bad_nonfinite_policy_raises() -> None:
+    with pytest.raises(ValueError, match="nonfinite"):
+        group_advantages(torch.zeros(2), ids([0, 0]), nonfinite="ignore")  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------------------------
+# nonfinite="drop": NaN/inf rewards leave their group
+# --------------------------------------------------------------------------------------------
+
+BAD = [float("nan"), float("inf"), float("-inf")]
+
+
+@pytest.mark.parametrize("bad", BAD)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("unbiased", [True, False])
+def test_drop_is_the_group_without_the_bad_reward(
+    mode: AdvantageMode, unbiased: bool, bad: float
+) -> None:
+    rewards = [1.0, bad, 0.0, 0.5, bad, 2.0, 0.0, 1.0]
+    group_ids = [0, 0, 0, 0, 1, 1, 1, 1]
+    adv = group_advantages(f64(rewards), ids(group_ids), mode, EPS, unbiased, nonfinite="drop")
+    kept = [i for i, r in enumerate(rewards) if math.isfinite(r)]
+    expected = reference(
+        [rewards[i] for i in kept], [group_ids[i] for i in kept], mode, EPS, unbiased
+    )
+    torch.testing.assert_close(adv[kept], f64(expected), rtol=0, atol=1e-12)
+    assert adv[1].item() == 0.0 and adv[4].item() == 0.0
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("unbiased", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_drop_leaves_groups_without_a_baseline_at_zero(
+    mode: AdvantageMode, unbiased: bool, dtype: torch.dtype
+) -> None:
+    nan = float("nan")
+    rewards = torch.tensor(
+        [nan, nan, float("inf"), 1.0, nan, 0.1, 0.1, 0.1, nan, 3.0, 1.0], dtype=dtype
+    )
+    # group 0: nothing finite; 1: one finite reward; 2: constant finite rewards; 3: a signal.
+    group_ids = ids([0, 0, 1, 1, 1, 2, 2, 2, 2, 3, 3])
+    adv = group_advantages(rewards, group_ids, mode, 0.0, unbiased, nonfinite="drop")
+    assert adv.dtype == dtype and torch.isfinite(adv).all()
+    assert torch.equal(adv[:9], torch.zeros(9, dtype=dtype))  # exactly 0, even with eps = 0
+    assert adv[9].item() > 0 > adv[10].item()
+
+
+def test_drop_with_only_finite_rewards_changes_nothing() -> None:
+    r, g = f64([1.0, 0.0, 0.0, 0.5, 2.0]), ids([0, 0, 0, 1, 1])
+    for mode in MODES:
+        assert torch.equal(
+            group_advantages(r, g, mode, nonfinite="drop"), group_advantages(r, g, mode)
+        )
+
+
 # --------------------------------------------------------------------------------------------
 # Properties on random data
 # --------------------------------------------------------------------------------------------

@@ -126,3 +126,23 @@ def test_the_default_buffer_holds_four_or_lead_batches_plus_one_batches(
 ) -> None:
     config = PipelineConfig(max_staleness=6, lead_batches=lead, batch_groups=3)
     assert config.buffer_groups == batches * 3
+
+
+def run_spec_error(data: dict[str, object]) -> str:
+    with pytest.raises(ValidationError) as caught:
+        RunSpec.model_validate(data)
+    return describe_validation_error(caught.value, "run.yaml")
+
+
+def test_a_float16_learner_is_refused_with_the_reason() -> None:
+    message = run_spec_error({"learner": {"dtype": "float16"}})
+    assert "learner.dtype" in message and "AdamW" in message and "bfloat16" in message
+    assert RunSpec.model_validate({"learner": {"dtype": "bfloat16"}}).learner.dtype == "bfloat16"
+
+
+def test_fault_settings_are_validated() -> None:
+    assert "call_timeout_s" in run_spec_error({"reward": {"timeout_s": 5, "call_timeout_s": 5}})
+    assert "learner_restarts" in run_spec_error({"pipeline": {"learner_restarts": -1}})
+    spec = RunSpec.model_validate({})
+    assert (spec.pipeline.learner_restarts, spec.pipeline.actor_replacements) == (2, 10)
+    assert spec.reward.call_timeout_s == 300.0

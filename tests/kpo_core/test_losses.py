@@ -70,3 +70,14 @@ def test_kl_k3_by_hand() -> None:
     ref = torch.tensor([math.log(0.5), math.log(0.5)])
     # d = ref - logp = [0, log 2]: k3 = e^d - d - 1 = [0, 2 - 0.693147 - 1] = [0, 0.306853].
     torch.testing.assert_close(kl_k3(logp, ref), torch.tensor([0.0, 1.0 - math.log(2)]))
+
+
+def test_entropy_ignores_zero_probability_tokens() -> None:
+    # Two of four logits at -inf: the entropy of the other two, uniform, is log 2 (0 log 0 = 0).
+    logits = torch.tensor([[[0.0, -math.inf, 0.0, -math.inf]]], requires_grad=True)
+    entropy = token_entropy(logits)
+    assert entropy.item() == pytest.approx(math.log(2), abs=1e-6)
+    entropy.sum().backward()
+    assert logits.grad is not None and bool(torch.isfinite(logits.grad).all())
+    # A NaN logit is not hidden: the entropy of that position is NaN.
+    assert token_entropy(torch.tensor([[[0.0, math.nan]]])).isnan().all()

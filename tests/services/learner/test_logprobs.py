@@ -60,3 +60,41 @@ def test_reference_logprobs_in_chunks_equal_one_forward(tiny_model_dir: Path) ->
     chunked = reference_logprobs(model, batch, 1.0, chunks=5)
     assert not chunked.requires_grad
     torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-6)
+
+
+def poison_logits(model: torch.nn.Module, cells: dict[tuple[int, int], float]) -> object:
+    """A forward hook on lm_head adding value v to a few logits of each (row, kept column).
+
+    Added, as an overflow would make them: an assignment would also cut the gradient there.
+    """
+
+    def hook(module: torch.nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
+        poison = torch.zeros_like(output)
+        for (row, column), value in cells.items():
+            poison[row, column, : 1 + (row % 3)] = value  # a few vocabulary entries
+        return output + poison
+
+    return model.lm_head.register_forward_hook(hook)
+
+
+def test_nonfinite_logits_give_nan_logprobs_there_and_a_finite_gradient(
+    tiny_model_dir: Path,
+) -> None:
+    batch = collate(sample_groups(tiny_model_dir), PAD, learner_version=0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    # Column t of the kept logits predicts response slot t; slot 0 is valid in every row.
+    cells = {(0, 0): float("nan"), (1, 0): float("inf"), (2, 1): float("-inf")}
+    handle = poison_logits(model, cells)
+    logp, entropy = response_logprobs(model, batch, 1.0, with_entropy=True)
+    handle.remove()  # type: ignore[attr-defined]
+    assert entropy is not None and bool(torch.isfinite(entropy).all())
+    # NaN and +inf make the position's log Z non-finite: NaN. -inf in a few entries is an
+    # ordinary (zero-probability) logit: the log-prob stays finite unless the token is one.
+    assert bool(logp[0, 0].isnan()) and bool(logp[1, 0].isnan())
+    bad = torch.zeros_like(batch.response_mask)
+    bad[0, 0] = bad[1, 0] = True
+    assert bool(torch.isfinite(logp[~bad]).all())
+    # The loss drops the NaN tokens with where(); what reaches the weights must be finite.
+    torch.where(bad, 0.0, logp).sum().backward()
+    for name, parameter in model.named_parameters():
+        assert parameter.grad is not None and bool(torch.isfinite(parameter.grad).all()), name

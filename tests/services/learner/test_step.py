@@ -44,7 +44,11 @@ METRICS = {
     "ratio_max",
     "ratio_min",
     "nonfinite_tokens",
+    "nonfinite_rewards",
+    "extreme_ratio_tokens",
+    "empty_responses",
     "skipped_minibatches",
+    "empty_minibatches",
     "staleness_mean",
     "staleness_max",
     "tokens_trained",
@@ -52,6 +56,14 @@ METRICS = {
     *(f"raw_{name}" for name in DIAGNOSTICS),
     *(f"filtered_{name}" for name in DIAGNOSTICS),
 }
+BAD_NUMBER_COUNTERS = (
+    "nonfinite_rewards",
+    "nonfinite_tokens",
+    "extreme_ratio_tokens",
+    "empty_responses",
+    "skipped_minibatches",
+    "empty_minibatches",
+)
 KALMAN_METRICS = {"kalman_gain_mean", "filtered_ratio_mean"}
 BEHAVIOUR_WEIGHT_METRICS = {"behaviour_weight_mean", "behaviour_weight_max"}
 
@@ -106,6 +118,9 @@ def test_a_step_updates_the_weights_and_reports_every_metric(
     assert metrics["tokens_trained"] == float(batch.response_mask.sum())
     assert metrics["staleness_mean"] == metrics["staleness_max"] == 0.0
     assert metrics["lr"] == 1e-3 and metrics["skipped_minibatches"] == 0.0
+    # Good data: every bad-number counter is present and 0.
+    for key in BAD_NUMBER_COUNTERS:
+        assert metrics[key] == 0.0, key
 
 
 def test_on_policy_ratios_are_one_and_stale_ones_are_not(

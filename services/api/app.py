@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import kpo_core
 from services.api import dashboard, routes_runs, routes_system
 from services.api.auth import BearerAuth
-from services.api.errors import error_response, install_error_handlers
+from services.api.errors import install_error_handlers
 from services.api.prometheus import ApiMetrics, build_registry
+from services.api.request_guard import RequestBodyGuard
 from services.api.settings import ApiSettings
+from services.api.spec_paths import inputs_dir
 from services.store import Store
 
 
@@ -24,24 +25,18 @@ def create_app(settings: ApiSettings, store: Store, launcher: Any) -> FastAPI:
         title="KPO-RL control plane",
         version=kpo_core.__version__,
         description="Submit asynchronous RL runs (KPO, CTPO, GRPO, GSPO, GMPO) and watch them.",
-        # Counted as the body arrives, so a chunked body without a length is limited too.
-        max_body_size=settings.max_body_bytes,
     )
     app.state.store = store
     app.state.launcher = launcher
     app.state.auth = BearerAuth(settings.token(), settings.auth_reads)
+    app.state.inputs_dir = inputs_dir(settings.data_dir)
     app.state.registry, api_metrics = build_registry(store)
     install_error_handlers(app)
     app.include_router(routes_runs.router)
     app.include_router(routes_system.router)
     app.include_router(dashboard.router)
-
-    @app.middleware("http")
-    async def only_json_bodies(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        return _reject_non_json(request) or await call_next(request)
-
+    # Inside RequestMetrics, so that refused bodies are counted too.
+    app.add_middleware(RequestBodyGuard, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetrics, api_metrics=api_metrics)
     return app
 
@@ -75,16 +70,3 @@ class RequestMetrics:
         finally:
             route = getattr(scope.get("route"), "path", "unmatched")
             self.api_metrics.observe(scope["method"], route, status, time.perf_counter() - start)
-
-
-def _reject_non_json(request: Request) -> Response | None:
-    """415 for a request body that is not JSON (the API takes nothing else)."""
-    if request.method not in ("POST", "PUT", "PATCH") or not request.url.path.startswith("/v1/"):
-        return None
-    length = request.headers.get("content-length")
-    media = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
-    if length not in (None, "0") and media != "application/json":
-        return error_response(
-            415, "unsupported_media_type", f"send application/json, not {media or 'nothing'}"
-        )
-    return None

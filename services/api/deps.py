@@ -1,7 +1,9 @@
-"""Request dependencies, in one place: the store, the launcher, and the auth checks."""
+"""Request dependencies, in one place: the store, the launcher, the inputs folder and the auth
+checks."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
@@ -19,6 +21,11 @@ def get_launcher(request: Request) -> Any:
     return request.app.state.launcher
 
 
+def get_inputs_dir(request: Request) -> Path:
+    inputs: Path = request.app.state.inputs_dir
+    return inputs
+
+
 def require_read(request: Request) -> None:
     auth: BearerAuth = request.app.state.auth
     auth.check(request, write=False)
@@ -31,5 +38,6 @@ def require_write(request: Request) -> None:
 
 StoreDep = Annotated[Store, Depends(get_store)]
 LauncherDep = Annotated[Any, Depends(get_launcher)]
+InputsDirDep = Annotated[Path, Depends(get_inputs_dir)]
 ReadAccess = Depends(require_read)
 WriteAccess = Depends(require_write)

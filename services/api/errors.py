@@ -2,7 +2,9 @@
 
 Store errors map to statuses here, at the edge, and nowhere else: an unknown run is a 404, an
 illegal status change or a reused idempotency key a 409, an unreachable store a 503. A request
-body that is not a valid RunSpec is a 422 naming each field and, from pydantic, the valid values.
+body that is not a valid RunSpec is a 422 naming each field and, from pydantic, the valid values;
+one that is not JSON at all is a 422 saying where it stops being JSON, and one that is not UTF-8
+(or nested too deeply to read) a 400 saying so.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from services.store import (
 )
 
 log = logging.getLogger(__name__)
+
+# FastAPI's 400 for a JSON body it could not decode; the cause it chains says why.
+FASTAPI_BODY_ERROR = "There was an error parsing the body"
 
 STORE_STATUSES: dict[type[StoreError], tuple[int, str]] = {
     RunNotFound: (status.HTTP_404_NOT_FOUND, "not_found"),
@@ -56,11 +61,34 @@ def _field_errors(error: RequestValidationError) -> list[dict[str, str]]:
     """One entry per problem: the dotted field (without FastAPI's `body`) and the message."""
     fields = []
     for item in error.errors():
+        if item.get("type") == "json_invalid":
+            fields.append({"field": "(body)", "message": _json_problem(item)})
+            continue
         loc = [str(part) for part in item.get("loc", ())]
         if loc and loc[0] == "body":
             loc = loc[1:]
         fields.append({"field": ".".join(loc) or "(body)", "message": str(item.get("msg", ""))})
     return fields
+
+
+def _json_problem(item: Mapping[str, Any]) -> str:
+    # FastAPI puts the character offset where a field name would be: say what it is.
+    loc = item.get("loc", ())
+    where = f" at character {loc[-1]}" if len(loc) > 1 else ""
+    reason = (item.get("ctx") or {}).get("error", "")
+    return f"the request body is not valid JSON{where}" + (f": {reason}" if reason else "")
+
+
+def _unparsable_body(cause: BaseException | None) -> str:
+    """What made a JSON body unreadable, from the exception FastAPI's 400 hides."""
+    if isinstance(cause, UnicodeDecodeError):
+        return (
+            f"the request body is not valid UTF-8 ({cause.reason} at byte {cause.start}); "
+            "send JSON encoded as UTF-8"
+        )
+    if isinstance(cause, RecursionError):
+        return "the request body is JSON nested too deeply to read"
+    return "the request body could not be read as JSON"
 
 
 async def _validation(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -82,13 +110,17 @@ async def _store_error(request: Request, error: Exception) -> JSONResponse:
 async def _http(request: Request, error: Exception) -> JSONResponse:
     assert isinstance(error, StarletteHTTPException)
     kind = {
+        400: "bad_request",
         401: "unauthorized",
         404: "not_found",
         405: "method_not_allowed",
         413: "payload_too_large",
         503: "unavailable",
     }.get(error.status_code, "http_error")
-    return error_response(error.status_code, kind, str(error.detail), headers=error.headers)
+    message = str(error.detail)
+    if error.status_code == 400 and message == FASTAPI_BODY_ERROR:
+        message = _unparsable_body(error.__cause__)
+    return error_response(error.status_code, kind, message, headers=error.headers)
 
 
 async def _unexpected(request: Request, error: Exception) -> JSONResponse:

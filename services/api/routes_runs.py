@@ -6,17 +6,27 @@ import logging
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, HTTPException, Query, Request, status
+from fastapi import Path as PathParam
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from kpo_core.config import RunSpec
-from services.api.deps import LauncherDep, ReadAccess, StoreDep, WriteAccess
+from services.api.deps import InputsDirDep, LauncherDep, ReadAccess, StoreDep, WriteAccess
+from services.api.spec_paths import confined_spec
 from services.api.sse import run_events
 from services.store import TERMINAL_STATUSES, InvalidTransition, RunRecord, RunStatus
+from services.store.base import RUN_ID_PATTERN
 
 log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
+
+# Only ids the store can have made reach it: no traversal, encoded slash or NUL gets further
+# than this 422 (pydantic's patterns are searches, hence the anchors).
+RunId = Annotated[
+    str,
+    PathParam(pattern=f"^{RUN_ID_PATTERN.pattern}$", description="`run-` and 12 hex digits"),
+]
 
 
 class RunPage(BaseModel):
@@ -42,6 +52,7 @@ def create_run(
     spec: RunSpec,
     store: StoreDep,
     launcher: LauncherDep,
+    inputs: InputsDirDep,
     idempotency_key: Annotated[
         str | None, Header(min_length=1, max_length=255, description="resend-safe key")
     ] = None,
@@ -50,8 +61,12 @@ def create_run(
 
     With an `Idempotency-Key`, sending the same key and body again returns the same run; the
     same key with another body is a 409.
+
+    Paths (`model` unless built-in, `task.path`, `generation.options.tokenizer`) are read from
+    the server's inputs folder, `KPO_DATA_DIR/inputs`: give them relative to it (the stored spec
+    holds the absolute path). Absolute paths elsewhere, `..` and `~` are a 422.
     """
-    run = store.create_run(spec.model_dump(mode="json"), idempotency_key)
+    run = store.create_run(confined_spec(spec, inputs), idempotency_key)
     if run.status == RunStatus.QUEUED:
         try:
             launcher.submit(run)
@@ -74,7 +89,7 @@ def list_runs(
 
 
 @router.get("/{run_id}", response_model=RunRecord, dependencies=[ReadAccess])
-def get_run(run_id: str, store: StoreDep) -> RunRecord:
+def get_run(run_id: RunId, store: StoreDep) -> RunRecord:
     return store.get_run(run_id)
 
 
@@ -84,7 +99,7 @@ def get_run(run_id: str, store: StoreDep) -> RunRecord:
     response_model=RunRecord,
     dependencies=[WriteAccess],
 )
-def cancel_run(run_id: str, store: StoreDep, launcher: LauncherDep) -> RunRecord:
+def cancel_run(run_id: RunId, store: StoreDep, launcher: LauncherDep) -> RunRecord:
     """Stop a run: a queued one is cancelled at once; a running one finishes its learner step,
     writes a checkpoint and records `cancelled`. A finished run is a 409."""
     run = store.get_run(run_id)
@@ -108,7 +123,7 @@ def cancel_run(run_id: str, store: StoreDep, launcher: LauncherDep) -> RunRecord
 
 @router.get("/{run_id}/metrics", response_model=MetricsPage, dependencies=[ReadAccess])
 def get_metrics(
-    run_id: str,
+    run_id: RunId,
     store: StoreDep,
     since_step: Annotated[int, Query(ge=-1, le=2**53 - 1)] = -1,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
@@ -127,7 +142,7 @@ def get_metrics(
     responses={200: {"content": {"text/event-stream": {}}, "description": "event stream"}},
 )
 def stream_events(
-    run_id: str,
+    run_id: RunId,
     request: Request,
     store: StoreDep,
     last_event_id: Annotated[str | None, Header(max_length=100)] = None,
@@ -149,7 +164,7 @@ def stream_events(
 
 @router.get("/{run_id}/logs", response_model=LogTail, dependencies=[ReadAccess])
 def tail_logs(
-    run_id: str, store: StoreDep, tail: Annotated[int, Query(ge=0, le=10_000)] = 200
+    run_id: RunId, store: StoreDep, tail: Annotated[int, Query(ge=0, le=10_000)] = 200
 ) -> LogTail:
     """The last `tail` lines the run's driver printed."""
     store.get_run(run_id)

@@ -15,7 +15,11 @@ MIN_TOKEN_LENGTH = 16
 class ApiSettings(BaseSettings):
     """Environment variables of `kpo serve` (names as in the field aliases)."""
 
-    model_config = SettingsConfigDict(extra="ignore", populate_by_name=True)
+    # hide_input_in_errors: a settings error is printed by `kpo serve`, and its input holds the
+    # token; the variable's name and the problem are enough.
+    model_config = SettingsConfigDict(
+        extra="ignore", populate_by_name=True, hide_input_in_errors=True
+    )
 
     api_token: SecretStr | None = Field(None, validation_alias="KPO_API_TOKEN")
     api_token_file: Path | None = Field(

@@ -14,10 +14,11 @@ from services.api.ray_head import free_port
 
 
 @contextmanager
-def serve(app: FastAPI, port: int | None = None) -> Iterator[str]:
-    """Serve `app` until the block ends; yields its base URL."""
+def serve(app: FastAPI, port: int | None = None, log_level: str = "warning") -> Iterator[str]:
+    """Serve `app` until the block ends; yields its base URL. Logging is uvicorn's default
+    configuration (that of `kpo serve`), at `log_level`."""
     port = port or free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level, lifespan="off")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -1,0 +1,107 @@
+"""The paths of a run spec sent over HTTP: only inside the control plane's inputs folder.
+
+A run spec names files that the run's driver and actors read: `model` (a Hugging Face model
+directory, unless it is a built-in name), `task.path` (a JSONL prompt file) and the vLLM
+`tokenizer` option. From a local run file (`kpo run`) these may be any path: users read their
+own files. Over the API any client could otherwise have the cluster read any file it can reach,
+and see parts of it in the run's error message, so a spec sent over HTTP may name only:
+
+- a built-in model (`tiny-arith`) for `model`;
+- a relative path without `..`, read from `<KPO_DATA_DIR>/inputs/`; the stored spec holds the
+  absolute path, so the job reads exactly that file and the client sees which one;
+- an absolute path already inside that folder (what a stored spec holds, so it can be resent).
+
+Anything else (an absolute path elsewhere, `..`, `~`, backslashes, control characters) is a 422
+naming the field. Links inside the folder are followed: its contents are the operator's choice,
+never a client's. The other string options of the generation backend are not paths; they may not
+look like one that leaves the folder (absolute, `~`, `..`) either.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from fastapi.exceptions import RequestValidationError
+
+from kpo_core.config import BUILTIN_MODELS, JsonlTask, RunSpec
+
+INPUTS_DIR_NAME = "inputs"
+# Backend options whose value is read as a file or folder (VllmBackend's `tokenizer`).
+PATH_OPTIONS = frozenset({"tokenizer"})
+
+
+class PathRefused(ValueError):
+    """A path field of a spec sent over HTTP that the API does not read; says why."""
+
+
+def inputs_dir(data_dir: Path) -> Path:
+    """Where paths of specs sent over HTTP are read: `<data dir>/inputs`, as jobs see it.
+
+    Resolved as the launcher resolves the data directory it hands to jobs (`KPO_DATA_DIR`).
+    """
+    return Path(data_dir).expanduser().resolve() / INPUTS_DIR_NAME
+
+
+def confined_spec(spec: RunSpec, inputs: Path) -> dict[str, Any]:
+    """`spec` as JSON, with each path made absolute inside `inputs`.
+
+    Raises RequestValidationError (a 422 naming each refused field) for a path outside it.
+    """
+    data = spec.model_dump(mode="json")
+    errors: list[dict[str, Any]] = []
+    relative = f"a path relative to {inputs}"
+
+    def confine(loc: tuple[str, ...], value: str, expected: str = relative) -> str:
+        try:
+            return confine_path(value, inputs)
+        except PathRefused as error:
+            errors.append(_error(loc, f"{error}; give {expected}"))
+            return value
+
+    if spec.model not in BUILTIN_MODELS:
+        builtin = ", ".join(BUILTIN_MODELS)
+        data["model"] = confine(
+            ("model",), spec.model, f"a built-in model ({builtin}) or {relative}"
+        )
+    if isinstance(spec.task, JsonlTask):
+        data["task"]["path"] = confine(("task", "path"), spec.task.path)
+    for key, value in spec.generation.options.items():
+        loc = ("generation", "options", key)
+        if key in PATH_OPTIONS and isinstance(value, str):
+            data["generation"]["options"][key] = confine(loc, value)
+        elif isinstance(value, str) and _leaves_folder(value):
+            message = "not a path option: it may not be absolute or hold '~', '..' or '\\'"
+            errors.append(_error(loc, message))
+    if errors:
+        raise RequestValidationError(errors)
+    return data
+
+
+def confine_path(value: str, inputs: Path) -> str:
+    """The absolute path inside `inputs` that `value` names; PathRefused if it names none."""
+    if any(char == "\\" or unicodedata.category(char) == "Cc" for char in value):
+        raise PathRefused("backslashes and control characters are not allowed in paths")
+    if value.startswith("~"):
+        raise PathRefused("home folders ('~') are not read over the API")
+    path = PurePosixPath(value)
+    if path.is_absolute():
+        if not path.is_relative_to(inputs):
+            raise PathRefused(f"absolute paths outside {inputs} are not read over the API")
+        path = path.relative_to(inputs)
+    if ".." in path.parts:
+        raise PathRefused("'..' is not allowed in paths sent over the API")
+    if not path.parts:
+        raise PathRefused(f"the path names {inputs} itself, not a file or folder in it")
+    return str(inputs / path)
+
+
+def _leaves_folder(value: str) -> bool:
+    path = PurePosixPath(value)
+    return path.is_absolute() or value.startswith("~") or ".." in path.parts or "\\" in value
+
+
+def _error(loc: tuple[str, ...], message: str) -> dict[str, Any]:
+    # The shape of pydantic's errors, so the API's 422 handler names the field like any other.
+    return {"type": "value_error", "loc": ("body", *loc), "msg": message, "input": None}

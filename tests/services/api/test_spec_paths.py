@@ -1,0 +1,150 @@
+"""Paths in run specs sent over HTTP: read from `<data dir>/inputs` and nowhere else.
+
+A relative path is stored as the absolute path inside the inputs folder, which is what the run's
+job then reads (checked with the job's own readers); every path that would leave the folder is a
+422 naming the field, and such a run is neither stored nor launched.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kpo_core.config import JsonlTask
+from services.api.spec_paths import INPUTS_DIR_NAME
+from services.pipeline.prompts import PromptStream
+from services.pipeline.specs import parse_run_spec
+from services.tasks.models import resolve_model
+from tests.services.api.conftest import Api
+from tests.services.api.test_runs_api import TINY
+
+
+def inputs_of(tmp_path: Path) -> Path:
+    # The api fixture's data dir is tmp_path (see conftest.api_factory).
+    return tmp_path.resolve() / INPUTS_DIR_NAME
+
+
+def spec_with(**fields: Any) -> dict[str, Any]:
+    return {**TINY, **fields}
+
+
+def jsonl_task(path: str) -> dict[str, Any]:
+    return {"name": "jsonl", "path": path}
+
+
+def test_relative_paths_are_read_from_the_inputs_folder(api: Api, tmp_path: Path) -> None:
+    inputs = inputs_of(tmp_path)
+    model_dir = inputs / "models" / "small"
+    model_dir.mkdir(parents=True)
+    (model_dir / "config.json").write_text(json.dumps({"architectures": ["GPT2ForCausalLM"]}))
+    (inputs / "prompts.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    body = spec_with(
+        model="./models/small",
+        task=jsonl_task("prompts.jsonl"),
+        generation={"group_size": 4, "options": {"tokenizer": "models/small", "dtype": "auto"}},
+    )
+    response = api.client.post("/v1/runs", json=body, headers={"Idempotency-Key": "paths"})
+    assert response.status_code == 201, response.text
+    stored = response.json()["spec"]
+    assert stored["model"] == str(model_dir)
+    assert stored["task"]["path"] == str(inputs / "prompts.jsonl")
+    assert stored["generation"]["options"] == {"tokenizer": str(model_dir), "dtype": "auto"}
+    # What the job does with the stored spec: resolve the model, read the prompts.
+    spec = parse_run_spec(api.store.get_run(response.json()["id"]).spec, "stored")
+    assert resolve_model(spec.model) == model_dir
+    assert [p.text for p in PromptStream(spec.task, spec.seed).take(1)] == ["1+1="]
+    # The stored spec can be sent again as it is: absolute paths inside the folder are kept.
+    again = api.client.post("/v1/runs", json=stored, headers={"Idempotency-Key": "paths"})
+    assert again.status_code == 201 and again.json()["id"] == response.json()["id"]
+
+
+def test_built_in_models_stay_names(api: Api) -> None:
+    response = api.client.post("/v1/runs", json=spec_with(model="tiny-arith"))
+    assert response.status_code == 201 and response.json()["spec"]["model"] == "tiny-arith"
+
+
+OUTSIDE = [
+    "/etc/passwd",
+    "/",
+    "../secrets",
+    "models/../../secrets",
+    "..",
+    "~/.ssh/id_rsa",
+    "~root",
+    "a\x00b",
+    "..\\..\\etc\\passwd",
+    "models\\small",
+    "line\nbreak",
+    ".",
+    "./",
+]
+
+
+@pytest.mark.parametrize("path", OUTSIDE, ids=repr)
+def test_paths_that_leave_the_inputs_folder_are_a_422(api: Api, path: str) -> None:
+    bodies = {
+        "model": spec_with(model=path),
+        "task.path": spec_with(task=jsonl_task(path)),
+        "generation.options.tokenizer": spec_with(
+            generation={"group_size": 4, "options": {"tokenizer": path}}
+        ),
+    }
+    for field, body in bodies.items():
+        response = api.client.post("/v1/runs", json=body)
+        assert response.status_code == 422, (field, response.text)
+        fields = response.json()["error"]["fields"]
+        assert [f["field"] for f in fields] == [field]
+        assert "give " in fields[0]["message"]
+    assert api.launcher.submitted == []
+    assert api.client.get("/v1/runs").json()["runs"] == []
+
+
+def test_absolute_paths_are_accepted_only_inside_the_folder(api: Api, tmp_path: Path) -> None:
+    inputs = inputs_of(tmp_path)
+    inside = api.client.post("/v1/runs", json=spec_with(model=str(inputs / "m")))
+    assert inside.status_code == 201 and inside.json()["spec"]["model"] == str(inputs / "m")
+    for path in (str(inputs), f"{inputs}/../store", f"{inputs}-other/m", str(tmp_path / "store")):
+        response = api.client.post("/v1/runs", json=spec_with(model=path))
+        assert response.status_code == 422, path
+        message = response.json()["error"]["fields"][0]["message"]
+        assert message.endswith(
+            f"give a built-in model (tiny-arith) or a path relative to {inputs}"
+        )
+
+
+@pytest.mark.parametrize("value", ["/etc/passwd", "../x", "~/x", "a\\b"])
+def test_other_backend_options_may_not_look_like_paths_that_leave(api: Api, value: str) -> None:
+    body = spec_with(generation={"group_size": 4, "options": {"attn_implementation": value}})
+    response = api.client.post("/v1/runs", json=body)
+    assert response.status_code == 422
+    field = response.json()["error"]["fields"][0]
+    assert field["field"] == "generation.options.attn_implementation"
+    assert field["message"].startswith("not a path option")
+    ordinary = {"device": "cuda:0", "dtype": "bfloat16", "attn_implementation": "sdpa"}
+    fine = spec_with(generation={"group_size": 4, "options": ordinary})
+    assert api.client.post("/v1/runs", json=fine).status_code == 201
+
+
+def test_every_refused_field_is_named_at_once(api: Api) -> None:
+    body = spec_with(
+        model="/root/model",
+        task=jsonl_task("../prompts.jsonl"),
+        generation={"group_size": 4, "options": {"tokenizer": "~/tok"}},
+    )
+    response = api.client.post("/v1/runs", json=body)
+    assert response.status_code == 422
+    assert [f["field"] for f in response.json()["error"]["fields"]] == [
+        "model",
+        "task.path",
+        "generation.options.tokenizer",
+    ]
+
+
+def test_local_run_files_keep_any_path() -> None:
+    # `kpo run` reads the user's own files: the model itself accepts absolute paths.
+    spec = parse_run_spec(spec_with(model="/opt/models/x", task=jsonl_task("/tmp/p.jsonl")), "f")
+    assert isinstance(spec.task, JsonlTask)
+    assert spec.model == "/opt/models/x" and spec.task.path == "/tmp/p.jsonl"

@@ -60,6 +60,7 @@ from _timing import print_table
 
 from services.api.client import SseEvent, parse_sse
 from services.api.ray_head import HEAD_FILE, LocalRayHead, free_port
+from services.pipeline.outputs import json_safe
 from services.pipeline.specs import load_run_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -669,17 +670,6 @@ def _store_label() -> str:
     return "redis" if url.startswith(("redis://", "rediss://", "unix://")) else f"local ({url})"
 
 
-def _jsonable(value: Any) -> Any:
-    """NaN as None: JSON has no NaN."""
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_jsonable(v) for v in value]
-    return value
-
-
 def figures(
     args: argparse.Namespace,
     baseline: PhaseResult,
@@ -694,7 +684,7 @@ def figures(
         return data
 
     overall_b, overall_u = baseline.summaries[OVERALL], load.summaries[OVERALL]
-    data: dict[str, Any] = _jsonable(
+    data: dict[str, Any] = json_safe(
         {
             "store": store,
             "clients": args.clients,

@@ -54,6 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _timing import print_table
 
+from services.pipeline.outputs import json_safe
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "demo.yaml"
 DRIVER = "driver"
@@ -382,16 +384,6 @@ def plot(samples: Sequence[Sample], warmup_s: float, path: Path) -> None:
     plt.close(figure)
 
 
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_jsonable(v) for v in value]
-    return value
-
-
 # --- main --------------------------------------------------------------------------------------
 
 
@@ -475,7 +467,7 @@ def main() -> None:
         "final_step": final_step,
         "processes": [asdict(g) for g in rows],
     }
-    (out / "summary.json").write_text(json.dumps(_jsonable(summary), indent=2) + "\n")
+    (out / "summary.json").write_text(json.dumps(json_safe(summary), indent=2) + "\n")
     print(f"samples: {out / 'samples.csv'}; plot: {out / 'rss.png'}; summary: {out}/summary.json")
     if state != "cancelled":
         sys.exit(1)

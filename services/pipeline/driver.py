@@ -58,7 +58,7 @@ from services.pipeline.checkpoints import (
     write_checkpoint,
 )
 from services.pipeline.outputs import MetricsRecord, RunDirectory, RunObserver, RunState
-from services.pipeline.plots import plot_curves
+from services.pipeline.plots import PLOTTED_KEYS, plot_curves
 from services.pipeline.prompts import PromptStream
 from services.pipeline.records import (
     group_from_json,
@@ -666,7 +666,7 @@ class RunDriver:
             self._checkpoint(actors)
 
     def _plot(self) -> None:
-        records = self.run_dir.read_metrics()
+        records = self.run_dir.read_metrics(PLOTTED_KEYS)
         if records:
             plot_curves(records, self.run_dir.curves, title=self.spec.name)
 

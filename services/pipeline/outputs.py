@@ -16,6 +16,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Literal, Protocol, TextIO
 
@@ -61,13 +62,23 @@ def json_safe_record(record: MetricsRecord) -> MetricsRecord:
     return safe
 
 
-def read_metrics(out_dir: Path) -> list[MetricsRecord]:
-    """The metrics records of a run directory, in file order."""
+def read_metrics(out_dir: Path, keys: Collection[str] | None = None) -> list[MetricsRecord]:
+    """The metrics records of a run directory, in file order; only `keys` of each if given.
+
+    Read line by line, so that a long run's file is never held whole (nor, with `keys`, every
+    field of every record: the curves need five of about a hundred).
+    """
     path = out_dir / METRICS_FILE
     if not path.exists():
         return []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
+    records = []
+    with path.open(encoding="utf-8") as file:
+        for line in file:
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            records.append(record if keys is None else {k: record[k] for k in keys if k in record})
+    return records
 
 
 class RunDirectory:
@@ -86,8 +97,8 @@ class RunDirectory:
     def write_config(self, resolved: dict[str, Any]) -> None:
         _write_atomic(self.path / CONFIG_FILE, json.dumps(resolved, indent=2) + "\n")
 
-    def read_metrics(self) -> list[MetricsRecord]:
-        return read_metrics(self.path)
+    def read_metrics(self, keys: Collection[str] | None = None) -> list[MetricsRecord]:
+        return read_metrics(self.path, keys)
 
     def keep_metrics_through(self, step: int) -> None:
         """Drop records after `step`: a resumed run redoes those steps, and must not repeat them."""

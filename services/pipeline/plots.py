@@ -14,6 +14,7 @@ PANELS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
     ("clip fraction", ("clip_fraction",), True),
     ("staleness (versions)", ("staleness_mean", "staleness_max"), False),
 )
+PLOTTED_KEYS = ("step", *(key for _, keys, _ in PANELS for key in keys))
 
 
 def moving_average(values: Sequence[float], window: int = 0) -> list[float]:
@@ -52,7 +53,7 @@ def plot_curves(records: Sequence[MetricsRecord], path: Path, title: str = "") -
             axis.plot(steps, moving_average(values), color=line.get_color(), label=key)
         axis.set_title(panel)
         axis.grid(alpha=0.3)
-        if len(keys) > 1:
+        if len(keys) > 1 and axis.get_legend_handles_labels()[0]:
             axis.legend(fontsize=8)
     for axis in axes[1]:
         axis.set_xlabel("learner step")

@@ -28,7 +28,7 @@ from tests.services.api.live_control_plane import (
     steps_of,
     submit,
 )
-from tests.services.api.ray_support import wait_until
+from tests.services.api.ray_support import launcher_for, wait_until
 from tests.services.store.redis_server import RedisServer
 
 pytestmark = pytest.mark.timeout(300)
@@ -52,7 +52,10 @@ def live_run_actors(head: LocalRayHead) -> list[dict[str, Any]]:
     return [a for a in actors if a["state"] != "DEAD" and a["class_name"] in RUN_ACTORS]
 
 
-def assert_nothing_left_running(head: LocalRayHead) -> None:
+def assert_nothing_left_running(head: LocalRayHead, run_id: str) -> None:
+    """The run's Ray job has ended and no actor of any run is alive."""
+    jobs = launcher_for(head, None).client()
+    wait_until(lambda: jobs.get_job_status(run_id).is_terminal(), 60, f"job {run_id} to end")
     # Actors of a finished job go when its driver process exits: allow Ray a moment for it.
     wait_until(lambda: not live_run_actors(head), 30, "the run's actors to be gone")
 
@@ -66,7 +69,7 @@ def assert_cancelled_consistently(client: httpx.Client, head: LocalRayHead, run_
     found = latest_checkpoint(run_output_dir(head.data_dir, run_id) / "checkpoints")
     if steps:  # a run cancelled after a step ends with a checkpoint of its last step
         assert found is not None and found[0] == steps[-1]
-    assert_nothing_left_running(head)
+    assert_nothing_left_running(head, run_id)
 
 
 def test_a_run_goes_on_through_a_restart_of_the_control_plane(
@@ -84,7 +87,7 @@ def test_a_run_goes_on_through_a_restart_of_the_control_plane(
         assert run["status"] == "succeeded", run["error"]
         assert steps_of(client, run_id) == list(range(1, total + 1))
         assert len(seen_at_restart) < total  # it was still running when the new one came up
-    assert_nothing_left_running(head)
+    assert_nothing_left_running(head, run_id)
 
 
 def test_every_metrics_record_is_stored_once_through_a_redis_crash(

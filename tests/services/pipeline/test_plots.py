@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.pipeline.plots import moving_average, plot_curves
+from services.pipeline.outputs import RunDirectory
+from services.pipeline.plots import PLOTTED_KEYS, moving_average, plot_curves
 
 
 def test_moving_average_is_a_trailing_mean() -> None:
@@ -19,3 +20,14 @@ def test_curves_are_drawn_even_with_gaps(tmp_path: Path) -> None:
     records[3]["entropy"] = None  # a NaN written as null
     path = plot_curves(records, tmp_path / "curves.png", "t")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_curves_are_drawn_from_the_plotted_keys_alone(tmp_path: Path) -> None:
+    run_dir = RunDirectory(tmp_path)
+    for step in range(1, 6):
+        run_dir.on_metrics({"step": step, "reward_mean": step / 10, "grad_norm": 1.0, "lr": 0.1})
+    records = run_dir.read_metrics(PLOTTED_KEYS)
+    assert records == [{"step": s, "reward_mean": s / 10} for s in range(1, 6)]
+    assert run_dir.read_metrics()[0].keys() == {"step", "reward_mean", "grad_norm", "lr"}
+    path = plot_curves(records, tmp_path / "curves.png")
+    assert path.stat().st_size > 10_000

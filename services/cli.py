@@ -366,7 +366,6 @@ def serve(
     from services.api.launcher import launcher_from_env
     from services.api.settings import ApiSettings
 
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     try:
         settings = ApiSettings()
         token = settings.token()
@@ -377,6 +376,8 @@ def serve(
             f"refusing to serve on {host} without an API token: set KPO_API_TOKEN (or "
             "KPO_API_TOKEN_FILE), listen on 127.0.0.1, or pass --insecure"
         )
+    # Only for a server that will run: a refused one leaves the caller's logging alone.
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     try:
         store = store_from_env()
     except ValueError as error:

@@ -142,12 +142,12 @@ RUN_COUNTERS = (
     RecordMetric(
         "kpo_nonfinite_rewards_total",
         "nonfinite_rewards_total",
-        "Responses whose reward was NaN/inf, left out of training.",
+        "Responses whose reward was not finite, left out of training.",
     ),
     RecordMetric(
         "kpo_nonfinite_tokens_total",
         "nonfinite_tokens_total",
-        "Tokens masked for a NaN/inf log-prob.",
+        "Tokens masked for a log-prob that was not finite.",
     ),
     RecordMetric(
         "kpo_extreme_ratio_tokens_total",

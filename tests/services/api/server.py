@@ -15,10 +15,15 @@ from services.api.ray_head import free_port
 
 @contextmanager
 def serve(app: FastAPI, port: int | None = None, log_level: str = "warning") -> Iterator[str]:
-    """Serve `app` until the block ends; yields its base URL. Logging is uvicorn's default
-    configuration (that of `kpo serve`), at `log_level`."""
+    """Serve `app` until the block ends; yields its base URL. uvicorn logs at `log_level`.
+
+    Its records go to the root logger (pytest's capture) rather than to handlers of uvicorn's
+    own: those would hold the streams of the test that started the server, closed after it,
+    while a server of a module-scoped fixture goes on logging."""
     port = port or free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level, lifespan="off")
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level=log_level, lifespan="off", log_config=None
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -37,7 +37,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy kpo_core services benchmarks/study.py benchmarks/stability_study benchmarks/bench_load.py benchmarks/soak.py
+	$(VENV)/bin/mypy kpo_core services benchmarks/study.py benchmarks/stability_study benchmarks/bench_load.py benchmarks/soak.py \
+		scripts/audit_dependencies.py
 
 test: system-deps lint typecheck
 	$(VENV)/bin/pytest --ignore=tests/services/generation/test_vllm_backend.py
@@ -72,10 +73,10 @@ test-deploy: system-deps $(STAMP)
 # The dependency audit: every package of the virtualenv checked for known vulnerabilities with
 # pip-audit (pinned in requirements/audit.txt), falling back to PyPI's project JSON where its
 # services cannot be reached; fails on any not accepted in requirements/audit-allowlist.txt.
-# requirements/audit.py says where each package's data came from and what it could not check.
+# scripts/audit_dependencies.py says where each package's data came from and what it missed.
 audit: $(STAMP)
 	$(PY) -m pip install --quiet -r requirements/audit.txt
-	$(PY) requirements/audit.py --allowlist requirements/audit-allowlist.txt
+	$(PY) scripts/audit_dependencies.py --allowlist requirements/audit-allowlist.txt
 
 # The chart README's values table, regenerated from the `# --` comments of values.yaml.
 helm-docs: $(STAMP)

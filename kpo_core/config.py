@@ -9,6 +9,7 @@ arXiv 2605.07331, GSPO 2507.18671, GMPO 2507.20673.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, ClassVar, Literal, get_args
 
 from pydantic import (
@@ -383,10 +384,20 @@ class RunSpec(StrictModel):
         return self
 
 
-def describe_validation_error(error: ValidationError, source: str = "config") -> str:
-    """One line per problem: `source: key.path: message`, for CLI and API error messages."""
+def describe_validation_error(
+    error: ValidationError, source: str = "config", renamed: Mapping[str, str] | None = None
+) -> str:
+    """One line per problem: `source: key.path: message`, for CLI and API error messages.
+
+    `renamed` maps key paths whose value the user set elsewhere to the name of that setting,
+    which the line then names instead (`name: message`).
+    """
+    renamed = renamed or {}
     lines = []
     for item in error.errors():
         path = ".".join(str(part) for part in item["loc"]) or "(root)"
-        lines.append(f"{source}: {path}: {item['msg']}")
+        if path in renamed:
+            lines.append(f"{renamed[path]}: {item['msg']}")
+        else:
+            lines.append(f"{source}: {path}: {item['msg']}")
     return "\n".join(lines)

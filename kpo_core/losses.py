@@ -21,6 +21,7 @@ loss and its gradient are finite (advantages large enough to overflow the loss i
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 import torch
@@ -188,7 +189,7 @@ def _split_options(
         correction_args["level"] = correction_args.pop("tis_level")
     estimator_args = {k: v for k, v in options.items() if k not in correction_keys}
     try:
-        config: EstimatorConfig = registered.config_type(**estimator_args)  # type: ignore[assignment]
+        config = registered.make_config(**estimator_args)
         correction = OffPolicyCorrection(**correction_args)
     except ValidationError as error:
         valid = sorted(set(registered.config_type.model_fields) - {"name"} | _CORRECTION_OPTIONS)
@@ -250,6 +251,51 @@ def compute_policy_loss(
     nonfinite: NonFinitePolicy = "raise",
 ) -> tuple[Tensor, dict[str, float]]:
     """`policy_loss` for an already-validated estimator config (what the learner calls)."""
+    token_loss = token_policy_loss(
+        config,
+        logp,
+        ref_logp,
+        advantages,
+        mask,
+        behaviour_logp=behaviour_logp,
+        correction=correction,
+        nonfinite=nonfinite,
+    )
+    mode = loss_agg_mode or config.default_loss_agg_mode
+    loss = aggregate_loss(token_loss.per_token, token_loss.mask, mode, norm_length)
+    return loss, token_loss.metrics
+
+
+@dataclass(frozen=True)
+class TokenPolicyLoss:
+    """The policy loss before aggregation, for callers that aggregate by their own rules.
+
+    per_token: [B, T], 0 off `mask`. mask: bool [B, T], the input mask less the tokens dropped
+    for NaN/inf. clipped: bool [B, T], tokens whose clipped term won. metrics: as `policy_loss`.
+    """
+
+    per_token: Tensor
+    mask: Tensor
+    clipped: Tensor
+    metrics: dict[str, float]
+
+
+def token_policy_loss(
+    config: EstimatorConfig,
+    logp: Tensor,
+    ref_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    behaviour_logp: Tensor | None = None,
+    correction: OffPolicyCorrection | None = None,
+    nonfinite: NonFinitePolicy = "raise",
+) -> TokenPolicyLoss:
+    """Per-token clipped surrogate of the estimator `config` (times the behaviour weights).
+
+    What `compute_policy_loss` aggregates; the framework integrations (kpo_core.integrations)
+    aggregate it with the framework's own normalisers instead.
+    """
     if nonfinite not in get_args(NonFinitePolicy):
         raise ValueError(f"nonfinite must be one of {get_args(NonFinitePolicy)}, got {nonfinite!r}")
     mask = mask.to(torch.bool)
@@ -274,11 +320,9 @@ def compute_policy_loss(
         )
         per_token = per_token * weights
         metrics.update(weight_metrics)
-    mode = loss_agg_mode or config.default_loss_agg_mode
-    loss = aggregate_loss(per_token, mask, mode, norm_length)
     metrics["nonfinite_tokens"] = float(dropped)
     metrics["extreme_ratio_tokens"] = float(_extreme_tokens(logp, ref_logp, behaviour_logp, mask))
-    return loss, metrics
+    return TokenPolicyLoss(per_token, mask, clipped, metrics)
 
 
 def _extreme_tokens(

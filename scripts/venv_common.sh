@@ -1,24 +1,35 @@
 # Sourced by the scripts/setup_*_venv.sh scripts, whose test stages each run in a virtualenv
-# of their own next to the main .venv.
+# of their own next to the main .venv. PYTHON and VENV override the interpreter and the folder.
 
 # The CPU build of torch every virtualenv uses. It goes in first, from its own requirement, so
 # that resolving what comes after never reaches for a CUDA build.
 TORCH_SPEC="torch==2.13.0"
 
-# venv_is_current STAMP FILE...: whether STAMP exists and is newer than every FILE (the
-# scripts and requirement files the virtualenv was built from).
-venv_is_current() {
-    local stamp=$1 file
+# begin_venv DEFAULT_FOLDER INPUT...: sets VENV, STAMP, PY and PIP. Exits the script when the
+# virtualenv was built after every INPUT (requirement files), the calling script and this file
+# last changed; otherwise creates it with a current pip and the CPU torch.
+begin_venv() {
+    VENV="${VENV:-$1}"
     shift
-    [[ -f "$stamp" ]] || return 1
-    for file in "$@"; do
-        [[ "$stamp" -nt "$file" ]] || return 1
+    STAMP="$VENV/.installed"
+    PY="$VENV/bin/python"
+    PIP=("$PY" -m pip install --quiet)
+    local input current=1
+    for input in "scripts/$(basename "$0")" scripts/venv_common.sh "$@"; do
+        [[ -f "$STAMP" && "$STAMP" -nt "$input" ]] || current=0
     done
+    if ((current)); then
+        echo "$VENV is up to date ($STAMP)"
+        exit 0
+    fi
+    VENV_STARTED=$(date +%s)
+    "${PYTHON:-python3}" -m venv "$VENV"
+    "${PIP[@]}" --upgrade pip
+    "${PIP[@]}" "$TORCH_SPEC"
 }
 
-# create_cpu_torch_venv PYTHON VENV: the virtualenv, with a current pip and the CPU torch.
-create_cpu_torch_venv() {
-    "$1" -m venv "$2"
-    "$2/bin/python" -m pip install --quiet --upgrade pip
-    "$2/bin/python" -m pip install --quiet "$TORCH_SPEC"
+# finish_venv: marks the virtualenv built, with its build time and size.
+finish_venv() {
+    touch "$STAMP"
+    echo "$VENV ready in $(($(date +%s) - VENV_STARTED)) s, $(du -sh "$VENV" | cut -f1)"
 }

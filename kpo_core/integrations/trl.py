@@ -20,18 +20,16 @@ from dataclasses import dataclass, field
 from typing import Any, cast, get_args
 
 import torch
-from pydantic import ValidationError
 from torch import Tensor
 from trl.trainer.grpo_config import GRPOConfig
 from trl.trainer.grpo_trainer import GRPOTrainer
 
-from kpo_core.config import EstimatorConfig, describe_validation_error
+from kpo_core.config import EstimatorConfig
+from kpo_core.integrations.options import framework_estimator_config
 from kpo_core.losses import NonFinitePolicy, token_policy_loss
 from kpo_core.ratios import get_estimator
 
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-# Estimator options TRL's own config owns; set there instead.
-_FROM_TRL_CONFIG = {"clip_low": "epsilon", "clip_high": "epsilon_high"}
 # Inputs TRL's log-prob pass takes besides the token ids (vision models, token types).
 _MODEL_INPUT_KEYS = (
     "pixel_values",
@@ -121,22 +119,14 @@ class KpoGRPOConfig(GRPOConfig):  # type: ignore[misc]
     def estimator_config(self) -> EstimatorConfig:
         """The kpo_core config: estimator_options, with the clip window from epsilon(_high)."""
         options = _parse_options(self.estimator_options)
-        for option, trl_key in _FROM_TRL_CONFIG.items():
-            if option in options:
-                raise ValueError(
-                    f"estimator_options.{option}: TRL's config sets this; use {trl_key} instead"
-                )
-        options["clip_low"] = self.epsilon
-        options["clip_high"] = self.epsilon if self.epsilon_high is None else self.epsilon_high
         if self.ratio_estimator == "token":
             # TRL's PPO clip has no dual clip; it stays off unless asked for.
             options.setdefault("dual_clip_c", None)
-        try:
-            return get_estimator(self.ratio_estimator).make_config(**options)
-        except ValidationError as error:
-            raise ValueError(
-                describe_validation_error(error, "estimator_options", _FROM_TRL_CONFIG)
-            ) from None
+        high = self.epsilon if self.epsilon_high is None else self.epsilon_high
+        from_trl = {"clip_low": ("epsilon", self.epsilon), "clip_high": ("epsilon_high", high)}
+        return framework_estimator_config(
+            self.ratio_estimator, options, from_trl, "estimator_options"
+        )
 
 
 def _parse_options(options: dict[str, Any] | str | None) -> dict[str, Any]:
@@ -197,6 +187,8 @@ class KpoGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
             **{key: inputs[key] for key in _MODEL_INPUT_KEYS if key in inputs},
         )
         advantages = inputs["advantages"]
+        if advantages.dim() == 1:  # one per completion; TRL's subclasses may give [B, T]
+            advantages = advantages.unsqueeze(1).expand_as(per_token_logps)
         # TRL skips old_per_token_logps when the batch is on-policy (one iteration).
         old_per_token_logps = inputs.get("old_per_token_logps")
         if old_per_token_logps is None:
@@ -211,7 +203,7 @@ class KpoGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
             nonfinite=cast(NonFinitePolicy, self.args.nonfinite),
         )
         per_token = token_loss.per_token * self._trl_token_weights(
-            inputs, per_token_logps, old_per_token_logps, entropies, mask
+            inputs, advantages, per_token_logps, old_per_token_logps, entropies, mask
         )
         per_token_kl = None
         if self.beta != 0.0:
@@ -227,6 +219,7 @@ class KpoGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
     def _trl_token_weights(
         self,
         inputs: dict[str, Any],
+        advantages: Tensor,
         per_token_logps: Tensor,
         old_per_token_logps: Tensor,
         entropies: Tensor,
@@ -234,9 +227,6 @@ class KpoGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
     ) -> Tensor:
         """TRL's multiplicative masks and corrections of the per-token loss, in TRL's order."""
         weights = torch.ones_like(per_token_logps)
-        advantages = inputs["advantages"]
-        if advantages.dim() == 1:
-            advantages = advantages.unsqueeze(1)
         if self.off_policy_mask_threshold is not None:
             weights = weights * self.get_off_policy_mask(
                 advantages=advantages,
@@ -304,8 +294,6 @@ class KpoGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         kpo_metrics: dict[str, float],
     ) -> None:
         mode = "train" if self._training() else "eval"
-        if advantages.dim() == 1:
-            advantages = advantages.unsqueeze(1)
         means = {
             "entropy": entropies,
             "clip_ratio/low_mean": clipped & (advantages < 0),

@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 from typing import Any, cast, get_args
 
 import torch
-from pydantic import ValidationError
 from torch import Tensor
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, agg_loss, register_policy_loss
 from verl.workers.config import PolicyLossConfig
 
-from kpo_core.config import EstimatorConfig, describe_validation_error
+from kpo_core.config import EstimatorConfig
+from kpo_core.integrations.options import framework_estimator_config
 from kpo_core.losses import NonFinitePolicy, token_policy_loss
 from kpo_core.ratios import get_estimator
 
@@ -46,11 +46,6 @@ VERL_LOSSES: dict[str, str] = {
         f"kpo_core.{name}": name
         for name in ("token", "sequence", "geometric", "kalman", "cumulative")
     },
-}
-# Options verl's actor config already owns; set there, not in estimator_options.
-_FROM_ACTOR_CONFIG = {
-    "clip_low": "clip_ratio_low",
-    "clip_high": "clip_ratio_high",
 }
 _ACTOR_PATH = "actor_rollout_ref.actor"
 _OPTIONS_PATH = f"{_ACTOR_PATH}.policy_loss.estimator_options"
@@ -77,30 +72,19 @@ def estimator_config(estimator: str, actor_config: Any) -> EstimatorConfig:
 
     ValueError naming the option and the config path for an unknown or invalid option.
     """
-    registered = get_estimator(estimator)
-    options = dict(_policy_loss_section(actor_config).get("estimator_options") or {})
-    from_actor = dict(_FROM_ACTOR_CONFIG)
-    if estimator == "token":
-        from_actor["dual_clip_c"] = "clip_ratio_c"
-    for option, actor_key in from_actor.items():
-        if option in options:
-            raise ValueError(
-                f"{_OPTIONS_PATH}.{option}: verl's actor config sets this; use "
-                f"{_ACTOR_PATH}.{actor_key} instead"
-            )
     clip = actor_config.get("clip_ratio", 0.2)
     low = actor_config.get("clip_ratio_low")
     high = actor_config.get("clip_ratio_high")
-    options["clip_low"] = clip if low is None else low
-    options["clip_high"] = clip if high is None else high
+    # Options verl's actor config owns: option -> (its key there, its value).
+    from_actor = {
+        "clip_low": (f"{_ACTOR_PATH}.clip_ratio_low", clip if low is None else low),
+        "clip_high": (f"{_ACTOR_PATH}.clip_ratio_high", clip if high is None else high),
+    }
     if estimator == "token":
-        options["dual_clip_c"] = actor_config.get("clip_ratio_c", 3.0)
-    try:
-        config = registered.make_config(**options)
-    except ValidationError as error:
-        renamed = {option: f"{_ACTOR_PATH}.{key}" for option, key in from_actor.items()}
-        raise ValueError(describe_validation_error(error, _OPTIONS_PATH, renamed)) from None
-    return config
+        dual_clip = actor_config.get("clip_ratio_c", 3.0)
+        from_actor["dual_clip_c"] = (f"{_ACTOR_PATH}.clip_ratio_c", dual_clip)
+    options = _policy_loss_section(actor_config).get("estimator_options") or {}
+    return framework_estimator_config(estimator, options, from_actor, _OPTIONS_PATH)
 
 
 def _policy_loss_section(actor_config: Any) -> Mapping[str, Any]:

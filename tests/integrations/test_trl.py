@@ -90,26 +90,36 @@ def make_inputs(trainer: GRPOTrainer, tokenizer: Any, seed: int = 0) -> dict[str
     completion_ids = torch.randint(4, vocab, (batch, COMPLETION_LENGTH), generator=generator)
     lengths = torch.tensor([COMPLETION_LENGTH, 3, 7, 1])
     completion_mask = (torch.arange(COMPLETION_LENGTH) < lengths[:, None]).long()
-    with torch.no_grad():
-        logps, _, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model,
-            torch.cat([prompts.input_ids, completion_ids], dim=1),
-            torch.cat([prompts.attention_mask, completion_mask], dim=1),
-            COMPLETION_LENGTH,
-        )
-    scale = torch.tensor([1e-5, 0.05, 0.3, 0.8])[:, None]
-    noise = torch.randn(batch, COMPLETION_LENGTH, generator=generator)
-    return {
+    inputs = {
         "prompt_ids": prompts.input_ids,
         "prompt_mask": prompts.attention_mask,
         "completion_ids": completion_ids,
         "completion_mask": completion_mask,
         "advantages": torch.tensor([1.0, -0.5, 0.7, -1.2]),
+        "num_items_in_batch": completion_mask.sum() * 2.0,
+    }
+    with torch.no_grad():
+        logps = completion_logps(trainer, inputs)
+    scale = torch.tensor([1e-5, 0.05, 0.3, 0.8])[:, None]
+    noise = torch.randn(batch, COMPLETION_LENGTH, generator=generator)
+    return {
+        **inputs,
         "old_per_token_logps": logps + noise * scale,
         "ref_per_token_logps": logps + torch.randn(logps.shape, generator=generator) * 0.2,
         "importance_sampling_ratio": torch.rand(logps.shape, generator=generator) + 0.5,
-        "num_items_in_batch": completion_mask.sum() * 2.0,
     }
+
+
+def completion_logps(trainer: GRPOTrainer, inputs: dict[str, Tensor]) -> Tensor:
+    """The model's log-probs of the completion tokens, from TRL's own forward pass."""
+    completion = inputs["completion_ids"]
+    logps, _, _ = trainer._get_per_token_logps_and_entropies(
+        trainer.model,
+        torch.cat([inputs["prompt_ids"], completion], dim=1),
+        torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
+        completion.size(1),
+    )
+    return logps
 
 
 def loss_and_gradients(
@@ -228,16 +238,9 @@ def test_kalman_is_kpo_core_under_trls_aggregation(
     inputs = make_inputs(trainer, tokenizer)
     loss, gradients, metrics = loss_and_gradients(trainer, inputs)
 
-    completion = inputs["completion_ids"]
-    logps, _, _ = trainer._get_per_token_logps_and_entropies(
-        trainer.model,
-        torch.cat([inputs["prompt_ids"], completion], dim=1),
-        torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
-        completion.size(1),
-    )
     token_loss = token_policy_loss(
         trainer.kpo_estimator,
-        logps,
+        completion_logps(trainer, inputs),
         inputs["old_per_token_logps"],
         inputs["advantages"],
         inputs["completion_mask"],

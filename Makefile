@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: system-deps venv lint typecheck test test-vllm test-integrations test-deploy helm-docs demo study bench bench-pipeline bench-api bench-load soak bench-generation audit clean
+.PHONY: system-deps venv lint typecheck test test-vllm test-integrations test-deploy helm-docs demo study bench bench-pipeline bench-api bench-load soak bench-generation bench-integrations audit clean
 
 # The CPU build of torch goes in first: the package's torch range then resolves to it and
 # nothing pulls a CUDA build.
@@ -56,6 +56,11 @@ test-integrations:
 	bash scripts/setup_integrations_venv.sh
 	.venv-integrations/bin/mypy kpo_core/integrations
 	.venv-integrations/bin/python -m pytest tests/integrations
+
+# kpo_core's losses in verl and TRL timed against the frameworks' own (.venv-integrations).
+bench-integrations:
+	bash scripts/setup_integrations_venv.sh
+	.venv-integrations/bin/python benchmarks/bench_integrations.py
 
 # The main job: a real asynchronous KPO run on the built-in task with the tiny model (~5 min on
 # 2 cores). Each run gets its own output directory under runs/.

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Annotated, ClassVar, Literal, get_args
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -186,6 +187,25 @@ TaskConfig = Annotated[ArithTask | JsonlTask, Field(discriminator="name")]
 BackendOption = str | int | float | bool
 
 
+RAY_BUILTIN_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
+
+
+def _custom_resources(value: dict[str, float]) -> dict[str, float]:
+    for name, amount in value.items():
+        if name in RAY_BUILTIN_RESOURCES or name.startswith("accelerator_type:"):
+            raise ValueError(
+                f"{name!r} is a resource Ray manages itself: use num_cpus / num_gpus, and "
+                "resources only for custom names such as learner_gpu"
+            )
+        if not amount >= 0:
+            raise ValueError(f"resource {name!r} must be a number >= 0, got {amount}")
+    return value
+
+
+# Custom Ray resources per actor, matched against what the cluster's node groups advertise.
+CustomResources = Annotated[dict[str, float], AfterValidator(_custom_resources)]
+
+
 class GenerationConfig(StrictModel):
     """Generation actors: how many, where, and how they sample."""
 
@@ -193,6 +213,10 @@ class GenerationConfig(StrictModel):
     num_workers: int = Field(1, ge=1, description="generation actors")
     num_cpus: float = Field(1.0, ge=0.0, description="CPUs reserved per generation actor")
     num_gpus: float = Field(0.0, ge=0.0, description="GPUs reserved per generation actor")
+    resources: CustomResources = Field(
+        default_factory=dict,
+        description="custom Ray resources per generation actor, e.g. {generation_gpu: 1}",
+    )
     prompts_per_batch: int = Field(8, ge=1, description="prompts in one generate call")
     group_size: int = Field(8, ge=2, description="G: responses per prompt (GRPO needs >= 2)")
     temperature: float = Field(1.0, gt=0.0)
@@ -232,7 +256,12 @@ class RewardConfig(StrictModel):
 
 
 class LearnerConfig(StrictModel):
-    """The learner actor: optimiser, PPO epochs and minibatches, device."""
+    """The learner group: optimiser, PPO epochs and minibatches, ranks, memory, placement.
+
+    `num_cpus`, `num_gpus` and `resources` are per rank. The master weights and AdamW state are
+    always float32; `compute_dtype` is what the forward and backward run in (and what the
+    weights are published in).
+    """
 
     lr: float = Field(1e-4, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
@@ -241,12 +270,43 @@ class LearnerConfig(StrictModel):
     max_grad_norm: float | None = Field(1.0, gt=0.0, description="null: no gradient clipping")
     ppo_epochs: int = Field(1, ge=1, description="passes over each batch")
     minibatches: int = Field(1, ge=1, description="optimiser steps per pass")
-    device: str = Field("cpu", min_length=1, description="torch device of the learner")
-    dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="float16 is refused: AdamW's eps underflows in it"
+    strategy: Literal["single", "fsdp2"] = Field(
+        "single",
+        description="single: one process holds the whole model; fsdp2: world_size ranks shard "
+        "parameters, gradients and optimiser state (torch FSDP2)",
     )
-    num_cpus: float = Field(1.0, ge=0.0, description="CPUs reserved for the learner actor")
-    num_gpus: float = Field(0.0, ge=0.0, description="GPUs reserved for the learner actor")
+    world_size: int = Field(1, ge=1, le=1024, description="learner ranks (fsdp2), one per GPU")
+    micro_batch_tokens: int = Field(
+        0,
+        ge=0,
+        description="padded tokens per forward pass: each rank's share of a minibatch is "
+        "packed into micro-batches under this budget and gradients accumulate (the result "
+        "equals the whole minibatch); 0: one forward per minibatch share",
+    )
+    logprob_chunk_tokens: int = Field(
+        1024,
+        ge=1,
+        description="response positions projected to the vocabulary at once when computing "
+        "log-probs and entropy (bounds the float32 logits to chunk x vocabulary)",
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="recompute each decoder layer's activations in the backward pass"
+    )
+    compute_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="dtype of the forward/backward and of the published weights; master "
+        "weights and optimiser state stay float32 (float16 is refused: AdamW's eps underflows)",
+    )
+    device: str = Field(
+        "cpu", min_length=1, description="cpu, or cuda (each rank uses the GPU Ray assigns it)"
+    )
+    num_cpus: float = Field(1.0, ge=0.0, description="CPUs reserved per learner rank")
+    num_gpus: float = Field(0.0, ge=0.0, description="GPUs reserved per learner rank")
+    resources: CustomResources = Field(
+        default_factory=dict,
+        description="custom Ray resources per learner rank, e.g. {learner_gpu: 1}: the "
+        "rank lands only on nodes that advertise them (the chart's worker groups)",
+    )
     nonfinite: Literal["raise", "mask"] = Field(
         "mask", description="NaN/inf log-probs in valid tokens: fail the step, or mask and count"
     )
@@ -257,16 +317,36 @@ class LearnerConfig(StrictModel):
         "directory's ratios/ (for offline ratio diagnostics); 0: off",
     )
 
-    @field_validator("dtype", mode="before")
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_dtype(cls, data: object) -> object:
+        if isinstance(data, Mapping) and "dtype" in data:
+            raise ValueError(
+                "learner.dtype was replaced by learner.compute_dtype (float32 | bfloat16): "
+                "master weights and optimiser state are now always float32, and compute_dtype "
+                f"sets only the forward/backward; write compute_dtype: {data['dtype']}"
+            )
+        return data
+
+    @field_validator("compute_dtype", mode="before")
     @classmethod
     def _no_float16(cls, value: object) -> object:
         if value == "float16":
             raise ValueError(
-                "float16 is not supported for training: AdamW's eps (1e-8) and small squared "
-                "gradients underflow to 0 in it and the first update turns every weight into "
-                "NaN; use bfloat16 or float32"
+                "float16 is not supported for training: its range overflows in the backward "
+                "pass without loss scaling, and AdamW's eps (1e-8) underflows in it; use "
+                "bfloat16 or float32"
             )
         return value
+
+    @model_validator(mode="after")
+    def _strategy_fits(self) -> LearnerConfig:
+        if self.strategy == "single" and self.world_size != 1:
+            raise ValueError(
+                f"strategy 'single' runs one rank, so world_size must be 1 (got "
+                f"{self.world_size}); use strategy 'fsdp2' to shard over several ranks"
+            )
+        return self
 
 
 class PipelineConfig(StrictModel):

@@ -80,18 +80,47 @@ def _clamp(x: Tensor, low: Tensor | float | None, high: Tensor | float | None) -
     return x
 
 
+@dataclass(frozen=True)
+class LossNormaliser:
+    """The denominators of a minibatch's loss, counted once over the whole minibatch.
+
+    tokens: valid tokens; sequences: responses with at least one valid token. When a minibatch
+    is split into micro-batches (and over ranks), each part's loss is divided by the counts of
+    the whole, so that the parts' losses (and gradients) add up to the unsplit one, as verl's
+    global batch info does.
+    """
+
+    tokens: float
+    sequences: float
+
+    @classmethod
+    def of(cls, mask: Tensor) -> LossNormaliser:
+        """The counts of a bool mask [B, T]."""
+        lengths = mask.sum(-1)
+        return cls(tokens=float(lengths.sum()), sequences=float((lengths > 0).sum()))
+
+
 def aggregate_loss(
-    per_token: Tensor, mask: Tensor, mode: LossAggMode, norm_length: int | None = None
+    per_token: Tensor,
+    mask: Tensor,
+    mode: LossAggMode,
+    norm_length: int | None = None,
+    normaliser: LossNormaliser | None = None,
 ) -> Tensor:
-    """Reduce a [B, T] per-token loss to a scalar by one of verl's aggregation modes."""
+    """Reduce a [B, T] per-token loss to a scalar by one of verl's aggregation modes.
+
+    The denominators (token count, non-empty sequence count) are those of `mask` unless
+    `normaliser` gives the counts of the whole minibatch this is a part of.
+    """
     weights = mask.to(per_token.dtype)
     token_sum = (per_token * weights).sum(-1)
     lengths = weights.sum(-1)
     nonempty = lengths > 0
+    counts = normaliser or LossNormaliser.of(mask)
     if mode == "token-sum":
         return token_sum.sum()
     if mode == "token-mean":
-        return token_sum.sum() / lengths.sum().clamp_min(1.0)
+        return token_sum.sum() / max(counts.tokens, 1.0)
     if mode == "seq-mean-token-mean":
         per_sequence = token_sum / lengths.clamp_min(1.0)
     elif mode == "seq-mean-token-sum":
@@ -101,7 +130,7 @@ def aggregate_loss(
     else:
         valid = ", ".join(LOSS_AGG_MODES)
         raise ValueError(f"unknown loss_agg_mode {mode!r}; valid modes: {valid}")
-    return (per_sequence * nonempty).sum() / nonempty.sum().clamp_min(1)
+    return (per_sequence * nonempty).sum() / max(counts.sequences, 1.0)
 
 
 def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
@@ -249,8 +278,13 @@ def compute_policy_loss(
     loss_agg_mode: LossAggMode | None = None,
     norm_length: int | None = None,
     nonfinite: NonFinitePolicy = "raise",
+    normaliser: LossNormaliser | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """`policy_loss` for an already-validated estimator config (what the learner calls)."""
+    """`policy_loss` for an already-validated estimator config.
+
+    `normaliser`: the counts of the whole minibatch when this is a micro-batch of it
+    (`aggregate_loss`).
+    """
     token_loss = token_policy_loss(
         config,
         logp,
@@ -262,7 +296,7 @@ def compute_policy_loss(
         nonfinite=nonfinite,
     )
     mode = loss_agg_mode or config.default_loss_agg_mode
-    loss = aggregate_loss(token_loss.per_token, token_loss.mask, mode, norm_length)
+    loss = aggregate_loss(token_loss.per_token, token_loss.mask, mode, norm_length, normaliser)
     return loss, token_loss.metrics
 
 
@@ -271,12 +305,14 @@ class TokenPolicyLoss:
     """The policy loss before aggregation, for callers that aggregate by their own rules.
 
     per_token: [B, T], 0 off `mask`. mask: bool [B, T], the input mask less the tokens dropped
-    for NaN/inf. clipped: bool [B, T], tokens whose clipped term won. metrics: as `policy_loss`.
+    for NaN/inf. clipped: bool [B, T], tokens whose clipped term won. ratio: [B, T] detached,
+    the estimator's ratio (for KPO the filtered one), 1 off `mask`. metrics: as `policy_loss`.
     """
 
     per_token: Tensor
     mask: Tensor
     clipped: Tensor
+    ratio: Tensor
     metrics: dict[str, float]
 
 
@@ -322,7 +358,9 @@ def token_policy_loss(
         metrics.update(weight_metrics)
     metrics["nonfinite_tokens"] = float(dropped)
     metrics["extreme_ratio_tokens"] = float(_extreme_tokens(logp, ref_logp, behaviour_logp, mask))
-    return TokenPolicyLoss(per_token, mask, clipped, metrics)
+    one = torch.ones((), dtype=estimate.ratio.dtype, device=estimate.ratio.device)
+    ratio = torch.where(mask, estimate.ratio.detach(), one)
+    return TokenPolicyLoss(per_token, mask, clipped, ratio, metrics)
 
 
 def _extreme_tokens(

@@ -177,6 +177,30 @@ def resume(
     _execute(spec, run_dir)
 
 
+@app.command()
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="output directory of a run")],
+    step: Annotated[
+        int | None,
+        typer.Option(min=0, help="export this step's checkpoint; default the newest complete one"),
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="where to write the model; default RUN_DIR/model")
+    ] = None,
+) -> None:
+    """Export a run's checkpoint as a Hugging Face model directory (safetensors, tokenizer)."""
+    # Imported here: torch and transformers are slow to import and other commands do not need them.
+    from services.learner.export import ExportError, export_run
+
+    try:
+        path = export_run(run_dir, out, step)
+    except ExportError as error:
+        fail(str(error))
+    except OSError as error:
+        fail(f"cannot export {run_dir}: {error}", 1)
+    typer.echo(f"[kpo] exported {run_dir} -> {path} (loads with from_pretrained and vLLM)")
+
+
 @app.command(hidden=True)
 def execute(
     run_id: Annotated[str, typer.Argument(help="id of a stored run")],

@@ -9,21 +9,19 @@ buckets so far. A scrape therefore reads the records written since the previous 
 whole history again.
 
 Exported per run (label `run_id`) while the run is `running` and for `finished_grace_s` after it
-finished (so the final values are scraped at least once):
+finished (so the final values are scraped at least once), as services/metrics.py declares each
+record key, with its name and help text:
 
 - gauges of the latest metrics record (`RUN_GAUGES`, and `STAGE_GAUGES` labelled
   `stage="raw"|"filtered"`: the ratio diagnostics of exp(z) and of the estimator's ratio);
 - counters from the record's cumulative fields (`RUN_COUNTERS`);
 - histograms built from every record's per-step durations (`RUN_HISTOGRAMS`).
 
-Names are DESIGN.md's, with STYLE.md's Prometheus suffixes where the two differ: a value in
-[0, 1] ends in `_ratio` (`kpo_clip_fraction_ratio`, `kpo_ratio_switch_frequency_ratio`) and a
-quantity with a unit names it (`kpo_entropy_nats`, `kpo_kl_nats`). Values that are missing,
-None, non-numeric or not finite in a record are skipped rather than exported.
+Values that are missing, None, non-numeric or not finite in a record are skipped rather than
+exported.
 
 Not exported: queued runs (they have no metrics yet) and runs that finished before the grace
-period; a record key that the learner does not write yet (`generation_batch_seconds`) simply
-gives no samples.
+period; a declared key that a record does not hold simply gives no samples.
 """
 
 from __future__ import annotations
@@ -51,6 +49,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from services.metrics import STAGES, Kind, exported
 from services.store import (
     TERMINAL_STATUSES,
     RunNotFound,
@@ -71,7 +70,6 @@ API_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # Distinct `route` label values ApiMetrics accepts before it folds new ones into "other".
 MAX_ROUTES = 200
 HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
-STAGES = ("raw", "filtered")
 # The classic text format, which every Prometheus version reads. prometheus-client's own
 # CONTENT_TYPE_LATEST now says version=1.0.0 (UTF-8 names), which older servers do not know; the
 # body is the same for names like ours, which are all legacy-valid.
@@ -80,121 +78,28 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 @dataclass(frozen=True)
 class RecordMetric:
-    """One exported metric and the metrics-record key it comes from (docs/pipeline.md)."""
+    """One exported family and the metrics-record key it comes from (services/metrics.py)."""
 
     name: str
     key: str
     help: str
 
 
-RUN_GAUGES = (
-    RecordMetric("kpo_reward_mean", "reward_mean", "Mean reward of the latest step's batch."),
-    RecordMetric("kpo_accuracy_ratio", "accuracy", "Fraction of correct responses (latest step)."),
-    RecordMetric("kpo_entropy_nats", "entropy", "Mean token entropy of the policy, in nats."),
-    RecordMetric(
-        "kpo_clip_fraction_ratio", "clip_fraction", "Fraction of tokens whose ratio was clipped."
-    ),
-    RecordMetric("kpo_policy_loss", "policy_loss", "Policy-gradient loss of the latest step."),
-    RecordMetric("kpo_kl_nats", "approx_kl", "Approximate KL(behaviour || policy), in nats."),
-    RecordMetric("kpo_grad_norm", "grad_norm", "Gradient norm before clipping (latest step)."),
-    RecordMetric("kpo_policy_version", "policy_version", "The learner's policy version."),
-    RecordMetric(
-        "kpo_staleness_mean", "staleness_mean", "Mean staleness of the trained batch, in versions."
-    ),
-    RecordMetric(
-        "kpo_staleness_max", "staleness_max", "Largest staleness in the trained batch, in versions."
-    ),
-    RecordMetric("kpo_buffer_groups", "buffer_groups", "Scored groups waiting in the buffer."),
-    RecordMetric(
-        "kpo_last_step_timestamp_seconds", "time", "Unix time of the latest learner step."
-    ),
-)
+def _families(kind: Kind, staged: bool = False) -> tuple[RecordMetric, ...]:
+    return tuple(
+        RecordMetric(m.prometheus, m.key, m.help)
+        for m in exported(kind, staged)
+        if m.prometheus is not None
+    )
+
+
+# The exported families, in the order of services/metrics.py's declaration.
+RUN_GAUGES = _families(Kind.GAUGE)
 # Ratio diagnostics, labelled `stage`: record keys `raw_<key>` and `filtered_<key>`.
-STAGE_GAUGES = (
-    RecordMetric(
-        "kpo_ratio_switch_frequency_ratio",
-        "switch_frequency",
-        "Share of adjacent token pairs whose ratio switches side of 1 (raw: exp(z); filtered: "
-        "the estimator's ratio).",
-    ),
-    RecordMetric(
-        "kpo_ratio_low_frequency_ratio",
-        "low_frequency_ratio",
-        "Share of the log-ratio's spectral energy at low frequencies.",
-    ),
-)
-RUN_COUNTERS = (
-    RecordMetric(
-        "kpo_tokens_generated_total", "tokens_generated_total", "Response tokens generated."
-    ),
-    RecordMetric("kpo_tokens_trained_total", "tokens_trained_total", "Response tokens trained on."),
-    RecordMetric(
-        "kpo_rollouts_dropped_stale_total",
-        "rollouts_dropped_stale",
-        "Responses dropped for exceeding the staleness bound.",
-    ),
-    RecordMetric(
-        "kpo_groups_dropped_stale_total",
-        "groups_dropped_stale",
-        "Response groups dropped for exceeding the staleness bound.",
-    ),
-    # Bad numbers the learner masked or skipped (docs/numerics.md).
-    RecordMetric(
-        "kpo_nonfinite_rewards_total",
-        "nonfinite_rewards_total",
-        "Responses whose reward was not finite, left out of training.",
-    ),
-    RecordMetric(
-        "kpo_nonfinite_tokens_total",
-        "nonfinite_tokens_total",
-        "Tokens masked for a log-prob that was not finite.",
-    ),
-    RecordMetric(
-        "kpo_extreme_ratio_tokens_total",
-        "extreme_ratio_tokens_total",
-        "Tokens whose log-ratio exceeded the extreme-ratio threshold (|z| > 20).",
-    ),
-    RecordMetric(
-        "kpo_skipped_minibatches_total",
-        "skipped_minibatches_total",
-        "Minibatches whose loss or gradient was not finite, skipped without an update.",
-    ),
-    # Faults the run survived (docs/reliability.md).
-    RecordMetric(
-        "kpo_learner_restarts_total",
-        "learner_restarts",
-        "Times the run resumed itself from a checkpoint after its learner died.",
-    ),
-    RecordMetric(
-        "kpo_generation_replacements_total",
-        "generation_replacements",
-        "Generation actors replaced after they died.",
-    ),
-    RecordMetric(
-        "kpo_verifier_replacements_total",
-        "verifier_replacements",
-        "Verifier actors replaced after they died or hung.",
-    ),
-    RecordMetric(
-        "kpo_rescored_groups_total",
-        "rescored_groups",
-        "Response groups scored again because their verifier actor died or hung.",
-    ),
-    RecordMetric(
-        "kpo_unverified_groups_total",
-        "unverified_groups",
-        "Response groups marked unverified (reward 0) after their verifier failed twice.",
-    ),
-)
+STAGE_GAUGES = _families(Kind.GAUGE, staged=True)
+RUN_COUNTERS = _families(Kind.COUNTER)
 # A histogram's key may hold one duration or a list of them (several batches in one step).
-RUN_HISTOGRAMS = (
-    RecordMetric("kpo_learner_step_seconds", "step_seconds", "Duration of learner steps."),
-    RecordMetric(
-        "kpo_generation_batch_seconds",
-        "generation_batch_seconds",
-        "Duration of generation batches.",
-    ),
-)
+RUN_HISTOGRAMS = _families(Kind.HISTOGRAM)
 
 
 def number(value: Any) -> float | None:

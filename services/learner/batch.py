@@ -63,6 +63,34 @@ class TrainingBatch:
         """T, the padded response length."""
         return int(self.response_ids.shape[1])
 
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    @property
+    def prompt_width(self) -> int:
+        """P, the padded prompt length."""
+        return int(self.input_ids.shape[1]) - self.response_width
+
+    def cropped(self) -> TrainingBatch:
+        """The batch without the pad columns all its rows share: P and T shrink to the longest
+        prompt and response among its rows (at least one response column). A micro-batch of
+        short rows is thus padded to its own widths, not to those of the whole batch."""
+        width_p = self.prompt_width
+        real = self.attention_mask.bool()
+        prompt = int(real[:, :width_p].sum(-1).max()) if self.num_rows else 0
+        response = max(1, int(real[:, width_p:].sum(-1).max())) if self.num_rows else 1
+        keep = slice(width_p - prompt, width_p + response)
+        return replace(
+            self,
+            input_ids=self.input_ids[:, keep],
+            attention_mask=self.attention_mask[:, keep],
+            position_ids=self.position_ids[:, keep],
+            response_ids=self.response_ids[:, :response],
+            response_mask=self.response_mask[:, :response],
+            behaviour_logp=self.behaviour_logp[:, :response],
+        )
+
     def select(self, rows: Tensor) -> TrainingBatch:
         """The batch restricted to `rows` ([b] int64 indices); widths P and T are kept."""
         return replace(self, **{f.name: getattr(self, f.name)[rows] for f in fields(self)})

@@ -1,33 +1,53 @@
-"""Learner checkpoints: a loadable Hugging Face model directory plus the training state.
+"""Learner checkpoints: sharded model and optimiser state (torch.distributed.checkpoint).
 
-Layout of a checkpoint directory:
+Layout of a learner checkpoint directory (`checkpoints/step-N/learner/` of a run):
 
-    config.json, generation_config.json, model*.safetensors   model.save_pretrained
-    tokenizer files                                           tokenizer.save_pretrained
-    optimizer.pt, scheduler.pt                                state dicts
-    rng.pt                                                    torch CPU RNG + learner generator
-    learner.json                                              {"version": ..., "steps": ...}
+    hf/                   config.json, generation_config.json, tokenizer files (rank 0): what an
+                          export needs besides the weights (`services.learner.export`)
+    state/                a torch.distributed.checkpoint directory: {"model": ..., "optim": ...}
+                          with the Hugging Face parameter names and fp32 master values, written
+                          by every rank in parallel (one file per rank plus `.metadata`)
+    rng/rank-00000.pt     torch CPU RNG of each rank, plus the learner's minibatch generator
+    learner.json          {"version", "steps", "world_size", "compute_dtype"} (rank 0, last)
 
-So a checkpoint can be served or evaluated as an ordinary model (`from_pretrained(path)`), and
-resuming from it continues bit for bit where the saved learner was. Everything is read back with
-`torch.load(weights_only=True)`: a checkpoint never executes code.
+The state is saved and loaded through `get_state_dict`/`set_state_dict`, which see DTensor
+shards on an FSDP2 learner and plain tensors on a `single` one, and DCP reshards on load: a
+checkpoint written by W ranks resumes on any other number of ranks (or on one). A rank without
+an RNG file of its own (more ranks than were saved) keeps its seeded RNG; the minibatch
+generator, which every rank holds identically, comes from rank 0's file. Everything is read back
+with `torch.load(weights_only=True)` or DCP's own reader: a checkpoint never executes code.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from services.generation.hf_backend import check_state_dict
-
+HF_DIR = "hf"  # config, generation config and tokenizer
+STATE_DIR = "state"  # the DCP checkpoint
+RNG_DIR = "rng"
 LEARNER_STATE = "learner.json"
+MODEL_KEY, OPTIM_KEY = "model", "optim"  # top-level keys of the DCP state
+
+
+def rng_file(directory: Path, rank: int) -> Path:
+    return directory / RNG_DIR / f"rank-{rank:05d}.pt"
 
 
 @dataclass(frozen=True)
@@ -39,65 +59,119 @@ class TrainingState:
     generator: torch.Generator
 
 
+@dataclass(frozen=True)
+class LearnerState:
+    """The `learner.json` of a checkpoint."""
+
+    version: int
+    steps: int
+    world_size: int
+    compute_dtype: str
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def save_checkpoint(
     path: str | Path,
-    model: Any,
-    tokenizer: Any,
+    model: torch.nn.Module,
+    hf_files: Any,
     state: TrainingState,
-    version: int,
-    steps: int,
+    learner: LearnerState,
 ) -> Path:
-    """Write model, tokenizer and training state into directory `path` (created); return it."""
+    """Write the checkpoint directory `path` (created) from every rank; return it.
+
+    Every rank of the learner group calls this with the same `path` (a shared volume on a
+    cluster). `hf_files(dir)` writes the config and tokenizer files; rank 0 calls it.
+    """
     directory = Path(path)
-    directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    torch.save(state.optimizer.state_dict(), directory / "optimizer.pt")
-    torch.save(state.scheduler.state_dict(), directory / "scheduler.pt")
-    rng = {"torch": torch.get_rng_state(), "generator": state.generator.get_state()}
-    torch.save(rng, directory / "rng.pt")
-    learner = {"version": version, "steps": steps}
-    (directory / LEARNER_STATE).write_text(json.dumps(learner, indent=2) + "\n")
+    rank = _rank()
+    if rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        hf_files(directory / HF_DIR)
+        (directory / RNG_DIR).mkdir(exist_ok=True)
+    _barrier()
+    model_state, optim_state = get_state_dict(model, state.optimizer)
+    dcp_save({MODEL_KEY: model_state, OPTIM_KEY: optim_state}, checkpoint_id=directory / STATE_DIR)
+    rng = {
+        "torch": torch.get_rng_state(),
+        "generator": state.generator.get_state(),
+        "scheduler": state.scheduler.state_dict(),
+    }
+    torch.save(rng, rng_file(directory, rank))
+    _barrier()
+    if rank == 0:
+        # Written last: a directory with learner.json has every rank's part.
+        text = json.dumps(learner.__dict__, indent=2) + "\n"
+        (directory / LEARNER_STATE).write_text(text, encoding="utf-8")
+    _barrier()
     return directory
 
 
-def load_model_weights(path: str | Path, model: torch.nn.Module) -> None:
-    """Copy the safetensors weights in directory `path` into `model`'s parameters, in place.
+def load_checkpoint(path: str | Path, model: torch.nn.Module, state: TrainingState) -> LearnerState:
+    """Restore weights, optimiser, schedule and RNGs (in place) from a `save_checkpoint` dir.
 
-    Every `*.safetensors` file is read (a sharded save writes several). Keys and shapes are
-    checked first, so a mismatched checkpoint leaves the model untouched; a tied alias (e.g.
-    `lm_head.weight`, which `save_pretrained` leaves out) may be absent.
-    """
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {path}")
-    device = next(model.parameters()).device
-    weights: dict[str, torch.Tensor] = {}
-    for file in files:
-        weights.update(load_file(file, device=str(device)))
-    check_state_dict(model, weights)
-    with torch.no_grad():
-        model.load_state_dict(weights, strict=False)
-
-
-def load_checkpoint(
-    path: str | Path, model: torch.nn.Module, state: TrainingState
-) -> dict[str, int]:
-    """Restore weights (in place) and training state from a `save_checkpoint` directory.
-
-    Returns its `learner.json`: {"version": ..., "steps": ...}.
+    Called by every rank; the number of ranks may differ from the one that saved it.
     """
     directory = Path(path)
-    load_model_weights(directory, model)
-    state.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
-    state.scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=True))
-    rng = torch.load(directory / "rng.pt", weights_only=True)
-    torch.set_rng_state(rng["torch"])
+    learner = read_learner_state(directory)
+    model_state, optim_state = get_state_dict(model, state.optimizer)
+    check_model_names(directory / STATE_DIR, model_state.keys())
+    # DCP loads in place into these (resharding to this group's layout).
+    dcp_load({MODEL_KEY: model_state, OPTIM_KEY: optim_state}, checkpoint_id=directory / STATE_DIR)
+    set_state_dict(
+        model,
+        state.optimizer,
+        model_state_dict=model_state,
+        optim_state_dict=optim_state,
+        options=StateDictOptions(strict=True),
+    )
+    own = rng_file(directory, _rank())
+    rng = torch.load(own if own.exists() else rng_file(directory, 0), weights_only=True)
+    if own.exists():
+        torch.set_rng_state(rng["torch"])
     state.generator.set_state(rng["generator"])
-    return read_learner_state(directory)
+    state.scheduler.load_state_dict(rng["scheduler"])
+    return learner
 
 
-def read_learner_state(path: str | Path) -> dict[str, int]:
-    """The `learner.json` of a checkpoint directory: {"version": ..., "steps": ...}."""
-    data = json.loads((Path(path) / LEARNER_STATE).read_text())
-    return {"version": int(data["version"]), "steps": int(data["steps"])}
+class CheckpointMismatchError(ValueError):
+    """A checkpoint whose weights are not those of the model it is loaded into."""
+
+
+def check_model_names(state_dir: Path, names: Iterable[str]) -> None:
+    """Refuse a DCP checkpoint whose model weights have other names than `names` (DCP itself
+    would load the common ones and silently leave the rest)."""
+    prefix = f"{MODEL_KEY}."
+    stored = {
+        key.removeprefix(prefix)
+        for key in FileSystemReader(state_dir).read_metadata().state_dict_metadata
+        if key.startswith(prefix)
+    }
+    wanted = set(names)
+    if stored != wanted:
+        raise CheckpointMismatchError(
+            f"{state_dir} holds the weights of another model: missing "
+            f"{sorted(wanted - stored)[:10]}, unexpected {sorted(stored - wanted)[:10]}"
+        )
+
+
+def read_learner_state(path: str | Path) -> LearnerState:
+    """The `learner.json` of a checkpoint directory; a clear error for a foreign directory."""
+    file = Path(path) / LEARNER_STATE
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+        return LearnerState(
+            version=int(data["version"]),
+            steps=int(data["steps"]),
+            world_size=int(data.get("world_size", 1)),
+            compute_dtype=str(data.get("compute_dtype", "float32")),
+        )
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{file} is not a learner checkpoint's state: {error}") from None

@@ -1,10 +1,16 @@
-"""Log-probs of the sampled response tokens under the learner's current weights.
+"""Log-probs of the sampled response tokens under the learner's current weights, in chunks.
 
 The logits are divided by the sampling temperature before the softmax, because the behaviour
 log-probs were taken at that temperature (as verl does): with the weights that generated a batch
 and temperature-only sampling (top_k 0, top_p 1), the result equals the behaviour log-probs up to
 float32 summation order. Top-k / top-p truncation is NOT reproduced: against a truncated
 behaviour distribution the on-policy ratio is pi_T(y) / pi_trunc(y) <= 1, not 1.
+
+Memory: the decoder runs once over input_ids [B, P+T]; only the hidden states of the valid
+response positions (N of them) are projected to the vocabulary, `chunk_tokens` positions at a
+time, each chunk in float32 and under activation checkpointing, so neither the forward nor the
+backward ever holds more than [chunk_tokens, V] float32 logits (an 8k-token row of a 152k
+vocabulary: 5 GB at once unchunked, 0.6 GB per 1,024-token chunk).
 
 A position whose logits hold NaN or +inf (an overflow, a poisoned weight) gets log-prob NaN, and
 its logits are replaced by zeros before the softmax, so that no NaN reaches the gradient of the
@@ -15,37 +21,26 @@ other tokens: the loss then masks and counts that token like any other non-finit
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from kpo_core.losses import token_entropy
 from services.learner.batch import TrainingBatch
 
 
-def response_logprobs(
-    model: torch.nn.Module, batch: TrainingBatch, temperature: float, with_entropy: bool
-) -> tuple[Tensor, Tensor | None]:
-    """log pi(y_t | prompt, y_<t) of each response token, and optionally the token entropy.
+def chunk_logprobs(
+    hidden: Tensor, head: nn.Module, targets: Tensor, temperature: float, with_entropy: bool
+) -> tuple[Tensor, Tensor]:
+    """log pi(target) and (if asked, detached) entropy of one chunk of positions.
 
-    One forward over input_ids [B, P+T]; only the last T+1 positions are projected to the
-    vocabulary (`logits_to_keep`), and the last of those (which predicts past the padded end)
-    is dropped, leaving the logits at columns P-1 .. P+T-2 that predict response slots 0..T-1:
+    hidden [n, H] in the compute dtype; targets [n] int64. Returns logp [n] float32 (NaN where
+    the position's logits are not finite) and entropy [n] float32 (zeros unless with_entropy):
 
-        logp[b, t] = (l[b, t, y_bt] - logsumexp_v l[b, t, v]),   l = logits / temperature
-
-    computed in float32 whatever the model's dtype. Returns logp [B, T] float32 (differentiable,
-    0 off the response mask, NaN where the position's logits are not finite) and, with
-    `with_entropy`, the entropy of softmax(l) [B, T] float32 (detached: it is a metric; finite
-    everywhere, meaningless where logp is NaN), else None.
+        logp = l[y] - logsumexp_v l[v],   l = head(hidden).float() / temperature
     """
-    width = batch.response_width
-    output = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        logits_to_keep=width + 1,
-        use_cache=False,
-    )
-    logits = output.logits[:, :-1, :].float() / temperature  # [B, T, V]
+    logits = head(hidden)
+    # float32 at least (float64 stays float64: the equivalence tests run in it).
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # [n, V]
     log_z = torch.logsumexp(logits, dim=-1)
     # log Z is NaN or inf exactly when a logit of the position is NaN or +inf (or all are -inf).
     bad = ~torch.isfinite(log_z)
@@ -53,30 +48,100 @@ def response_logprobs(
         # where(), not a product: the gradient of the replaced logits is exactly 0, not 0 * NaN.
         logits = torch.where(bad.unsqueeze(-1), 0.0, logits)
         log_z = torch.logsumexp(logits, dim=-1)
-    chosen = logits.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
+    chosen = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     logp = torch.where(bad, torch.nan, chosen - log_z)
-    logp = torch.where(batch.response_mask, logp, 0.0)
-    entropy = None
     if with_entropy:
         with torch.no_grad():
             entropy = token_entropy(logits.detach())
+    else:
+        entropy = torch.zeros_like(log_z).detach()
     return logp, entropy
+
+
+class ResponseLogProbs(nn.Module):
+    """A causal LM seen as the function batch -> (response log-probs, token entropy).
+
+    Wrapping the model makes this the one forward the learner calls: under FSDP2 the wrapper is
+    the root module, so the embedding, final norm and output head (the root's parameters) are
+    gathered for exactly this forward and its backward, and the chunked head runs inside it.
+    `policy` is the Hugging Face model, whose parameter names the checkpoints keep.
+    """
+
+    def __init__(self, policy: nn.Module, chunk_tokens: int) -> None:
+        super().__init__()
+        self.policy = policy
+        self.chunk_tokens = chunk_tokens
+
+    def forward(
+        self, batch: TrainingBatch, temperature: float, with_entropy: bool
+    ) -> tuple[Tensor, Tensor]:
+        """logp [B, T] float32 (float64 for a float64 model; 0 off the response mask, NaN
+        where the logits are not finite) and entropy [B, T] float32 (detached; 0 off the
+        mask, and everywhere unless `with_entropy`). Differentiable in the policy's
+        parameters when grad is enabled."""
+        width = batch.response_width
+        decoder = self.policy.get_decoder()  # type: ignore[operator]
+        hidden = decoder(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            use_cache=False,
+        ).last_hidden_state
+        # Columns P-1 .. P+T-2 predict response slots 0 .. T-1.
+        total = hidden.shape[1]
+        predicting = hidden[:, total - width - 1 : total - 1]
+        mask = batch.response_mask
+        # With no response token to score (empty responses, a rank's filler pass), one ghost
+        # position keeps the head in the graph with a zero gradient: every rank of an FSDP
+        # group must reduce the same gradients, whatever its rows.
+        ghost = not bool(mask.any())
+        if ghost:
+            states, targets = hidden[:1, -1], batch.input_ids[:1, -1]  # [1, H], [1]
+        else:
+            states, targets = predicting[mask], batch.response_ids[mask]  # [N, H], [N]
+        head = self.policy.get_output_embeddings()  # type: ignore[operator]
+        parts_logp, parts_entropy = [], []
+        for start in range(0, int(targets.shape[0]), self.chunk_tokens):
+            end = start + self.chunk_tokens
+            args = (states[start:end], head, targets[start:end], temperature, with_entropy)
+            if torch.is_grad_enabled():
+                # The chunk's [n, V] logits are recomputed in the backward, not kept.
+                logp, entropy = checkpoint(chunk_logprobs, *args, use_reentrant=False)
+            else:
+                logp, entropy = chunk_logprobs(*args)
+            parts_logp.append(logp)
+            parts_entropy.append(entropy)
+        logp, entropy = torch.cat(parts_logp), torch.cat(parts_entropy).detach()
+        zeros = hidden.new_zeros(mask.shape, dtype=logp.dtype)
+        if ghost:
+            # where(), not a product: the ghost's log-prob may be NaN.
+            return zeros + torch.where(
+                torch.zeros((), dtype=torch.bool, device=logp.device), logp.sum(), 0.0
+            ), zeros
+        entropy_out = torch.zeros_like(zeros, dtype=entropy.dtype).masked_scatter(mask, entropy)
+        return zeros.masked_scatter(mask, logp), entropy_out
+
+
+def response_logprobs(
+    model: ResponseLogProbs, batch: TrainingBatch, temperature: float, with_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    """`model(batch, ...)`: logp [B, T] and, with `with_entropy`, the entropy [B, T] (else None)."""
+    logp, entropy = model(batch, temperature, with_entropy)
+    return logp, entropy if with_entropy else None
 
 
 @torch.no_grad()
 def reference_logprobs(
-    model: torch.nn.Module, batch: TrainingBatch, temperature: float, chunks: int
+    model: ResponseLogProbs, batch: TrainingBatch, temperature: float, parts: list[Tensor]
 ) -> Tensor:
-    """`response_logprobs` without gradient, [B, T], computed `chunks` row slices at a time.
+    """`response_logprobs` without gradient, [B, T], computed one row set of `parts` at a time.
 
-    Used for the proximal log-probs at the start of a step; chunking bounds the activation
-    memory to that of one minibatch.
+    Used for the proximal log-probs at the start of a step; `parts` are the micro-batches'
+    rows, so the activation memory is that of one micro-batch.
     """
-    parts = []
-    for rows in torch.tensor_split(torch.arange(batch.num_rows), chunks):
-        if rows.numel():
-            logp, _ = response_logprobs(
-                model, batch.select(rows.to(batch.input_ids.device)), temperature, False
-            )
-            parts.append(logp)
-    return torch.cat(parts)
+    out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=batch.device)
+    for rows in parts:
+        part = batch.select(rows).cropped()
+        logp, _ = response_logprobs(model, part, temperature, False)
+        out[rows, : part.response_width] = logp
+    return out

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from kpo_core.config import EstimatorConfig
 from kpo_core.diagnostics import ratio_diagnostics
-from kpo_core.ratios import MAX_ABS_LOG_RATIO, get_estimator, masked_log_ratio
+from kpo_core.ratios import MAX_ABS_LOG_RATIO, masked_log_ratio
 from services.learner.batch import TrainingBatch
 
 # Counts: summed over a step's minibatches (present even when every minibatch was skipped).
@@ -80,22 +80,68 @@ def masked_mean(values: Tensor, mask: Tensor) -> float:
 
 
 @torch.no_grad()
-def ratio_views(
-    config: EstimatorConfig, logp: Tensor, ref_logp: Tensor, advantages: Tensor, mask: Tensor
-) -> tuple[Tensor, Tensor]:
-    """Detached raw and estimator ratios [B, T] of one minibatch, 1 off the mask.
+def raw_ratios(logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
+    """Detached raw ratios exp(clamp(z, -20, 20)) [B, T] with z = logp - ref_logp, 1 off `mask`.
 
-    raw = exp(clamp(z, -20, 20)) with z = logp - ref_logp; estimator = the `RatioEstimate.ratio`
-    of `config`'s estimator (for KPO the filtered ratio exp(min(x_t, max_log_ratio))). Inputs are
-    zeroed off the mask first, as the estimators expect; advantages [B] are broadcast to [B, T].
+    The estimator's own ratio comes with its loss (`TokenPolicyLoss.ratio`): the estimator is
+    never run a second time for the metrics.
     """
-    logp = torch.where(mask, logp.detach(), 0.0)
-    ref_logp = torch.where(mask, ref_logp, 0.0)
-    raw = masked_log_ratio(logp, ref_logp, mask).clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO).exp()
-    adv = torch.where(mask, advantages.unsqueeze(-1).expand(mask.shape), 0.0)
-    estimate = get_estimator(config.name).estimate(logp, ref_logp, adv, mask, config)
-    one = torch.ones((), dtype=raw.dtype, device=raw.device)
-    return torch.where(mask, raw, one), torch.where(mask, estimate.ratio.float(), one)
+    z = masked_log_ratio(logp.detach(), ref_logp, mask)
+    raw = z.clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO).exp()
+    return torch.where(mask, raw, torch.ones((), dtype=raw.dtype, device=raw.device))
+
+
+@dataclass(frozen=True)
+class MicroBatchRecord:
+    """What one micro-batch's loss reports: its loss metrics (`token_policy_loss`'s, plus
+    entropy), its valid token count, and its detached raw and estimator ratios with the mask
+    [b, t] the loss used."""
+
+    metrics: dict[str, float]
+    tokens: float
+    raw: Tensor
+    filtered: Tensor
+    mask: Tensor
+
+
+@dataclass(frozen=True)
+class MergedRecord:
+    metrics: dict[str, float]
+    tokens: float
+
+
+def merge_micro_batches(records: Sequence[MicroBatchRecord]) -> MergedRecord:
+    """The loss metrics of a minibatch from those of its micro-batches (of every rank).
+
+    Every loss metric is a mean over valid tokens (clip_fraction, ratio_mean, approx_kl,
+    entropy, the Kalman gain, the behaviour-weight statistics), a max or min (`*_max`,
+    `*_min`), or a count (SUMMED): means are weighted by the parts' valid tokens, so the merged
+    record equals that of the unsplit minibatch. Parts without a valid token report placeholder
+    values and are left out, unless no part has one.
+    """
+    with_tokens = [r for r in records if r.tokens > 0] or list(records[:1])
+    total = sum(r.tokens for r in records)
+    keys = dict.fromkeys(key for r in records for key in r.metrics)
+    out: dict[str, float] = {}
+    for key in keys:
+        if key in SUMMED:
+            out[key] = float(sum(r.metrics.get(key, 0.0) for r in records))
+            continue
+        present = [r for r in with_tokens if key in r.metrics]
+        if not present:
+            continue
+        values = [r.metrics[key] for r in present]
+        if key.endswith("_max"):
+            out[key] = max(values)
+        elif key.endswith("_min"):
+            out[key] = min(values)
+        else:
+            weight = sum(r.tokens for r in present)
+            if weight == 0:
+                out[key] = values[0]
+            else:
+                out[key] = sum(r.tokens * v for r, v in zip(present, values, strict=True)) / weight
+    return MergedRecord(out, total)
 
 
 def diagnostic_metrics(prefix: str, ratios: Tensor, mask: Tensor) -> dict[str, float]:

@@ -8,13 +8,18 @@ One step (`LearnerCore.train_step`), as in DESIGN.md's data flow:
    generation, or proximal log-probs recomputed under the current weights (then the decoupled-PPO
    behaviour weights pi_prox / pi_behaviour of `algorithm.off_policy` apply, AReaL);
 4. `ppo_epochs` passes of `minibatches` optimiser steps each, over a seeded permutation of the
-   rows: forward, `compute_policy_loss` (the configured estimator: KPO by default), backward,
-   gradient clipping, AdamW step. A minibatch whose loss or gradient norm is not finite is
-   skipped (no update) and counted;
+   rows. Each minibatch is dealt to the ranks and packed into micro-batches under
+   `learner.micro_batch_tokens` (`micro_batches.plan_minibatch`); per micro-batch: forward
+   (chunked log-probs), `token_policy_loss` (the configured estimator: KPO by default),
+   aggregation normalised by the whole minibatch's counts, backward. Then gradient clipping
+   and one AdamW step. A minibatch whose loss or gradient norm is not finite is skipped (no
+   update) and counted;
 5. the learning-rate schedule advances once, the version increments, and one metrics record is
-   returned; the caller publishes `state_dict_for_publish()`.
+   returned (by rank 0); the caller publishes `state_dict_for_publish()`.
 
-Dropout stays off (the model is kept in eval mode): with it, even on-policy ratios would not be 1.
+Every rank of a learner group runs this same code on the same batch (the plan tells each its
+rows); a `single` learner is a group of one. Dropout stays off (the model is kept in eval
+mode): with it, even on-policy ratios would not be 1.
 
 Bad numbers never stop a run under `learner.nonfinite="mask"` (the default), and never reach the
 parameters: NaN/inf rewards drop their response, NaN/inf log-probs (behaviour, proximal or the
@@ -32,23 +37,35 @@ from pathlib import Path
 import torch
 from torch import Tensor
 from torch.optim.lr_scheduler import LambdaLR
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoTokenizer
 
 from kpo_core.advantages import group_advantages
 from kpo_core.config import AlgorithmConfig, LearnerConfig
-from kpo_core.losses import NonFiniteInputError, compute_policy_loss
+from kpo_core.losses import (
+    LossNormaliser,
+    NonFiniteInputError,
+    aggregate_loss,
+    token_policy_loss,
+)
 from services.learner import checkpoint
 from services.learner.batch import TrainingBatch, collate
+from services.learner.distributed import RankGroup
+from services.learner.export import write_hf_files
 from services.learner.logprobs import reference_logprobs, response_logprobs
 from services.learner.metrics import (
     PER_PASS,
+    MicroBatchRecord,
     batch_metrics,
     diagnostic_metrics,
     finite_mask,
     masked_mean,
-    ratio_views,
+    merge_micro_batches,
+    raw_ratios,
     reduce_minibatches,
 )
+from services.learner.micro_batches import MicroBatch, plan_minibatch
+from services.learner.publish import full_state_dict
+from services.learner.sharding import build_policy, compute_context, compute_dtype
 from services.messages import ScoredGroup
 
 
@@ -66,7 +83,7 @@ def linear_warmup(warmup_steps: int) -> Callable[[int], float]:
 
 @dataclass(frozen=True)
 class Minibatch:
-    """The rows of one optimiser step and what their loss needs.
+    """The rows of one optimiser step (or one micro-batch of it) and what their loss needs.
 
     rows [b]: the rows' indices in the step's batch; advantages [b]; ref_logp [b, T] (behaviour
     or proximal); behaviour_logp [b, T] when the reference is proximal (decoupled-PPO weights),
@@ -79,38 +96,81 @@ class Minibatch:
     ref_logp: Tensor
     behaviour_logp: Tensor | None
 
+    def valid(self) -> Tensor:
+        """[b, T] bool: the tokens the loss can use, as far as known before the forward."""
+        advantages = self.advantages.unsqueeze(-1).expand(self.ref_logp.shape)
+        extra = () if self.behaviour_logp is None else (self.behaviour_logp,)
+        return finite_mask(self.batch.response_mask, self.ref_logp, advantages, *extra)
+
+    def part(self, micro: MicroBatch) -> Minibatch:
+        """The micro-batch's rows, cropped to their own widths (a filler carries no loss)."""
+        index = torch.tensor(micro.rows, dtype=torch.long, device=self.rows.device)
+        batch = self.batch.select(index).cropped()
+        width = batch.response_width
+        if micro.filler:
+            batch = replace(batch, response_mask=torch.zeros_like(batch.response_mask))
+        behaviour = self.behaviour_logp
+        return Minibatch(
+            batch,
+            self.rows[index],
+            self.advantages[index],
+            self.ref_logp[index, :width],
+            None if behaviour is None else behaviour[index, :width],
+        )
+
 
 @dataclass
 class RatioLog:
-    """Detached raw and estimator ratios [b, T] of every minibatch of a step, with their masks
-    (every epoch: the step's diagnostics), and what `save` writes of the first epoch's rows."""
+    """Detached raw and estimator ratios of every micro-batch of a step with their masks, padded
+    to the batch's response width (every epoch: the step's diagnostics), and what `save`
+    writes of the first epoch's rows."""
 
+    width: int
     raw: list[Tensor] = field(default_factory=list)
     filtered: list[Tensor] = field(default_factory=list)
     masks: list[Tensor] = field(default_factory=list)
     first_epoch: list[dict[str, Tensor]] = field(default_factory=list)
 
-    def add(self, raw: Tensor, filtered: Tensor, mask: Tensor, part: Minibatch | None) -> None:
-        """Log one minibatch; `part` is given for first-epoch minibatches only."""
+    def _pad(self, values: Tensor, fill: float | bool) -> Tensor:
+        return torch.nn.functional.pad(values, (0, self.width - values.shape[-1]), value=fill)
+
+    def add(
+        self, raw: Tensor, filtered: Tensor, mask: Tensor, part: Minibatch, minibatch: int | None
+    ) -> None:
+        """Log one micro-batch; `minibatch` (its index) is given in the first epoch only."""
+        raw, filtered = self._pad(raw.cpu(), 1.0), self._pad(filtered.float().cpu(), 1.0)
+        mask = self._pad(mask.cpu(), False)
         self.raw.append(raw)
         self.filtered.append(filtered)
         self.masks.append(mask)
-        if part is not None:
+        if minibatch is not None:
             self.first_epoch.append(
                 {
-                    "log_ratio": raw.log().cpu(),
-                    "mask": mask.cpu(),
+                    "log_ratio": raw.log(),
+                    "mask": mask,
                     "row": part.rows.cpu(),
                     "staleness": part.batch.staleness.cpu(),
                     "advantage": part.advantages.detach().float().cpu(),
+                    "minibatch": torch.full((part.batch.num_rows,), minibatch),
                 }
             )
 
+    def merge(self, others: Sequence[RatioLog]) -> RatioLog:
+        """One log of several ranks' logs."""
+        merged = RatioLog(self.width)
+        for log in others:
+            merged.raw += log.raw
+            merged.filtered += log.filtered
+            merged.masks += log.masks
+            merged.first_epoch += log.first_epoch
+        return merged
+
     def save(self, path: Path, version: int) -> None:
         """Write the first epoch's log-ratios for offline analysis (format: `ratio_file`)."""
-        record = {key: torch.cat([m[key] for m in self.first_epoch]) for key in RATIO_FILE_ROWS}
-        sizes = torch.tensor([len(m["row"]) for m in self.first_epoch])
-        record["minibatch"] = torch.repeat_interleave(torch.arange(len(sizes)), sizes)
+        keys = (*RATIO_FILE_ROWS, "minibatch")
+        rows = {key: torch.cat([m[key] for m in self.first_epoch]) for key in keys}
+        order = torch.argsort(rows["minibatch"] * (rows["row"].max() + 1) + rows["row"])
+        record = {key: value[order] for key, value in rows.items()}
         record["version"] = torch.tensor(version)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".partial")
@@ -133,15 +193,26 @@ def ratio_file(ratio_dir: Path, version: int) -> Path:
     """Where the log-ratios of the step that started from version `version` are saved.
 
     The file (named after the step, version + 1) is a torch dict of the first epoch's rows in
-    minibatch order: log_ratio [N, T] float32 (log of the raw ratio, z clamped to +-20, 0 off
-    the mask), mask [N, T] bool, row [N] (the row's index in the step's batch), staleness [N],
-    advantage [N], minibatch [N]; and version (the weights the step started from).
+    minibatch order, rows ascending within a minibatch: log_ratio [N, T] float32 (log of the raw
+    ratio, z clamped to +-20, 0 off the mask), mask [N, T] bool, row [N] (the row's index in the
+    step's batch), staleness [N], advantage [N], minibatch [N]; and version (the weights the step
+    started from).
     """
     return ratio_dir / f"step-{version + 1:06d}.pt"
 
 
+def resolve_device(name: str) -> torch.device:
+    """The learner's device: `cuda` means the (first) GPU Ray assigned to this rank."""
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
 class LearnerCore:
-    """Model, AdamW optimiser, warm-up schedule and version of one learner (see module doc)."""
+    """Model, AdamW optimiser, warm-up schedule and version of one learner rank (module doc)."""
 
     def __init__(
         self,
@@ -152,13 +223,15 @@ class LearnerCore:
         seed: int = 0,
         num_threads: int | None = None,
         ratio_dir: str | Path | None = None,
+        group: RankGroup | None = None,
     ) -> None:
         """Load the model and tokenizer from `model_path`; version 0 is those weights.
 
         `temperature` is the generation temperature (the learner divides logits by it);
         `seed` seeds the minibatch permutations; `num_threads`, when given, is passed to
         torch.set_num_threads (a process-wide setting); `ratio_dir` receives the log-ratio
-        files of `learner.record_ratios_every` (`ratio_file`).
+        files of `learner.record_ratios_every` (`ratio_file`). `group`: this rank's place in a
+        learner group whose process group is joined already (default: a group of one).
         """
         if not temperature > 0:
             raise ValueError(
@@ -167,18 +240,14 @@ class LearnerCore:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self.learner, self.algorithm, self.temperature = learner, algorithm, temperature
+        self.group = group or RankGroup()
         self.model_path = str(model_path)
         self.ratio_dir = None if ratio_dir is None else Path(ratio_dir)
-        self.device = torch.device(learner.device)
+        self.device = resolve_device(learner.device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         pad_id = self.tokenizer.pad_token_id
         self.pad_id = int(pad_id if pad_id is not None else (self.tokenizer.eos_token_id or 0))
-        model = AutoModelForCausalLM.from_pretrained(
-            self.model_path, dtype=getattr(torch, learner.dtype)
-        )
-        # transformers declares `to` through functools.wraps(nn.Module.to), which mypy reads as
-        # the unbound function.
-        self.model: PreTrainedModel = model.to(self.device).eval()  # type: ignore[arg-type]
+        self.model = build_policy(self.model_path, learner, self.group, self.device)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=learner.lr,
@@ -200,14 +269,16 @@ class LearnerCore:
 
         Batch statistics (reward_*, accuracy, response_length_mean, truncated_fraction,
         zero_variance_group_fraction, nonfinite_rewards, empty_responses, staleness_*,
-        tokens_trained) are over the batch, once. Loss metrics are per minibatch, then reduced
-        (`reduce_minibatches`): `*_max` max, `*_min` min, skipped_minibatches and
+        tokens_trained) are over the batch, once. Loss metrics are per minibatch (its
+        micro-batches and ranks merged by `merge_micro_batches`), then reduced over the
+        minibatches (`reduce_minibatches`): `*_max` max, `*_min` min, skipped_minibatches and
         empty_minibatches summed, nonfinite_tokens and extreme_ratio_tokens summed and divided
         by the epochs, the rest averaged over minibatches where finite (so grad_norm is absent
         when no minibatch was trained). entropy is from the first epoch (each row once).
         raw_* / filtered_* are `ratio_diagnostics` of the raw ratios exp(z) and of the
         estimator's ratios over all minibatches of the step. lr is the rate this step used;
-        policy_version the version after it.
+        policy_version the version after it; micro_batches the forward passes of each rank;
+        learner_world_size the ranks.
 
         A response whose reward is NaN/inf is left out of its group's advantages and of the
         loss (its tokens are masked). With `nonfinite="raise"` a NaN/inf reward raises
@@ -230,26 +301,35 @@ class LearnerCore:
         ref_logp, behaviour_logp = self._references(batch)
         lr = float(self.scheduler.get_last_lr()[0])
         records: list[dict[str, float]] = []
-        ratios = RatioLog()
+        ratios = RatioLog(batch.response_width)
+        passes = 0
         for epoch in range(self.learner.ppo_epochs):
-            for rows in self._minibatch_rows(batch.num_rows):
+            for index, rows in enumerate(self._minibatch_rows(batch.num_rows)):
                 behaviour = None if behaviour_logp is None else behaviour_logp[rows]
                 part = Minibatch(
                     batch.select(rows), rows, advantages[rows], ref_logp[rows], behaviour
                 )
-                records.append(self._train_minibatch(part, epoch == 0, ratios))
+                record, count = self._train_minibatch(part, index if epoch == 0 else None, ratios)
+                records.append(record)
+                passes += count
         self.scheduler.step()
         self._version += 1
         self._steps += 1
+        ratios = ratios.merge(self.group.gather(ratios))
         every = self.learner.record_ratios_every
-        if every and self.ratio_dir is not None and self._version % every == 0:
+        if every and self.ratio_dir and self._version % every == 0 and self.group.rank == 0:
             ratios.save(ratio_file(self.ratio_dir, self._version - 1), self._version - 1)
         metrics.update(reduce_minibatches(records))
         metrics.update(ratios.metrics())
         for key in PER_PASS:
             # A count per pass over the batch, like tokens_trained (not multiplied by the epochs).
             metrics[key] /= self.learner.ppo_epochs
-        metrics.update(lr=lr, policy_version=float(self._version))
+        metrics.update(
+            lr=lr,
+            policy_version=float(self._version),
+            micro_batches=float(passes),
+            learner_world_size=float(self.group.world_size),
+        )
         return metrics
 
     def _advantages(self, batch: TrainingBatch) -> Tensor:
@@ -259,13 +339,31 @@ class LearnerCore:
             batch.rewards, batch.group_ids, cfg.mode, cfg.eps, cfg.std_unbiased, nonfinite="drop"
         ).float()
 
+    def _plan(self, batch: TrainingBatch) -> list[MicroBatch]:
+        """This rank's passes over `batch` (every rank computes every rank's plan alike)."""
+        real = batch.attention_mask.bool()
+        width_p = batch.prompt_width
+        prompts = real[:, :width_p].sum(-1).tolist()
+        responses = real[:, width_p:].sum(-1).tolist()
+        world, budget = self.group.world_size, self.learner.micro_batch_tokens
+        return plan_minibatch(prompts, responses, world, budget)[self.group.rank]
+
     def _references(self, batch: TrainingBatch) -> tuple[Tensor, Tensor | None]:
-        """(ref_logp [B, T], behaviour_logp [B, T] or None) for `algorithm.reference`."""
+        """(ref_logp [B, T], behaviour_logp [B, T] or None) for `algorithm.reference`.
+
+        Proximal log-probs: each rank computes its share of the rows under the step's starting
+        weights, and the shares are summed over the ranks (each row is 0 on the other ranks).
+        """
         if self.algorithm.reference == "behaviour":
             return batch.behaviour_logp, None
-        chunks = self.learner.minibatches
-        proximal = reference_logprobs(self.model, batch, self.temperature, chunks)
-        return proximal, batch.behaviour_logp
+        plan = self._plan(batch)
+        rows = [torch.tensor(micro.rows, device=self.device) for micro in plan if not micro.filler]
+        fillers = [torch.tensor(micro.rows, device=self.device) for micro in plan if micro.filler]
+        with compute_context(self.learner, self.device):
+            proximal = reference_logprobs(self.model, batch, self.temperature, rows)
+            # Filler passes keep the ranks' collectives in step; their values are dropped.
+            reference_logprobs(self.model, batch, self.temperature, fillers)
+        return self.group.sum(proximal), batch.behaviour_logp
 
     def _minibatch_rows(self, num_rows: int) -> list[Tensor]:
         """Row indices of each minibatch: `minibatches` slices of a fresh seeded permutation."""
@@ -274,47 +372,40 @@ class LearnerCore:
         return [rows.to(self.device) for rows in slices if rows.numel()]
 
     def _train_minibatch(
-        self, part: Minibatch, with_entropy: bool, ratios: RatioLog
-    ) -> dict[str, float]:
-        """Forward, loss, backward and (if everything is finite) one optimiser step.
+        self, minibatch: Minibatch, index: int | None, ratios: RatioLog
+    ) -> tuple[dict[str, float], int]:
+        """This rank's micro-batches of one minibatch, then (if everything is finite) one
+        optimiser step. Returns the minibatch's metrics and this rank's forward passes.
 
-        No backward and no step when no valid token is left: counted as skipped_minibatches if
-        the minibatch had tokens (all NaN/inf), else as empty_minibatches (nothing to train).
+        `index` (the minibatch's) is given in the first epoch, which also measures entropy.
+        No step when no valid token is left: counted as skipped_minibatches if the minibatch
+        had tokens (all NaN/inf), else as empty_minibatches (nothing to train).
         """
         self.optimizer.zero_grad(set_to_none=True)
-        logp, entropy = response_logprobs(self.model, part.batch, self.temperature, with_entropy)
-        mask = part.batch.response_mask
-        algorithm = self.algorithm
-        loss, metrics = compute_policy_loss(
-            algorithm.estimator,
-            logp,
-            part.ref_logp,
-            part.advantages,
-            mask,
-            behaviour_logp=part.behaviour_logp,
-            correction=algorithm.off_policy,
-            loss_agg_mode=algorithm.resolved_loss_agg_mode,
-            norm_length=algorithm.norm_length,
-            nonfinite=self.learner.nonfinite,
-        )
-        extra = () if part.behaviour_logp is None else (part.behaviour_logp,)
-        advantages = part.advantages.unsqueeze(-1).expand(mask.shape)
-        valid = finite_mask(mask, logp.detach(), part.ref_logp, advantages, *extra)
-        views = ratio_views(algorithm.estimator, logp, part.ref_logp, part.advantages, valid)
-        ratios.add(*views, valid, part if with_entropy else None)
-        loss_value = float(loss.detach())
-        if entropy is not None:
-            metrics["entropy"] = masked_mean(entropy, valid)
-        if not bool(valid.any()):
-            # Nothing to learn from; a backward pass could only bring 0 * NaN into the gradient.
-            had_tokens = bool(mask.any())
+        normaliser = LossNormaliser.of(minibatch.valid())
+        plan = self._plan(minibatch.batch)
+        parts: list[MicroBatchRecord] = []
+        loss_sum = 0.0
+        for micro in plan:
+            part = minibatch.part(micro)
+            record, loss_value = self._train_micro_batch(part, normaliser, index is not None)
+            loss_sum += loss_value
+            if not micro.filler:
+                parts.append(record)
+                ratios.add(record.raw, record.filtered, record.mask, part, index)
+        merged = merge_micro_batches([r for rank in self.group.gather(parts) for r in rank])
+        metrics = merged.metrics
+        loss_value = self.group.sum_floats([loss_sum], self.device)[0]
+        valid = merged.tokens  # over every rank already
+        had_tokens = bool(minibatch.batch.response_mask.any())
+        if valid == 0:
+            self.optimizer.zero_grad(set_to_none=True)
             metrics.update(
                 policy_loss=loss_value,
                 skipped_minibatches=float(had_tokens),
                 empty_minibatches=float(not had_tokens),
             )
-            return metrics
-        torch.autograd.backward(loss)
+            return metrics, len(plan)
         grad_norm = self._clip_gradients()
         applied = math.isfinite(loss_value) and math.isfinite(grad_norm)
         if applied:
@@ -327,10 +418,50 @@ class LearnerCore:
             skipped_minibatches=float(not applied),
             empty_minibatches=0.0,
         )
-        return metrics
+        return metrics, len(plan)
+
+    def _train_micro_batch(
+        self, part: Minibatch, normaliser: LossNormaliser, with_entropy: bool
+    ) -> tuple[MicroBatchRecord, float]:
+        """Forward, loss (normalised by the whole minibatch), backward of one micro-batch."""
+        algorithm = self.algorithm
+        with compute_context(self.learner, self.device):
+            logp, entropy = response_logprobs(
+                self.model, part.batch, self.temperature, with_entropy
+            )
+        token_loss = token_policy_loss(
+            algorithm.estimator,
+            logp,
+            part.ref_logp,
+            part.advantages,
+            part.batch.response_mask,
+            behaviour_logp=part.behaviour_logp,
+            correction=algorithm.off_policy,
+            nonfinite=self.learner.nonfinite,
+        )
+        mode = algorithm.resolved_loss_agg_mode
+        loss = aggregate_loss(
+            token_loss.per_token, token_loss.mask, mode, algorithm.norm_length, normaliser
+        )
+        # Every rank runs every backward (FSDP's gradient reductions are collectives); where()
+        # in the loss keeps masked and non-finite tokens' gradients exactly 0.
+        torch.autograd.backward(loss)
+        valid = token_loss.mask
+        metrics = dict(token_loss.metrics)
+        if entropy is not None:
+            metrics["entropy"] = masked_mean(entropy, valid)
+        record = MicroBatchRecord(
+            metrics,
+            tokens=float(valid.sum()),
+            raw=raw_ratios(logp, part.ref_logp, valid),
+            filtered=token_loss.ratio,
+            mask=valid,
+        )
+        return record, float(loss.detach())
 
     def _clip_gradients(self) -> float:
-        """Total gradient 2-norm before clipping; clipped to `max_grad_norm` unless it is None."""
+        """Total gradient 2-norm before clipping (over every rank's shard); clipped to
+        `max_grad_norm` unless it is None."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         if not params:
             return 0.0
@@ -338,33 +469,32 @@ class LearnerCore:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         else:
             norm = torch.nn.utils.clip_grad_norm_(params, self.learner.max_grad_norm)
-        return float(norm)
+        full = getattr(norm, "full_tensor", None)  # a DTensor under FSDP2
+        return float(full() if full is not None else norm)
 
     def state_dict_for_publish(self) -> dict[str, Tensor]:
-        """Detached CPU copies of the model's state dict, for generation workers' `load_weights`.
-
-        Tied tensors (e.g. input embedding and lm_head) are copied once and shared.
-        """
-        copies: dict[tuple[int, tuple[int, ...]], Tensor] = {}
-        out: dict[str, Tensor] = {}
-        for key, tensor in self.model.state_dict().items():
-            ident = (tensor.data_ptr(), tuple(tensor.shape))
-            if ident not in copies:
-                copies[ident] = tensor.detach().to("cpu", copy=True)
-            out[key] = copies[ident]
-        return out
+        """The full weights in the compute dtype on CPU, for generation workers' `load_weights`
+        (every rank takes part; rank 0 gets them, the others an empty dict). Tied tensors
+        (e.g. input embedding and lm_head) are one shared tensor."""
+        return full_state_dict(self.model.policy, compute_dtype(self.learner), self.group)
 
     def _training_state(self) -> checkpoint.TrainingState:
         return checkpoint.TrainingState(self.optimizer, self.scheduler, self.generator)
 
     def save_checkpoint(self, path: str | Path) -> Path:
-        """Write a loadable model directory plus training state into `path` (see checkpoint)."""
-        return checkpoint.save_checkpoint(
-            path, self.model, self.tokenizer, self._training_state(), self._version, self._steps
+        """Write this rank's part of a checkpoint directory at `path` (see checkpoint)."""
+        state = checkpoint.LearnerState(
+            self._version, self._steps, self.group.world_size, self.learner.compute_dtype
         )
+        policy = self.model.policy
+
+        def hf_files(directory: Path) -> None:
+            write_hf_files(policy, self.tokenizer, directory)  # type: ignore[arg-type]
+
+        return checkpoint.save_checkpoint(path, policy, hf_files, self._training_state(), state)
 
     def load_checkpoint(self, path: str | Path) -> int:
         """Restore weights (in place), optimiser, schedule, RNGs and version; return the version."""
-        state = checkpoint.load_checkpoint(path, self.model, self._training_state())
-        self._version, self._steps = state["version"], state["steps"]
+        state = checkpoint.load_checkpoint(path, self.model.policy, self._training_state())
+        self._version, self._steps = state.version, state.steps
         return self._version

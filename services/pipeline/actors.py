@@ -18,7 +18,7 @@ import ray
 
 from kpo_core.config import RunSpec
 from services.generation.worker import GenerationWorker
-from services.learner.actor import start_learner
+from services.learner.group import LearnerGroup, wait_all
 from services.reward.actor import start_verifier_actor
 
 log = logging.getLogger(__name__)
@@ -28,16 +28,23 @@ log = logging.getLogger(__name__)
 class ResourceNeeds:
     cpus: float
     gpus: float
+    custom: dict[str, float]
 
 
 def resource_needs(spec: RunSpec) -> ResourceNeeds:
-    """CPUs and GPUs the run's actors reserve in total."""
+    """CPUs, GPUs and custom resources the run's actors reserve in total."""
     gen, reward, learner = spec.generation, spec.reward, spec.learner
+    ranks = learner.world_size
+    custom: dict[str, float] = {}
+    for count, resources in ((gen.num_workers, gen.resources), (ranks, learner.resources)):
+        for name, amount in resources.items():
+            custom[name] = custom.get(name, 0.0) + count * amount
     return ResourceNeeds(
         cpus=gen.num_workers * gen.num_cpus
         + reward.num_workers * reward.num_cpus
-        + learner.num_cpus,
-        gpus=gen.num_workers * gen.num_gpus + learner.num_gpus,
+        + ranks * learner.num_cpus,
+        gpus=gen.num_workers * gen.num_gpus + ranks * learner.num_gpus,
+        custom=custom,
     )
 
 
@@ -67,6 +74,8 @@ def connect_ray(spec: RunSpec) -> None:
     ray.init(
         num_cpus=cpus,
         num_gpus=math.ceil(needs.gpus),
+        # A local instance stands for every node group at once: it has what the run asks for.
+        resources={name: float(math.ceil(amount)) for name, amount in needs.custom.items()},
         include_dashboard=False,
         runtime_env={"env_vars": ACTOR_ENV},
     )
@@ -76,7 +85,7 @@ def check_cluster_resources(spec: RunSpec) -> None:
     """Fail with a clear message when the cluster can never hold the run's actors."""
     needs = resource_needs(spec)
     total: dict[str, float] = ray.cluster_resources()  # type: ignore[no-untyped-call]
-    for name, wanted in (("CPU", needs.cpus), ("GPU", needs.gpus)):
+    for name, wanted in (("CPU", needs.cpus), ("GPU", needs.gpus), *needs.custom.items()):
         have = float(total.get(name, 0.0))
         if wanted > have:
             # An autoscaling cluster may grow into it, so this is a warning, not a refusal.
@@ -89,10 +98,11 @@ class RunActors:
 
     generation: list[Any]
     verifiers: list[Any]
-    learner: Any
+    learner: LearnerGroup
 
     def all(self) -> list[Any]:
-        return [*self.generation, *self.verifiers, self.learner]
+        """Every actor handle (the learner's ranks included)."""
+        return [*self.generation, *self.verifiers, *self.learner.ranks]
 
     def pids(self) -> dict[str, list[int]]:
         """Process ids, by role (for operators, and for tests that kill one)."""
@@ -103,24 +113,24 @@ class RunActors:
         return {
             "generation": pid_of(self.generation),
             "verifiers": pid_of(self.verifiers),
-            "learner": pid_of([self.learner]),
+            "learner": self.learner.pids(),
         }
 
     def kill(self) -> None:
-        """Stop every actor now (no restart)."""
-        for handle in self.all():
+        """Stop every actor now (no restart), the learner group's placement with it."""
+        for handle in [*self.generation, *self.verifiers]:
             try:
                 ray.kill(handle, no_restart=True)
             except Exception as error:  # an actor that is already gone is what we want
                 log.debug("kill %s: %s", handle, error)
+        self.learner.kill()
 
 
 def start_generation_worker(spec: RunSpec, model_dir: Path) -> Any:
     """One generation actor (not waited for: its first call waits for the constructor)."""
     gen = spec.generation
-    return GenerationWorker.options(num_cpus=gen.num_cpus, num_gpus=gen.num_gpus).remote(
-        gen.backend, str(model_dir), **gen.options
-    )
+    options = {"num_cpus": gen.num_cpus, "num_gpus": gen.num_gpus, "resources": gen.resources}
+    return GenerationWorker.options(**options).remote(gen.backend, str(model_dir), **gen.options)
 
 
 def start_verifier(spec: RunSpec) -> Any:
@@ -135,7 +145,7 @@ def start_verifier(spec: RunSpec) -> Any:
 
 
 def start_actors(spec: RunSpec, model_dir: Path, ratio_dir: Path | None = None) -> RunActors:
-    """Start generation workers, verifier actors and the learner; wait until all are up.
+    """Start generation workers, verifier actors and the learner group; wait until all are up.
 
     `ratio_dir`: where the learner saves log-ratios when `learner.record_ratios_every` is set.
     """
@@ -144,11 +154,14 @@ def start_actors(spec: RunSpec, model_dir: Path, ratio_dir: Path | None = None) 
             start_generation_worker(spec, model_dir) for _ in range(spec.generation.num_workers)
         ],
         verifiers=[start_verifier(spec) for _ in range(spec.reward.num_workers)],
-        learner=start_learner(spec, str(model_dir), None if ratio_dir is None else str(ratio_dir)),
+        learner=LearnerGroup(spec, str(model_dir), None if ratio_dir is None else str(ratio_dir)),
     )
     try:
         # A constructor that fails (bad model, bad backend option) surfaces here, before any work.
-        ray.get([h.__ray_call__.remote(lambda _self: None) for h in actors.all()])
+        others = [*actors.generation, *actors.verifiers]
+        wait_all(
+            [*(h.__ray_call__.remote(lambda _self: None) for h in others), *actors.learner.setup()]
+        )
     except BaseException:
         actors.kill()  # a cancel or a failure while starting leaves no actor behind
         raise

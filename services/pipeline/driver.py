@@ -10,16 +10,19 @@ synchronous mode generation is only asked for while the learner is idle and only
 batch it will train on next, which is on-policy training: the baseline every async figure is
 compared with.
 
-Weights go from the learner to the generation actors through the object store: the learner's
-`step` returns them as a second return value, stored once and owned by this process; every
-generation actor is offered the ref and fetches it when its current batch is done.
+The learner is a group of ranks (`services.learner.group`) that answers as one learner. Weights
+go from it to the generation actors through the object store: rank 0's `step` returns them as a
+second return value, stored once and owned by this process; every generation actor is offered
+the ref and fetches it when its current batch is done. At the end of a run (or a cancel) the
+final checkpoint is exported as a Hugging Face model to `RUN_DIR/model/`.
 
 Faults (docs/reliability.md): a generation actor that dies is replaced and its prompts are
 issued again; a verifier actor that dies, or hangs past `reward.call_timeout_s`, is replaced and
 its batch is scored again (twice failed: its responses are marked unverified, reward 0). Both
-draw on `pipeline.actor_replacements`. A learner that dies takes the attempt with it: every
-actor is stopped and the run resumes from its last checkpoint, up to `pipeline.learner_restarts`
-times. Nothing is trained twice: results of the lost attempt are dropped with it.
+draw on `pipeline.actor_replacements`. A learner rank that dies takes the attempt with it:
+every actor is stopped and the run resumes from its last checkpoint, up to
+`pipeline.learner_restarts` times. Nothing is trained twice: results of the lost attempt are
+dropped with it.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from ray.exceptions import RayActorError
 from kpo_core.config import RunSpec
 from services.generation.base import SamplingSettings
 from services.messages import Prompt, Response, ScoredGroup, ScoredResponse
+from services.metrics import FAULT_COUNTERS, LEARNER_TOTALS
 from services.pipeline.actors import (
     RunActors,
     check_cluster_resources,
@@ -106,22 +110,6 @@ class Counters:
         return {name: getattr(self, name) for name in FAULT_COUNTERS}
 
 
-# Per-step counts of the learner's record, summed into the run totals of the same name + _total.
-LEARNER_TOTALS = (
-    "nonfinite_rewards",
-    "nonfinite_tokens",
-    "extreme_ratio_tokens",
-    "skipped_minibatches",
-)
-FAULT_COUNTERS = (
-    "learner_restarts",
-    "generation_replacements",
-    "verifier_replacements",
-    "rescored_groups",
-    "unverified_groups",
-)
-
-
 @dataclass(frozen=True)
 class GenerationCall:
     worker: int
@@ -144,6 +132,14 @@ class ScoringCall:
 class LearnerCall:
     weights_ref: Any
     started: float
+
+
+@dataclass(frozen=True)
+class LearnerPeerCall:
+    """A step's result on a rank other than 0: watched only so that its death is noticed."""
+
+
+PendingCall = GenerationCall | ScoringCall | LearnerCall | LearnerPeerCall
 
 
 @dataclass
@@ -190,7 +186,7 @@ class RunDriver:
         self.spec = spec
         self.run_dir = run_dir
         self.observers = [run_dir, *observers]
-        self._pending: dict[Any, GenerationCall | ScoringCall | LearnerCall] = {}
+        self._pending: dict[Any, PendingCall] = {}
         self._idle_workers: list[int] = []
         self._next_verifier = 0
         self._weights_ref: Any = None  # newest published weights, kept alive while offered
@@ -290,13 +286,13 @@ class RunDriver:
     def _start(self, actors: RunActors, resumed_step: int | None) -> None:
         if resumed_step is not None and self._resume_path is not None:
             learner_dir = str(self._resume_path / LEARNER_DIR)
-            version = ray.get(actors.learner.load_checkpoint.remote(learner_dir))
+            version = actors.learner.load_checkpoint(learner_dir)
             if version != resumed_step:
                 raise RuntimeError(
                     f"checkpoint {self._resume_path} holds learner version {version}, "
                     f"expected {resumed_step}"
                 )
-            self._offer_weights(actors, version, actors.learner.initial_weights.remote())
+            self._offer_weights(actors, version, actors.learner.initial_weights())
         self._idle_workers = list(range(len(actors.generation)))
         self._throughput = _Throughput()
 
@@ -431,12 +427,12 @@ class RunDriver:
         batch = self.buffer.take_batch(pipe.batch_groups, self.counters.step)
         if batch is None:
             return
-        metrics_ref, weights_ref = actors.learner.step.options(num_returns=2).remote(batch)
-        self._pending[metrics_ref] = LearnerCall(weights_ref, time.perf_counter())
+        refs = actors.learner.step(batch)
+        self._pending[refs.metrics] = LearnerCall(refs.weights, time.perf_counter())
+        for ref in refs.peers:
+            self._pending[ref] = LearnerPeerCall()
 
-    def _complete(
-        self, actors: RunActors, ref: Any, call: GenerationCall | ScoringCall | LearnerCall
-    ) -> None:
+    def _complete(self, actors: RunActors, ref: Any, call: PendingCall) -> None:
         try:
             result = ray.get(ref)
         except RayActorError as error:
@@ -451,7 +447,7 @@ class RunDriver:
             self._on_generated(actors, call, result)
         elif isinstance(call, ScoringCall):
             self.buffer.add(result, reserved=len(call.prompts))
-        else:
+        elif isinstance(call, LearnerCall):
             self._on_trained(actors, call, result)
 
     def _on_generated(
@@ -652,7 +648,7 @@ class RunDriver:
         }
 
         def write_learner(path: Path) -> None:
-            ray.get(actors.learner.save_checkpoint.remote(str(path)))
+            actors.learner.save_checkpoint(str(path))
 
         root = self.run_dir.checkpoints
         write_checkpoint(root, self.counters.step, state, write_learner)
@@ -661,9 +657,14 @@ class RunDriver:
         self._plot()
 
     def _finish(self, actors: RunActors) -> None:
-        """Final checkpoint (the last step, or where a cancel stopped the run)."""
+        """Final checkpoint (the last step, or where a cancel stopped the run), exported as a
+        Hugging Face model to `RUN_DIR/model/`."""
         if self.counters.step > self._last_checkpoint_step:
             self._checkpoint(actors)
+        found = latest_checkpoint(self.run_dir.checkpoints)
+        if found is not None:
+            out = actors.learner.export(str(found[1] / LEARNER_DIR), str(self.run_dir.model))
+            log.info("policy of step %d exported to %s", found[0], out)
 
     def _plot(self) -> None:
         records = self.run_dir.read_metrics(PLOTTED_KEYS)

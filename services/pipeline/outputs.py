@@ -28,6 +28,7 @@ METRICS_FILE = "metrics.jsonl"
 STATUS_FILE = "status.json"
 CURVES_FILE = "curves.png"
 CHECKPOINTS_DIR = "checkpoints"
+MODEL_DIR = "model"  # the Hugging Face export of the run's final checkpoint
 
 
 class RunObserver(Protocol):
@@ -88,6 +89,7 @@ class RunDirectory:
         self.path = out_dir
         out_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoints = out_dir / CHECKPOINTS_DIR
+        self.model = out_dir / MODEL_DIR
         self.curves = out_dir / CURVES_FILE
         status = out_dir / STATUS_FILE
         self._status: dict[str, Any] = (

@@ -5,15 +5,30 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from services.metrics import RECORD
 from services.pipeline.outputs import MetricsRecord
 
-# (panel title, metrics keys drawn in it, whether a trend line is drawn over the noisy values)
-PANELS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
-    ("reward", ("reward_mean",), True),
-    ("entropy", ("entropy",), True),
-    ("clip fraction", ("clip_fraction",), True),
-    ("staleness (versions)", ("staleness_mean", "staleness_max"), False),
-)
+# curves.png's panels, in drawing order (left to right, top to bottom), and whether a trend line
+# is drawn over the noisy values. The keys a panel draws are those services/metrics.py declares
+# with the panel's title as `plot`.
+TRENDS = {"reward": True, "entropy": True, "clip fraction": True, "staleness (versions)": False}
+
+
+def _panels() -> tuple[tuple[str, tuple[str, ...], bool], ...]:
+    """(panel title, metrics keys drawn in it, whether a trend line is drawn), per panel."""
+    named = {metric.plot for metric in RECORD if metric.plot is not None}
+    if named != TRENDS.keys():
+        raise ValueError(
+            f"services/metrics.py plots keys in panels {sorted(named)}, curves.png has "
+            f"{sorted(TRENDS)}: each panel draws at least one declared key, and only those"
+        )
+    return tuple(
+        (title, tuple(metric.key for metric in RECORD if metric.plot == title), trend)
+        for title, trend in TRENDS.items()
+    )
+
+
+PANELS = _panels()
 PLOTTED_KEYS = ("step", *(key for _, keys, _ in PANELS for key in keys))
 
 

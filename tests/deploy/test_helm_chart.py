@@ -45,6 +45,7 @@ from tests.deploy.manifests import (
     validate,
 )
 from tests.deploy.network_policy import Pod, admitted, isolating
+from tests.deploy.ray_resources import HEAD_GROUP, custom, node_types, ray_start_resources
 
 CI_NAMES = [path.name for path in CI_VALUES]
 CONTROL_PLANE = "kpo-control-plane"
@@ -81,6 +82,7 @@ def test_ci_values_cover_the_main_combinations() -> None:
         "monitoring-values.yaml",
         "gpu-sizes-values.yaml",
         "external-ray-values.yaml",
+        "placement-values.yaml",
     } <= set(CI_NAMES)
 
 
@@ -301,6 +303,149 @@ def test_ray_cluster_head_and_gpu_worker_groups(rendered: dict[str, list[Manifes
     }
     shm = next(v for v in learner["volumes"] if v["name"] == "shm")
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
+
+
+GIB = 2**30
+
+
+def test_worker_groups_advertise_their_ray_resources(rendered: dict[str, list[Manifest]]) -> None:
+    """ci/placement-values.yaml: the learner group's pods advertise `learner_gpu` (its amount
+    left empty: the group's 8 GPUs), the generation group's `generation_gpu: 1`, each as the
+    `resources` rayStartParam in the form KubeRay writes. Ray's autoscaler sees the same amounts
+    (so it grows the group a waiting actor asks for), and nothing else advertises them."""
+    cluster = one(rendered["placement-values.yaml"], "RayCluster", RAY_CLUSTER)
+    groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
+    assert set(groups) == {"learner", "generation"}
+    assert groups["learner"]["rayStartParams"] == {
+        "metrics-export-port": "8080",
+        "resources": """'{"learner_gpu":8}'""",
+    }
+    assert groups["generation"]["rayStartParams"] == {
+        "metrics-export-port": "8080",
+        "resources": """'{"generation_gpu":1}'""",
+    }
+    learner = groups["learner"]["template"]["spec"]["containers"][0]["resources"]
+    assert learner["limits"]["nvidia.com/gpu"] == 8
+
+    types = node_types(cluster)
+    # CPU from the requests, memory (bytes) from the limits, GPU from nvidia.com/gpu.
+    assert types["learner"]["resources"] == {
+        "CPU": 64,
+        "GPU": 8,
+        "memory": 512 * GIB,
+        "learner_gpu": 8,
+    }
+    assert types["generation"]["resources"] == {
+        "CPU": 6,
+        "GPU": 1,
+        "memory": 24 * GIB,
+        "generation_gpu": 1,
+    }
+    assert (types["learner"]["min_workers"], types["learner"]["max_workers"]) == (0, 2)
+    assert custom(types[HEAD_GROUP]["resources"]) == {}
+    head = cluster["spec"]["headGroupSpec"]["rayStartParams"]
+    assert "resources" not in head
+
+
+@pytest.mark.parametrize("values", CI_NAMES)
+def test_ray_reads_the_resources_of_every_group(
+    rendered: dict[str, list[Manifest]], values: str
+) -> None:
+    """Ray's autoscaler reads every rendered RayCluster (it raises on a `resources` string it
+    cannot parse), and each pod's `ray start` gets the custom resources the autoscaler counts
+    on; groups without rayResources have no `resources` parameter."""
+    for cluster in named(rendered[values], "RayCluster"):
+        types = node_types(cluster)
+        groups = cluster["spec"]["workerGroupSpecs"]
+        assert set(types) == {HEAD_GROUP, *(g["groupName"] for g in groups)}
+        for group in groups:
+            resources = types[group["groupName"]]["resources"]
+            assert ray_start_resources(group["rayStartParams"]) == custom(resources)
+            limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+            assert resources.get("GPU", 0) == limits.get("nvidia.com/gpu", 0)
+            if values in ("default-values.yaml", "gpu-sizes-values.yaml"):
+                assert "resources" not in group["rayStartParams"]
+
+
+def test_ray_resources_amounts_and_merging(helm: str) -> None:
+    """Amounts as given (zero included); an empty amount is the group's gpus; the resources of
+    `ray.workerDefaults` merge with a group's own; names may hold digits, `.` and `-`."""
+    cluster = one(
+        render(
+            helm,
+            sets=[
+                "ray.workerDefaults.rayResources.gpu_node=null",
+                "ray.workerGroups.gpu.gpus=4",
+                "ray.workerGroups.gpu.rayResources.learner_gpu=2",
+                "ray.workerGroups.small.gpus=1",
+                "ray.workerGroups.small.rayResources.spare=0",
+                "ray.workerGroups.small.rayResources.example\\.pool-2=3",
+            ],
+        ),
+        "RayCluster",
+        RAY_CLUSTER,
+    )
+    params = {g["groupName"]: g["rayStartParams"] for g in cluster["spec"]["workerGroupSpecs"]}
+    # Keys sorted (Helm's toJson), compact, in single quotes.
+    assert params["gpu"]["resources"] == """'{"gpu_node":4,"learner_gpu":2}'"""
+    assert params["small"]["resources"] == """'{"example.pool-2":3,"gpu_node":1,"spare":0}'"""
+    assert ray_start_resources(params["small"]) == {"example.pool-2": 3, "gpu_node": 1, "spare": 0}
+    types = node_types(cluster)
+    assert custom(types["gpu"]["resources"]) == {"gpu_node": 4, "learner_gpu": 2}
+
+
+# Values of `ray.workerGroups.gpu.rayResources` the schema refuses, and what helm says.
+REFUSED_RAY_RESOURCES: dict[str, tuple[Any, str]] = {
+    **{
+        f"Ray's own {name}": ({name: 1}, f'Property name of "{name}" does not match')
+        for name in ("CPU", "GPU", "memory", "object_store_memory")
+    },
+    "an accelerator type": (
+        {"accelerator_type:H100": 1},
+        'Property name of "accelerator_type:H100" does not match',
+    ),
+    "a node resource": (
+        {"node:__internal_head__": 1},
+        'Property name of "node:__internal_head__" does not match',
+    ),
+    # It would end the single-quoted JSON in the pod's `ray start` shell command.
+    "a quote in the name": (
+        {"learner'gpu": 1},
+        """Property name of "learner'gpu" does not match""",
+    ),
+    "a space in the name": ({"learner gpu": 1}, 'Property name of "learner gpu" does not match'),
+    "a negative amount": ({"learner_gpu": -1}, "learner_gpu: Must be greater than or equal to 0"),
+    "a fraction": (
+        {"learner_gpu": 0.5},
+        "learner_gpu: Invalid type. Expected: integer, given: number",
+    ),
+    "a string": (
+        {"learner_gpu": "8"},
+        "learner_gpu: Invalid type. Expected: integer, given: string",
+    ),
+    "more than Ray's maximum": (
+        {"learner_gpu": 10**15},
+        "learner_gpu: Must be less than or equal to",
+    ),
+    "not a map": (
+        [{"learner_gpu": 1}],
+        "rayResources: Invalid type. Expected: object, given: array",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_RAY_RESOURCES))
+def test_bad_ray_resources_are_refused(helm: str, tmp_path: Path, case: str) -> None:
+    resources, expected = REFUSED_RAY_RESOURCES[case]
+    values = tmp_path / "values.yaml"
+    values.write_text(
+        yaml.safe_dump({"ray": {"workerGroups": {"gpu": {"rayResources": resources}}}}),
+        encoding="utf-8",
+    )
+    result = helm_template(helm, [values])
+    assert result.returncode != 0, f"{case}: accepted"
+    assert "ray.workerGroups.gpu.rayResources" in result.stderr, result.stderr
+    assert expected in result.stderr, result.stderr
 
 
 def test_runs_volume_is_shared_by_every_ray_pod(rendered: dict[str, list[Manifest]]) -> None:
@@ -985,6 +1130,17 @@ REFUSED = {
     "external Ray cut off from the built-in Redis": (
         ["ray.cluster.enabled=false", "ray.address=http://ray-head-svc:8265"],
         "set networkPolicy.externalRay.from",
+    ),
+    "Ray's own resource name in the worker defaults": (
+        ["ray.workerDefaults.rayResources.GPU=1"],
+        'ray.workerDefaults.rayResources: Property name of "GPU" does not match',
+    ),
+    "custom Ray resources in two places": (
+        [
+            "ray.workerGroups.gpu.rayResources.learner_gpu=8",
+            "ray.workerGroups.gpu.rayStartParams.resources='{}'",
+        ],
+        "ray.workerGroups.gpu: declare custom Ray resources in rayResources only",
     ),
     "typo in a NetworkPolicy peer": (
         ["networkPolicy.ingressController.podSelector.matchLabel.app=x"],

@@ -1,13 +1,15 @@
 """deploy/kuberay/rayjob.yaml: a RayJob that runs one run without the control plane. Its objects
 validate like the chart's (core kinds strictly, the RayJob by the project's ray.io schema, its
 pod templates as PodTemplates), and the run it carries is a valid RunSpec that fits the
-cluster the RayJob creates."""
+cluster the RayJob creates, each role on the worker group that advertises its Ray resource."""
 
 from __future__ import annotations
 
 import inspect
 import shlex
+from collections import Counter
 from pathlib import PurePosixPath
+from typing import Any
 
 import yaml
 
@@ -15,6 +17,7 @@ from kpo_core.config import RunSpec
 from services.generation.vllm_backend import VLLMBackend
 from services.pipeline.actors import resource_needs
 from tests.deploy.manifests import REPO, Manifest, load_all, one, pod_templates, validate
+from tests.deploy.ray_resources import custom, node_types, ray_start_resources
 
 EXAMPLE = REPO / "deploy" / "kuberay" / "rayjob.yaml"
 
@@ -67,3 +70,70 @@ def test_the_cluster_holds_the_runs_gpus() -> None:
     # Each actor reserves whole GPUs here, one per pod: the pods must hold them all.
     assert resource_needs(spec).gpus <= gpus
     assert len(list(pod_templates(job))) == 1 + len(cluster["workerGroupSpecs"])
+
+
+def actors(spec: RunSpec) -> list[tuple[str, dict[str, float]]]:
+    """(role, what one actor reserves) for every actor of the run, by Ray resource name."""
+
+    def needs(
+        cpus: float, gpus: float = 0.0, resources: dict[str, float] | None = None
+    ) -> dict[str, float]:
+        return {"CPU": cpus, "GPU": gpus, **(resources or {})}
+
+    gen, reward, learner = spec.generation, spec.reward, spec.learner
+    return [
+        *[("learner", needs(learner.num_cpus, learner.num_gpus, learner.resources))]
+        * learner.world_size,
+        *[("generation", needs(gen.num_cpus, gen.num_gpus, gen.resources))] * gen.num_workers,
+        *[("reward", needs(reward.num_cpus))] * reward.num_workers,
+    ]
+
+
+def place(
+    actors: list[tuple[str, dict[str, float]]], types: dict[str, dict[str, Any]]
+) -> Counter[tuple[str, str]]:
+    """How many actors of each role land on each group: every actor on the first pod with room
+    left for all it reserves, over maxReplicas pods of each group (and the head's one pod).
+    Fails naming the first actor that fits nowhere."""
+    pods = [
+        (group, dict(node["resources"]))
+        for group, node in types.items()
+        for _ in range(max(node["max_workers"], 1))  # the head: max_workers 0, one pod
+    ]
+    placed: Counter[tuple[str, str]] = Counter()
+    for role, needs in actors:
+        fits = [
+            (group, free)
+            for group, free in pods
+            if all(free.get(name, 0) >= amount for name, amount in needs.items())
+        ]
+        assert fits, f"no pod has room left for a {role} actor reserving {needs}"
+        group, free = fits[0]
+        for name, amount in needs.items():
+            free[name] = free.get(name, 0) - amount
+        placed[role, group] += 1
+    return placed
+
+
+def test_each_role_lands_on_the_group_that_advertises_its_resource() -> None:
+    """The learner asks for `learner_gpu`, which only the learner group advertises, and vLLM for
+    `generation_gpu`, only on the generation group, as Ray's autoscaler and `ray start` read the
+    groups; and every actor of the run fits on the cluster's pods."""
+    docs = manifests()
+    spec = RunSpec.model_validate(yaml.safe_load(one(docs, "ConfigMap")["data"]["run.yaml"]))
+    assert spec.learner.resources == {"learner_gpu": 1}
+    assert spec.generation.resources == {"generation_gpu": 1}
+    job = one(docs, "RayJob")
+    types = node_types(job)
+    for group in job["spec"]["rayClusterSpec"]["workerGroupSpecs"]:
+        advertised = custom(types[group["groupName"]]["resources"])
+        assert ray_start_resources(group["rayStartParams"]) == advertised
+    advertisers = {
+        name: {group for group, node in types.items() if name in node["resources"]}
+        for name in ("learner_gpu", "generation_gpu")
+    }
+    assert advertisers == {"learner_gpu": {"learner"}, "generation_gpu": {"generation"}}
+
+    placed = place(actors(spec), types)
+    assert placed["learner", "learner"] == spec.learner.world_size
+    assert placed["generation", "generation"] == spec.generation.num_workers

@@ -135,9 +135,26 @@ def run_spec_error(data: dict[str, object]) -> str:
 
 
 def test_a_float16_learner_is_refused_with_the_reason() -> None:
-    message = run_spec_error({"learner": {"dtype": "float16"}})
-    assert "learner.dtype" in message and "AdamW" in message and "bfloat16" in message
-    assert RunSpec.model_validate({"learner": {"dtype": "bfloat16"}}).learner.dtype == "bfloat16"
+    message = run_spec_error({"learner": {"compute_dtype": "float16"}})
+    assert "learner.compute_dtype" in message and "AdamW" in message and "bfloat16" in message
+    spec = RunSpec.model_validate({"learner": {"compute_dtype": "bfloat16"}})
+    assert spec.learner.compute_dtype == "bfloat16"
+
+
+def test_the_old_dtype_key_names_its_replacement() -> None:
+    message = run_spec_error({"learner": {"dtype": "bfloat16"}})
+    assert "learner.compute_dtype" in message and "compute_dtype: bfloat16" in message
+
+
+def test_learner_group_settings_are_validated() -> None:
+    assert "strategy 'fsdp2'" in run_spec_error({"learner": {"world_size": 2}})
+    spec = RunSpec.model_validate({"learner": {"strategy": "fsdp2", "world_size": 2}})
+    assert spec.learner.world_size == 2
+    assert "num_gpus" in run_spec_error({"learner": {"resources": {"GPU": 1}}})
+    assert "accelerator_type" in run_spec_error(
+        {"generation": {"resources": {"accelerator_type:H100": 1}}}
+    )
+    assert "learner.resources" in run_spec_error({"learner": {"resources": {"x": -1}}})
 
 
 def test_fault_settings_are_validated() -> None:

@@ -293,6 +293,26 @@ namespaceSelector: every pod of those namespaces; neither: nothing (no peer, so 
 {{- end }}
 {{- end }}
 
+{{/*
+The `resources` rayStartParam of a worker group: its rayResources (an empty amount is the
+group's gpus) as compact JSON in single quotes, `'{"learner_gpu":8}'`, the form KubeRay writes
+itself. KubeRay puts it as it is into the pod's `ray start --resources=...` shell command, and
+both KubeRay >= 1.3 (which trims the quotes) and Ray's autoscaler (which drops the first and
+last character) read the JSON back. Not the escaped '"{\"a\": 1}"' of KubeRay's older samples,
+which KubeRay >= 1.3 fails to parse; not the group field `resources` of KubeRay >= 1.5, which
+older operators lack and which turns any name ending in "gpu" (learner_gpu) into `num-gpus`.
+Empty without rayResources. Takes the merged worker group (rayResources, gpus).
+*/}}
+{{- define "kpo.rayResourcesParam" -}}
+{{- $amounts := dict }}
+{{- range $name, $amount := .rayResources }}
+{{- $_ := set $amounts $name (kindIs "invalid" $amount | ternary $.gpus $amount) }}
+{{- end }}
+{{- if $amounts }}
+{{- printf "'%s'" (toJson $amounts) }}
+{{- end }}
+{{- end }}
+
 {{/* `ray start` parameters: the chart's defaults, then the group's own (strings, as KubeRay wants). */}}
 {{- define "kpo.rayStartParams" -}}
 {{- $params := dict }}
@@ -380,6 +400,9 @@ Included by the control plane's Deployment, which every release renders.
 {{- $group := mergeOverwrite (deepCopy $.Values.ray.workerDefaults) ($overrides | default dict) }}
 {{- if or (gt (int $group.minReplicas) (int $group.replicas)) (gt (int $group.replicas) (int $group.maxReplicas)) }}
 {{- fail (printf "ray.workerGroups.%s: need minReplicas <= replicas <= maxReplicas (got %v, %v, %v)" $name $group.minReplicas $group.replicas $group.maxReplicas) }}
+{{- end }}
+{{- if and $group.rayResources (hasKey ($group.rayStartParams | default dict) "resources") }}
+{{- fail (printf "ray.workerGroups.%s: declare custom Ray resources in rayResources only; remove rayStartParams.resources (the chart renders it from rayResources)" $name) }}
 {{- end }}
 {{- end }}
 {{- end }}

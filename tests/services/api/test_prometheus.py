@@ -25,6 +25,7 @@ from services.api.prometheus import (
     build_registry,
     render,
 )
+from services.metrics import BY_KEY, RECORD, STAGES, Kind
 from services.store import LocalStore, RedisStore, Store, StoreUnavailable
 from tests.services.api.conftest import Api
 from tests.services.store.redis_server import RedisServer
@@ -156,6 +157,32 @@ def test_running_run_is_exported_with_its_latest_values(any_store: Store) -> Non
     assert value(found, "kpo_runs", status="failed") == 0
     assert value(found, "kpo_build_info", version="0.1.0") == 1
     assert value(found, "kpo_store_up") == 1
+
+
+def test_every_declared_family_is_exported_from_its_record_key(store: Store) -> None:
+    # Each record key services/metrics.py exports gets its own value, 1.0, 2.0, ...; each family
+    # must show its key's value (a histogram: one observation of it), not a neighbour's.
+    assert record(1).keys() <= BY_KEY.keys()  # the hand-made records of the other tests too
+    exported = [m for m in RECORD if m.kind is not Kind.RECORD]
+    keys = [key for metric in exported for key in metric.record_keys]
+    values = {key: float(i) for i, key in enumerate(keys, start=1)}
+    run_id = running_run(store, [{"step": 1, **values, "lr": 1e-3}])
+
+    found = scrape(store)
+
+    one = {"run_id": run_id}
+    for metric in exported:
+        assert metric.prometheus is not None
+        if metric.kind is Kind.HISTOGRAM:
+            name, value_of = metric.prometheus, values[metric.key]
+            assert value(found, f"{name}_count", **one) == 1, name
+            assert value(found, f"{name}_sum", **one) == value_of, name
+        elif metric.staged:
+            for stage in STAGES:
+                got = value(found, metric.prometheus, **one, stage=stage)
+                assert got == values[f"{stage}_{metric.key}"], (metric.prometheus, stage)
+        else:
+            assert value(found, metric.prometheus, **one) == values[metric.key], metric.prometheus
 
 
 def test_finished_run_is_exported_for_the_grace_period_only(store: Store) -> None:

@@ -12,6 +12,7 @@ import torch
 from kpo_core.config import AlgorithmConfig, LearnerConfig
 from services.generation.base import SamplingSettings
 from services.generation.hf_backend import HFBackend
+from services.learner.distributed import RankGroup
 from services.learner.step import LearnerCore
 from services.messages import Prompt, ScoredGroup, ScoredResponse
 
@@ -58,14 +59,18 @@ def make_core(
     estimator: str = "kalman",
     reference: str = "behaviour",
     seed: int = 0,
+    group: RankGroup | None = None,
+    algorithm: dict[str, Any] | None = None,
     **learner: Any,
 ) -> LearnerCore:
-    """A learner on `model_dir` (lr 1e-3 unless given), sampling temperature 1."""
-    algorithm = AlgorithmConfig.model_validate(
-        {"estimator": {"name": estimator}, "reference": reference}
-    )
+    """A learner on `model_dir` (lr 1e-3 unless given), sampling temperature 1; with `group`,
+    one rank of an FSDP2 learner group of that size (its process group joined already)."""
+    settings = {"estimator": {"name": estimator}, "reference": reference, **(algorithm or {})}
+    if group is not None:
+        learner = {"strategy": "fsdp2", "world_size": group.world_size, **learner}
     config = LearnerConfig(**{"lr": 1e-3, **learner})
-    return LearnerCore(model_dir, config, algorithm, temperature=1.0, seed=seed)
+    algorithm_config = AlgorithmConfig.model_validate(settings)
+    return LearnerCore(model_dir, config, algorithm_config, temperature=1.0, seed=seed, group=group)
 
 
 @pytest.fixture(scope="session")

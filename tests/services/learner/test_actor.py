@@ -1,4 +1,4 @@
-"""The learner actor on a real local Ray instance."""
+"""The learner group (one rank, and two FSDP2 ranks) on a real local Ray instance."""
 
 from __future__ import annotations
 
@@ -14,32 +14,39 @@ import torch
 from kpo_core.config import LearnerConfig, RunSpec
 from services.generation.base import SamplingSettings
 from services.generation.hf_backend import HFBackend
-from services.learner.actor import start_learner
+from services.learner.group import LearnerGroup, wait_all
 from services.messages import ScoredGroup
 from tests.services.learner.conftest import PROMPTS
 
 pytestmark = pytest.mark.usefixtures("ray_instance")
 
 
-@pytest.fixture(scope="module")
-def learner(tiny_model_dir: Path, ray_instance: None) -> Iterator[Any]:
-    spec = RunSpec(learner=LearnerConfig(lr=1e-2, num_cpus=1))
-    handle = start_learner(spec, str(tiny_model_dir))
-    yield handle
-    ray.kill(handle)
+@pytest.fixture(scope="module", params=[1, 2], ids=["single", "fsdp2-2-ranks"])
+def learner(request: Any, tiny_model_dir: Path, ray_instance: None) -> Iterator[LearnerGroup]:
+    world_size = request.param
+    strategy = "single" if world_size == 1 else "fsdp2"
+    config = LearnerConfig(lr=1e-2, num_cpus=0.5, strategy=strategy, world_size=world_size)
+    group = LearnerGroup(RunSpec(learner=config), str(tiny_model_dir))
+    wait_all(group.setup())
+    yield group
+    group.kill()
 
 
 def test_a_step_returns_metrics_and_weights_a_generation_backend_loads(
-    learner: Any, tiny_model_dir: Path, groups: list[ScoredGroup], tmp_path: Path
+    learner: LearnerGroup, tiny_model_dir: Path, groups: list[ScoredGroup], tmp_path: Path
 ) -> None:
-    assert ray.get(learner.pid.remote()) != os.getpid()
-    assert ray.get(learner.version.remote()) == 0
-    initial = ray.get(learner.initial_weights.remote())
+    pids = learner.pids()
+    assert len(set(pids)) == len(learner.ranks) and os.getpid() not in pids
+    assert learner.call("version") == 0
+    initial = ray.get(learner.initial_weights())
 
-    metrics_ref, weights_ref = learner.step.options(num_returns=2).remote(groups)
-    metrics = ray.get(metrics_ref)
+    refs = learner.step(groups)
+    metrics = ray.get(refs.metrics)
     assert metrics["policy_version"] == 1.0 and metrics["grad_norm"] > 0
-    assert ray.get(learner.version.remote()) == 1
+    assert metrics["learner_world_size"] == len(learner.ranks)
+    assert wait_all(refs.peers) == [{}, {}] * (len(learner.ranks) - 1)
+    assert learner.call("version") == 1
+    weights_ref = refs.weights
 
     backend = HFBackend(tiny_model_dir)
     for name, tensor in backend.model.state_dict().items():
@@ -53,5 +60,5 @@ def test_a_step_returns_metrics_and_weights_a_generation_backend_loads(
     responses = backend.generate(PROMPTS[:1], 2, SamplingSettings(max_new_tokens=4, seed=0))
     assert {r.policy_version for r in responses[0]} == {1}
 
-    path = ray.get(learner.save_checkpoint.remote(str(tmp_path / "ckpt")))
-    assert ray.get(learner.load_checkpoint.remote(path)) == 1
+    learner.save_checkpoint(str(tmp_path / "ckpt"))
+    assert learner.load_checkpoint(str(tmp_path / "ckpt")) == 1

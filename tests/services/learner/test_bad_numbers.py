@@ -256,8 +256,8 @@ def test_nonfinite_behaviour_logprobs_mask_their_tokens(
 
 
 def poison_lm_head(core: LearnerCore) -> torch.utils.hooks.RemovableHandle:
-    """NaN in every logit of rows 0 and 1, +inf in one logit of row 2, at the column that
-    predicts response slot 0 (valid in every row), in every forward.
+    """NaN in every logit of the first two scored positions of every forward and +inf in one
+    logit of the third (the head sees the valid response positions only, [N, V]).
 
     Added rather than assigned, as an overflow would make them: an assignment would also cut
     the gradient at those cells, hiding what the NaN does to the backward pass.
@@ -265,11 +265,11 @@ def poison_lm_head(core: LearnerCore) -> torch.utils.hooks.RemovableHandle:
 
     def hook(module: torch.nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
         poison = torch.zeros_like(output)
-        poison[0:2, 0, :] = NAN
-        poison[2, 0, 7] = INF
+        poison[0:2, :] = NAN
+        poison[2, 7] = INF
         return output + poison
 
-    lm_head: torch.nn.Module = core.model.lm_head
+    lm_head: torch.nn.Module = core.model.policy.lm_head
     return lm_head.register_forward_hook(hook)
 
 
@@ -310,7 +310,7 @@ def test_nan_hidden_states_skip_the_minibatch_they_reach(
         hidden = hidden + poison
         return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
 
-    handle = core.model.model.layers[0].register_forward_hook(hook)
+    handle = core.model.policy.model.layers[0].register_forward_hook(hook)
     before = parameters(core)
     metrics = core.train_step(groups)
     handle.remove()

@@ -1,4 +1,4 @@
-"""Checkpoints: a loadable model directory, and a resumed learner continues bit for bit."""
+"""Checkpoints: sharded state that resumes on any number of ranks, bit for bit on the same one."""
 
 from __future__ import annotations
 
@@ -8,13 +8,22 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from services.generation.base import StateDictMismatchError
 from services.generation.hf_backend import HFBackend
-from services.learner.checkpoint import load_model_weights
+from services.learner.checkpoint import (
+    HF_DIR,
+    LEARNER_STATE,
+    RNG_DIR,
+    STATE_DIR,
+    CheckpointMismatchError,
+    read_learner_state,
+)
+from services.learner.distributed import RankGroup
+from services.learner.export import export_model
 from services.messages import ScoredGroup
 from tests.services.learner.conftest import make_core
+from tests.services.learner.ranks import run_ranks
 
 # Two minibatches (the permutation comes from the learner's generator), warm-up (the schedule's
 # position matters) and weight decay: every piece of state shows up in the next step.
@@ -41,43 +50,86 @@ def test_a_resumed_learner_continues_exactly_like_the_original(
     assert resumed.version == original.version == 2
 
 
-def test_a_checkpoint_is_a_loadable_model_directory(
+def test_a_checkpoint_holds_sharded_state_and_what_an_export_needs(
     tiny_model_dir: Path, groups: list[ScoredGroup], tmp_path: Path
 ) -> None:
     core = make_core(tiny_model_dir)
     core.train_step(groups)
     path = core.save_checkpoint(tmp_path / "ckpt")
-    names = {p.name for p in path.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json"} <= names
-    assert {"optimizer.pt", "scheduler.pt", "rng.pt", "learner.json"} <= names
-    assert json.loads((path / "learner.json").read_text()) == {"version": 1, "steps": 1}
-    loaded = AutoModelForCausalLM.from_pretrained(path)
+    assert {p.name for p in path.iterdir()} == {HF_DIR, STATE_DIR, RNG_DIR, LEARNER_STATE}
+    assert {"config.json", "generation_config.json", "tokenizer.json"} <= {
+        p.name for p in (path / HF_DIR).iterdir()
+    }
+    assert (path / STATE_DIR / ".metadata").is_file()
+    assert json.loads((path / LEARNER_STATE).read_text()) == {
+        "version": 1,
+        "steps": 1,
+        "world_size": 1,
+        "compute_dtype": "float32",
+    }
+    exported = AutoModelForCausalLM.from_pretrained(export_model(path, tmp_path / "model"))
     published = core.state_dict_for_publish()
-    for name, tensor in loaded.state_dict().items():
+    for name, tensor in exported.state_dict().items():
         assert torch.equal(tensor, published[name]), name
-    backend = HFBackend(path)  # a generation backend serves it as it is
+    backend = HFBackend(tmp_path / "model")  # a generation backend serves the export as it is
     assert backend.tokenizer("1+2=")["input_ids"] == core.tokenizer("1+2=")["input_ids"]
 
 
-def test_weights_of_another_model_are_refused_and_leave_the_model_untouched(
-    tiny_model_dir: Path, tmp_path: Path
+def test_a_checkpoint_of_another_model_is_refused(
+    tiny_model_dir: Path, groups: list[ScoredGroup], tmp_path: Path
 ) -> None:
     core = make_core(tiny_model_dir)
-    before = core.state_dict_for_publish()
-    other = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    other.model.norm = torch.nn.Identity()  # drops model.norm.weight from the state dict
-    other.save_pretrained(tmp_path / "other")
-    with pytest.raises(StateDictMismatchError, match=r"model\.norm\.weight"):
-        load_model_weights(tmp_path / "other", core.model)
-    after = core.state_dict_for_publish()
-    assert all(torch.equal(after[k], v) for k, v in before.items())
+    core.save_checkpoint(tmp_path / "ckpt")
+    config = AutoConfig.from_pretrained(
+        tiny_model_dir, num_hidden_layers=1, layer_types=["full_attention"]
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "other")
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(tmp_path / "other")
+    shallower = make_core(tmp_path / "other")
+    with pytest.raises(CheckpointMismatchError, match=r"unexpected \['model\.layers\.1\."):
+        shallower.load_checkpoint(tmp_path / "ckpt")
+
+
+def continue_from(
+    group: RankGroup | None, model_dir: Path, groups: list[ScoredGroup], checkpoint: Path | None
+) -> dict[str, Any]:
+    """Resume from `checkpoint` (or train the first step and save it there): the version after
+    one more step, its metrics and the weights (rank 0's)."""
+    core = make_core(model_dir, group=group, **SETTINGS)
+    if checkpoint is None or not checkpoint.exists():
+        core.train_step(groups)
+        assert checkpoint is not None
+        core.save_checkpoint(checkpoint)
+    else:
+        assert core.load_checkpoint(checkpoint) == 1
+    metrics = core.train_step(groups)
+    return {"version": core.version, "metrics": metrics, "weights": core.state_dict_for_publish()}
+
+
+def test_a_checkpoint_of_two_ranks_resumes_on_one_and_on_two(
+    tiny_model_dir: Path, groups: list[ScoredGroup], tmp_path: Path
+) -> None:
+    path = tmp_path / "ckpt"
+    written = run_ranks(continue_from, 2, tiny_model_dir, groups, path)[0]
+    assert read_learner_state(path).world_size == 2
+    assert len(list((path / STATE_DIR).glob("*.distcp"))) == 2  # one file per rank
+    on_one = continue_from(None, tiny_model_dir, groups, path)
+    on_two = run_ranks(continue_from, 2, tiny_model_dir, groups, path)[0]
+    for resumed in (on_one, on_two):
+        assert resumed["version"] == written["version"] == 2
+        assert resumed["metrics"]["lr"] == written["metrics"]["lr"]  # the schedule's position
+        assert resumed["metrics"]["grad_norm"] == pytest.approx(
+            written["metrics"]["grad_norm"], rel=1e-5
+        )
+        for name, tensor in written["weights"].items():
+            torch.testing.assert_close(resumed["weights"][name], tensor, rtol=1e-5, atol=1e-6)
 
 
 def test_published_weights_are_detached_cpu_copies(tiny_model_dir: Path) -> None:
     core = make_core(tiny_model_dir)
     published = core.state_dict_for_publish()
-    live = dict(core.model.named_parameters())
-    assert published.keys() == core.model.state_dict().keys()
+    live = dict(core.model.policy.named_parameters())
+    assert published.keys() == core.model.policy.state_dict().keys()
     for name, tensor in published.items():
         assert tensor.device.type == "cpu" and not tensor.requires_grad
         if name in live:

@@ -1,4 +1,5 @@
-"""The learner's recomputed log-probs against the behaviour log-probs of the `hf` backend.
+"""The learner's recomputed log-probs: against the behaviour log-probs of the `hf` backend, and
+chunked against one projection of every position.
 
 Same weights on both sides, so the only difference is float32 summation order: a batched,
 KV-cached, left-padded sampling loop against one full forward over [prompt | response]. Measured
@@ -17,12 +18,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.learner.batch import collate
-from services.learner.logprobs import reference_logprobs, response_logprobs
+from kpo_core.losses import token_entropy
+from services.learner.batch import TrainingBatch, collate
+from services.learner.logprobs import ResponseLogProbs, reference_logprobs, response_logprobs
 from tests.services.learner.conftest import sample_groups
 
 TOLERANCE = 5e-5
 PAD = 0
+
+
+def policy(model_dir: Path, chunk_tokens: int = 1024) -> ResponseLogProbs:
+    return ResponseLogProbs(AutoModelForCausalLM.from_pretrained(model_dir), chunk_tokens)
 
 
 def max_error(model_dir: Path, sample_temperature: float, learner_temperature: float) -> float:
@@ -30,9 +36,10 @@ def max_error(model_dir: Path, sample_temperature: float, learner_temperature: f
     reasons = {s.response.finish_reason for g in groups for s in g.responses}
     assert reasons == {"stop", "length"}, "want right-padded rows as well as full-length ones"
     batch = collate(groups, PAD, learner_version=0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)  # in eval mode
     with torch.no_grad():
-        logp, entropy = response_logprobs(model, batch, learner_temperature, with_entropy=True)
+        logp, entropy = response_logprobs(
+            policy(model_dir), batch, learner_temperature, with_entropy=True
+        )
     assert logp.shape == batch.response_mask.shape and logp.dtype == torch.float32
     assert entropy is not None and bool(torch.isfinite(entropy).all())
     assert bool((logp[~batch.response_mask] == 0).all())
@@ -52,49 +59,130 @@ def test_a_missing_temperature_is_detected(tiny_model_dir: Path) -> None:
     assert max_error(tiny_model_dir, 0.7, 1.0) > 1e-2
 
 
-def test_reference_logprobs_in_chunks_equal_one_forward(tiny_model_dir: Path) -> None:
+def full_logits_reference(
+    model: torch.nn.Module, batch: TrainingBatch, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the learner computed before chunking: every position's [B, T, V] logits at once."""
+    width = batch.response_width
+    output = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        logits_to_keep=width + 1,
+        use_cache=False,
+    )
+    logits = output.logits[:, :-1, :] / temperature
+    chosen = logits.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
+    logp = torch.where(batch.response_mask, chosen - torch.logsumexp(logits, -1), 0.0)
+    entropy = torch.where(batch.response_mask, token_entropy(logits.detach()), 0.0)
+    return logp, entropy
+
+
+def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 10_000])
+def test_chunked_logprobs_equal_one_projection_in_values_and_gradients(
+    tiny_model_dir: Path, chunk_tokens: int
+) -> None:
+    """In float64, so that the comparison sees the computation, not float32 summation order
+    (which moves float32 log-probs by up to 2e-6 between a [B, T, V] and an [N, V] matmul)."""
     batch = collate(sample_groups(tiny_model_dir), PAD, learner_version=0)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert int(batch.response_mask.sum()) > 7  # several chunks of 7 and of 1
+    model = policy(tiny_model_dir, chunk_tokens).double()
+    weights = torch.linspace(-1.0, 1.0, batch.response_mask.numel(), dtype=torch.float64)
+    weights = weights.reshape(batch.response_mask.shape)
+    logp, entropy = model(batch, 0.7, with_entropy=True)
+    (logp * weights).sum().backward()
+    chunked_grads = gradients(model.policy)
+    expected_logp, expected_entropy = full_logits_reference(model.policy, batch, 0.7)
+    (expected_logp * weights).sum().backward()
+    expected_grads = gradients(model.policy)
+    torch.testing.assert_close(logp, expected_logp, rtol=0, atol=1e-9)
+    torch.testing.assert_close(entropy, expected_entropy, rtol=0, atol=1e-6)
+    assert chunked_grads.keys() == expected_grads.keys() and chunked_grads
+    for name, grad in chunked_grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=0, atol=1e-9, msg=name)
+
+
+def test_the_head_never_sees_more_than_one_chunk(tiny_model_dir: Path) -> None:
+    batch = collate(sample_groups(tiny_model_dir), PAD, learner_version=0)
+    model = policy(tiny_model_dir, chunk_tokens=5)
+    rows_seen: list[int] = []
+    handle = model.policy.lm_head.register_forward_hook(
+        lambda module, args, output: rows_seen.append(output.shape[0])
+    )
+    logp, _ = model(batch, 1.0, with_entropy=False)
+    logp.sum().backward()
+    handle.remove()
+    valid = int(batch.response_mask.sum())
+    # Forward chunks, then the same chunks recomputed in the backward (activation checkpointing).
+    assert max(rows_seen) == 5 and sum(rows_seen) == 2 * valid
+
+
+def test_reference_logprobs_in_parts_equal_one_forward(tiny_model_dir: Path) -> None:
+    batch = collate(sample_groups(tiny_model_dir), PAD, learner_version=0)
+    model = policy(tiny_model_dir)
     with torch.no_grad():
         whole, _ = response_logprobs(model, batch, 1.0, with_entropy=False)
-    chunked = reference_logprobs(model, batch, 1.0, chunks=5)
-    assert not chunked.requires_grad
-    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-6)
+    parts = list(torch.tensor_split(torch.arange(batch.num_rows), 5))
+    in_parts = reference_logprobs(model, batch, 1.0, parts)
+    assert not in_parts.requires_grad
+    torch.testing.assert_close(in_parts, whole, rtol=1e-6, atol=1e-6)
 
 
-def poison_logits(model: torch.nn.Module, cells: dict[tuple[int, int], float]) -> object:
-    """A forward hook on lm_head adding value v to a few logits of each (row, kept column).
+def test_a_batch_without_response_tokens_keeps_the_head_in_the_graph(tiny_model_dir: Path) -> None:
+    batch = collate(sample_groups(tiny_model_dir), PAD, learner_version=0)
+    empty = TrainingBatch(
+        **{**batch.__dict__, "response_mask": torch.zeros_like(batch.response_mask)}
+    )
+    model = policy(tiny_model_dir)
+    logp, _ = model(empty, 1.0, with_entropy=False)
+    assert bool((logp == 0).all()) and logp.requires_grad
+    logp.sum().backward()
+    head = model.policy.lm_head.weight
+    assert head.grad is not None and bool((head.grad == 0).all())
+
+
+def poison_logits(model: ResponseLogProbs, cells: dict[int, float]) -> object:
+    """A forward hook on lm_head adding value v to a few logits of scored positions [N, V].
 
     Added, as an overflow would make them: an assignment would also cut the gradient there.
     """
 
     def hook(module: torch.nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
         poison = torch.zeros_like(output)
-        for (row, column), value in cells.items():
-            poison[row, column, : 1 + (row % 3)] = value  # a few vocabulary entries
+        for position, value in cells.items():
+            poison[position, : 1 + (position % 3)] = value  # a few vocabulary entries
         return output + poison
 
-    return model.lm_head.register_forward_hook(hook)
+    return model.policy.lm_head.register_forward_hook(hook)
 
 
 def test_nonfinite_logits_give_nan_logprobs_there_and_a_finite_gradient(
     tiny_model_dir: Path,
 ) -> None:
     batch = collate(sample_groups(tiny_model_dir), PAD, learner_version=0)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    # Column t of the kept logits predicts response slot t; slot 0 is valid in every row.
-    cells = {(0, 0): float("nan"), (1, 0): float("inf"), (2, 1): float("-inf")}
+    model = policy(tiny_model_dir)
+    # Scored positions are the valid response tokens in row-major order: 0 is row 0's slot 0.
+    positions = batch.response_mask.nonzero()
+    cells = {0: float("nan"), 1: float("inf"), 2: float("-inf")}
     handle = poison_logits(model, cells)
     logp, entropy = response_logprobs(model, batch, 1.0, with_entropy=True)
-    handle.remove()  # type: ignore[attr-defined]
     assert entropy is not None and bool(torch.isfinite(entropy).all())
     # NaN and +inf make the position's log Z non-finite: NaN. -inf in a few entries is an
     # ordinary (zero-probability) logit: the log-prob stays finite unless the token is one.
-    assert bool(logp[0, 0].isnan()) and bool(logp[1, 0].isnan())
     bad = torch.zeros_like(batch.response_mask)
-    bad[0, 0] = bad[1, 0] = True
+    for position in (0, 1):
+        row, column = positions[position].tolist()
+        assert bool(logp[row, column].isnan())
+        bad[row, column] = True
     assert bool(torch.isfinite(logp[~bad]).all())
     # The loss drops the NaN tokens with where(); what reaches the weights must be finite.
     torch.where(bad, 0.0, logp).sum().backward()
+    handle.remove()  # type: ignore[attr-defined]
     for name, parameter in model.named_parameters():
         assert parameter.grad is not None and bool(torch.isfinite(parameter.grad).all()), name

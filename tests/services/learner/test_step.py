@@ -223,7 +223,7 @@ def test_a_nonfinite_gradient_skips_the_update(
     with torch.no_grad():
         # Finite, but the final norm's output overflows: logits and log-probs become NaN, the
         # loss masks every token (finite, 0), and the backward pass brings NaN gradients.
-        core.model.model.norm.weight.fill_(3e38)
+        core.model.policy.model.norm.weight.fill_(3e38)
     before = parameters(core)
     metrics = core.train_step(groups)
     assert metrics["skipped_minibatches"] == 1.0

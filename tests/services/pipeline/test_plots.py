@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from services.metrics import Kind, MetricKey, Source
+from services.pipeline import plots
 from services.pipeline.outputs import RunDirectory
 from services.pipeline.plots import PLOTTED_KEYS, moving_average, plot_curves
 
@@ -15,7 +19,7 @@ def test_moving_average_is_a_trailing_mean() -> None:
 
 
 def test_curves_are_drawn_even_with_gaps(tmp_path: Path) -> None:
-    keys = ("reward_mean", "entropy", "clip_fraction", "staleness_mean", "staleness_max")
+    keys = [key for key in PLOTTED_KEYS if key != "step"]
     records = [{"step": s, **dict.fromkeys(keys, s / 10)} for s in range(1, 31)]
     records[3]["entropy"] = None  # a NaN written as null
     path = plot_curves(records, tmp_path / "curves.png", "t")
@@ -31,3 +35,14 @@ def test_the_curves_are_drawn_from_the_plotted_keys_alone(tmp_path: Path) -> Non
     assert run_dir.read_metrics()[0].keys() == {"step", "reward_mean", "grad_norm", "lr"}
     path = plot_curves(records, tmp_path / "curves.png")
     assert path.stat().st_size > 10_000
+
+
+def test_the_panels_draw_the_keys_declared_for_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    # services/metrics.py: reward_mean -> "reward", staleness_mean and _max -> "staleness ...".
+    panels = {title: keys for title, keys, _ in plots.PANELS}
+    assert panels["reward"] == ("reward_mean",)
+    assert panels["staleness (versions)"] == ("staleness_mean", "staleness_max")
+    stray = MetricKey("lr", Kind.RECORD, "", "Learning rate.", Source.LEARNER, plot="lr")
+    monkeypatch.setattr(plots, "RECORD", (*plots.RECORD, stray))
+    with pytest.raises(ValueError, match="each panel draws at least one declared key"):
+        plots._panels()  # a key for a panel curves.png does not have

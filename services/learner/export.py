@@ -1,0 +1,289 @@
+"""Export a learner checkpoint as a Hugging Face model directory (`kpo export`).
+
+A learner checkpoint (`services.learner.checkpoint`) holds the fp32 master weights as a
+torch.distributed.checkpoint (DCP) written by 1 or N ranks, plus the config and tokenizer in
+`hf/`. The export, in one process and without a process group:
+
+    1. builds the model from `hf/config.json` on the meta device and materialises it (fp32,
+       uninitialised memory: one copy of the model, and the only one);
+    2. reads the "model" part of the DCP state straight into that model's tensors (DCP
+       reassembles the shards of however many ranks wrote it);
+    3. casts it to the learner's compute dtype (`learner.json`);
+    4. writes `save_pretrained` (safetensors), the generation config and the tokenizer files
+       into a hidden sibling directory, and renames that into place.
+
+Tied embeddings (Qwen2's lm_head is embed_tokens): the checkpoint may hold both names or one;
+one tensor is read per group of tied names, from whichever name the checkpoint has.
+
+Left out: non-persistent buffers (RoPE's `inv_freq`) are not part of the state dict, so they
+stay as the meta device left them (uninitialised). The exported model is never run here and
+`save_pretrained` does not write them; `from_pretrained` computes them afresh.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+
+from services.learner.checkpoint import (
+    HF_DIR,
+    LEARNER_STATE,
+    MODEL_KEY,
+    STATE_DIR,
+    read_learner_state,
+)
+from services.pipeline.checkpoints import (
+    LEARNER_DIR,
+    latest_checkpoint,
+    list_checkpoints,
+    verify_checkpoint,
+)
+from services.pipeline.outputs import CHECKPOINTS_DIR, MODEL_DIR
+
+log = logging.getLogger(__name__)
+
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+CONFIG_FILE, GENERATION_CONFIG_FILE = "config.json", "generation_config.json"
+_WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json")
+
+
+class ExportError(ValueError):
+    """A checkpoint that cannot be exported, or an output directory that must not be replaced."""
+
+
+def write_hf_files(model: PreTrainedModel, tokenizer: Any, directory: Path) -> None:
+    """Write what an export needs besides the weights: config, generation config, tokenizer.
+
+    The learner passes `lambda d: write_hf_files(model, tokenizer, d)` as `save_checkpoint`'s
+    `hf_files`. `model` may be wrapped by FSDP2 (`fully_shard` keeps `config` reachable).
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(directory)
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+def export_model(learner_dir: Path, out_dir: Path) -> Path:
+    """Write the model of the learner checkpoint `learner_dir` to `out_dir`; return `out_dir`.
+
+    `out_dir` is replaced only once the new export is complete; an existing directory that is
+    not a model directory (no safetensors weights) is never replaced.
+    """
+    learner_dir, out_dir = Path(learner_dir), Path(out_dir)
+    dtype = _compute_dtype(learner_dir)
+    if out_dir.resolve().is_relative_to(learner_dir.resolve()):
+        raise ExportError(f"{out_dir} is inside the checkpoint {learner_dir}; pick another output")
+    _check_replaceable(out_dir, learner_dir)
+    model = _load_model(learner_dir)
+    model.to(dtype)  # type: ignore[arg-type]
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        model.save_pretrained(tmp)
+        del model
+        _copy_tokenizer_files(learner_dir / HF_DIR, tmp)
+        _sync_tree(tmp)
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def export_run(run_dir: Path, out_dir: Path | None = None, step: int | None = None) -> Path:
+    """Export the checkpoint of `step` of a run (default: the newest intact one); return where.
+
+    `out_dir` defaults to RUN_DIR/model.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ExportError(f"{run_dir}: no such run directory")
+    root = run_dir / CHECKPOINTS_DIR
+    checkpoints = dict(list_checkpoints(root))
+    if step is None:
+        latest = latest_checkpoint(root)
+        if latest is None:
+            found = f"only damaged ones (steps {_steps(checkpoints)})" if checkpoints else "none"
+            raise ExportError(f"{run_dir} has no complete checkpoint in {root}: {found}")
+        step, path = latest
+    elif step not in checkpoints:
+        raise ExportError(
+            f"{run_dir} has no checkpoint of step {step} (steps: {_steps(checkpoints) or 'none'})"
+        )
+    else:
+        path = checkpoints[step]
+        problem = verify_checkpoint(path)
+        if problem is not None:
+            raise ExportError(f"checkpoint {path} is damaged: {problem}")
+    out_dir = out_dir or run_dir / MODEL_DIR
+    if out_dir.resolve().is_relative_to(root.resolve()):
+        # A file there would not match its checkpoint's manifest: resume would skip it.
+        raise ExportError(f"{out_dir} is inside the checkpoints of {run_dir}; pick another output")
+    log.info("exporting step %d of %s", step, run_dir)
+    return export_model(path / LEARNER_DIR, out_dir)
+
+
+def _steps(checkpoints: dict[int, Path]) -> str:
+    return ", ".join(str(step) for step in sorted(checkpoints))
+
+
+def _compute_dtype(learner_dir: Path) -> torch.dtype:
+    """The dtype the learner computed in, from `learner.json`; names the file when it is bad."""
+    try:
+        name = read_learner_state(learner_dir).compute_dtype
+    except ValueError as error:
+        raise ExportError(str(error)) from None
+    if name not in COMPUTE_DTYPES:
+        raise ExportError(
+            f"{learner_dir / LEARNER_STATE}: compute_dtype {name!r} is not one of "
+            f"{sorted(COMPUTE_DTYPES)}"
+        )
+    return COMPUTE_DTYPES[name]
+
+
+def _load_model(learner_dir: Path) -> PreTrainedModel:
+    """The fp32 model of `hf/config.json` holding the checkpoint's weights (one copy)."""
+    hf_dir = learner_dir / HF_DIR
+    try:
+        config = AutoConfig.from_pretrained(hf_dir)
+        generation_config = GenerationConfig.from_pretrained(hf_dir)
+    except (OSError, ValueError) as error:
+        raise ExportError(f"{hf_dir}: not a learner checkpoint's config: {error}") from None
+    with torch.device("meta"):
+        model: PreTrainedModel = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+            config, dtype=torch.float32
+        )
+    # to_empty gives each module a Parameter of its own: tie lm_head to the embedding again.
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    model.generation_config = generation_config
+    _read_weights(model, learner_dir / STATE_DIR)
+    return model
+
+
+def _read_weights(model: torch.nn.Module, state_dir: Path) -> None:
+    """Read the "model" part of the DCP checkpoint `state_dir` into `model`'s tensors, in place.
+
+    One name per group of tied tensors is read (the first the checkpoint has); a name of the
+    model with no value in the checkpoint, a name of the checkpoint the model lacks, or a
+    shape that differs is an ExportError naming them.
+    """
+    try:
+        metadata = FileSystemReader(state_dir).read_metadata()
+    except (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
+        raise ExportError(f"{state_dir}: not a readable DCP checkpoint: {error}") from None
+    prefix = f"{MODEL_KEY}."
+    stored = {
+        key.removeprefix(prefix): entry
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
+    }
+    tensors = model.state_dict()
+    wanted: dict[str, torch.Tensor] = {}
+    missing: list[str] = []
+    for names in _tied_groups(tensors).values():
+        present = [name for name in names if name in stored]
+        if present:
+            wanted[present[0]] = tensors[present[0]]
+        else:
+            missing.extend(names)
+    unexpected = sorted(stored.keys() - tensors.keys())
+    wrong_shape = [
+        f"{name} {tuple(stored[name].size)} (model: {tuple(tensor.shape)})"
+        for name, tensor in wanted.items()
+        if tuple(stored[name].size) != tuple(tensor.shape)
+    ]
+    if missing or unexpected or wrong_shape:
+        raise ExportError(
+            f"{state_dir} does not fit the model of its config: missing {sorted(missing)}, "
+            f"unexpected {unexpected}, wrong shape {wrong_shape}"
+        )
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            dcp_load({MODEL_KEY: wanted}, checkpoint_id=state_dir, no_dist=True)
+    except CheckpointException as error:  # a BaseException: wraps what went wrong reading
+        raise ExportError(f"{state_dir}: cannot read the weights: {error}") from None
+
+
+def _tied_groups(
+    tensors: dict[str, torch.Tensor],
+) -> dict[tuple[int, int, tuple[int, ...]], list[str]]:
+    """State-dict names grouped by the storage they share (tied weights), in state-dict order."""
+    groups: dict[tuple[int, int, tuple[int, ...]], list[str]] = {}
+    for name, tensor in tensors.items():
+        where = (
+            tensor.untyped_storage().data_ptr(),
+            int(tensor.storage_offset()),
+            tuple(tensor.shape),
+        )
+        groups.setdefault(where, []).append(name)
+    return groups
+
+
+def _copy_tokenizer_files(hf_dir: Path, out_dir: Path) -> None:
+    """Copy hf/'s tokenizer files (and any other) as they are; config files and weights are
+    the export's own (`save_pretrained` wrote the config with the export's dtype)."""
+    for path in sorted(hf_dir.iterdir()):
+        own = path.name in (CONFIG_FILE, GENERATION_CONFIG_FILE) or path.name.endswith(
+            _WEIGHT_SUFFIXES
+        )
+        if path.is_file() and not own:
+            shutil.copy2(path, out_dir / path.name)
+
+
+def _check_replaceable(out_dir: Path, learner_dir: Path) -> None:
+    """Refuse an `out_dir` whose replacement would delete something else than an export."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise ExportError(f"{out_dir} exists and is not a directory")
+    if learner_dir.resolve().is_relative_to(out_dir.resolve()):
+        raise ExportError(f"{out_dir} holds the checkpoint {learner_dir}; pick another output")
+    entries = list(out_dir.iterdir())
+    if entries and not any(path.name.endswith(_WEIGHT_SUFFIXES) for path in entries):
+        raise ExportError(
+            f"{out_dir} exists and is not a model directory (no safetensors weights); "
+            "refusing to replace it: pick another output"
+        )
+
+
+def _replace_dir(new: Path, final: Path) -> None:
+    """Move the complete directory `new` to `final`, replacing an earlier one only now."""
+    old = final.parent / f".{final.name}.old-{os.getpid()}"
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(new, final)
+    _fsync(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _sync_tree(directory: Path) -> None:
+    """Flush every file under `directory`, and the directory, to disk before the rename."""
+    for path in sorted(directory.rglob("*"), reverse=True):
+        _fsync(path)
+    _fsync(directory)

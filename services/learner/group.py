@@ -1,0 +1,122 @@
+"""The learner group as the driver sees it: W rank actors that answer as one learner.
+
+The ranks are placed through a Ray placement group (one bundle per rank: its CPUs, GPUs and
+custom resources such as `learner_gpu`, packed onto as few nodes as fit), rank 0 serves the
+rendezvous, and every call goes to every rank with the same arguments. The driver gets rank 0's
+result refs, plus the other ranks' refs to watch: a rank that dies fails its ref at once, while
+the ranks still alive would wait in a collective for it, so the driver treats any failed ref as
+the learner's death and stops the whole group.
+
+A `single` learner is a group of one rank without a placement group.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from kpo_core.config import RunSpec
+from services.learner.actor import Learner
+from services.messages import ScoredGroup
+
+log = logging.getLogger(__name__)
+
+
+def wait_all(refs: list[Any]) -> list[Any]:
+    """The results of `refs`, in order; the first failure is raised as soon as it happens
+    (`ray.get(refs)` would first wait on a rank stuck in a collective with a dead one)."""
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        ray.get(ready)
+    return list(ray.get(refs))
+
+
+@dataclass(frozen=True)
+class StepRefs:
+    """Refs of one learner step: rank 0's record and weights, and the other ranks' results."""
+
+    metrics: Any
+    weights: Any
+    peers: list[Any]
+
+
+class LearnerGroup:
+    """Start the ranks of `spec.learner` and fan every call out to them."""
+
+    def __init__(self, spec: RunSpec, model_path: str, ratio_dir: str | None = None) -> None:
+        learner = spec.learner
+        bundle = {"CPU": learner.num_cpus, **learner.resources}
+        if learner.num_gpus:
+            bundle["GPU"] = learner.num_gpus
+        self._placement = None
+        if learner.world_size > 1:
+            self._placement = placement_group([dict(bundle)] * learner.world_size, "PACK")
+        self.ranks: list[Any] = []
+        for rank in range(learner.world_size):
+            options: dict[str, Any] = {
+                "num_cpus": learner.num_cpus,
+                "num_gpus": learner.num_gpus,
+                "resources": dict(learner.resources),
+            }
+            if self._placement is not None:
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    self._placement, placement_group_bundle_index=rank
+                )
+            args = (model_path, learner, spec.algorithm, spec.generation.temperature, spec.seed)
+            self.ranks.append(Learner.options(**options).remote(*args, rank, ratio_dir))
+
+    def setup(self) -> list[Any]:
+        """Refs of every rank joining the group and loading the model (wait for them)."""
+        address = "" if len(self.ranks) == 1 else ray.get(self.ranks[0].rendezvous_address.remote())
+        return [rank.setup.remote(address) for rank in self.ranks]
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        return [getattr(rank, method).remote(*args) for rank in self.ranks]
+
+    def call(self, method: str, *args: Any) -> Any:
+        """Call `method` on every rank, wait for all, return rank 0's result."""
+        return wait_all(self._all(method, *args))[0]
+
+    def step(self, batch: list[ScoredGroup]) -> StepRefs:
+        """One step on every rank (the batch is put into the object store once)."""
+        batch_ref = ray.put(batch)
+        pairs = [rank.step.options(num_returns=2).remote(batch_ref) for rank in self.ranks]
+        return StepRefs(pairs[0][0], pairs[0][1], [ref for pair in pairs[1:] for ref in pair])
+
+    def initial_weights(self) -> Any:
+        """Rank 0's ref of the current weights (every rank takes part in gathering them)."""
+        return self._all("initial_weights")[0]
+
+    def save_checkpoint(self, path: str) -> None:
+        self.call("save_checkpoint", path)
+
+    def load_checkpoint(self, path: str) -> int:
+        version: int = self.call("load_checkpoint", path)
+        return version
+
+    def export(self, learner_dir: str, out_dir: str) -> str:
+        path: str = ray.get(self.ranks[0].export.remote(learner_dir, out_dir))
+        return path
+
+    def pids(self) -> list[int]:
+        return list(ray.get([rank.pid.remote() for rank in self.ranks]))
+
+    def kill(self) -> None:
+        """Stop every rank now (no restart) and free the placement group."""
+        for rank in self.ranks:
+            try:
+                ray.kill(rank, no_restart=True)
+            except Exception as error:  # a rank that is already gone is what we want
+                log.debug("kill %s: %s", rank, error)
+        if self._placement is not None:
+            try:
+                remove_placement_group(self._placement)
+            except Exception as error:  # the cluster may be going away with it
+                log.debug("remove placement group: %s", error)
+            self._placement = None

@@ -1,0 +1,569 @@
+"""The metrics record, declared once: every key of it, with its kind, unit and meaning.
+
+Every learner step emits one record (DESIGN.md, data flow 6): the learner's `train_step` fills
+most of it (services/learner/step.py and metrics.py), the driver adds progress, throughput,
+staleness and the run's totals (`RunDriver._on_trained`, services/pipeline/driver.py). Whatever
+reads the record by key reads this declaration:
+
+- services/api/prometheus.py exports every key of kind gauge, counter or histogram under its
+  `prometheus` name (label `run_id`; ratio diagnostics also `stage`);
+- services/pipeline/plots.py draws the keys that name one of its panels (`plot`) in curves.png;
+- the metrics table of docs/pipeline.md is `markdown_table()`, written by
+  `python scripts/metrics_table.py` (a test fails when the two differ);
+- tests/services/test_metrics.py checks that a real learner step and the driver write declared
+  keys only, and that the learner writes every key declared as its own.
+
+Prometheus names are DESIGN.md's with STYLE.md's suffixes (habit 9) where the two differ: a value
+in [0, 1] has unit `ratio` and its name ends in `_ratio` (`kpo_clip_fraction_ratio`), a quantity
+with a unit names it (`kpo_entropy_nats`), a counter ends in `_total`. `MetricKey` refuses a
+declaration that breaks these rules. The exported names are a contract with deploy/ (Grafana
+dashboard, Prometheus rules): renaming one breaks dashboards and alerts.
+
+Not every key is in every record: those of an estimator or an option (Kalman, the proximal
+reference, TIS/MIS) only with it, `grad_norm` only when a minibatch was trained; the notes of the
+table say which.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Kind(StrEnum):
+    """How a key leaves the record, besides metrics.jsonl, the store and the API."""
+
+    GAUGE = "gauge"  # exported as the latest record's value
+    COUNTER = "counter"  # a cumulative run total in every record, exported as a counter
+    HISTOGRAM = "histogram"  # a duration of the step (or a list of them), exported as buckets
+    RECORD = "record"  # not exported to Prometheus
+
+
+class Source(StrEnum):
+    """Who writes the key into the record."""
+
+    LEARNER = "learner"  # LearnerCore.train_step (services/learner/step.py)
+    DRIVER = "driver"  # RunDriver._on_trained (services/pipeline/driver.py)
+
+
+# The ratio diagnostics (`staged` keys) are in the record twice, as `raw_<key>` (of exp(z)) and
+# `filtered_<key>` (of the estimator's ratio); Prometheus has one family with a `stage` label.
+STAGES = ("raw", "filtered")
+# A unit that is named in the metric name: the exported name ends in `_<unit>` (or
+# `_<unit>_total`), and a name ending that way has that unit.
+NAMED_UNITS = ("seconds", "nats", "ratio", "bytes")
+
+
+@dataclass(frozen=True)
+class MetricKey:
+    """One key of the metrics record (or, `staged`, the pair `raw_<key>`, `filtered_<key>`).
+
+    key: the record key; kind: `Kind`; unit: what the value counts or measures ("" when
+    dimensionless; `ratio` for a value in [0, 1]); help: one line, the Prometheus HELP text of
+    an exported key; source: `Source`; prometheus: the exported name (None for `Kind.RECORD`);
+    staged: a ratio diagnostic (see STAGES); plot: the curves.png panel that draws it
+    (services/pipeline/plots.py), if any; note: more for the docs table (when the key is absent,
+    how minibatch values are reduced).
+    """
+
+    key: str
+    kind: Kind
+    unit: str
+    help: str
+    source: Source
+    prometheus: str | None = None
+    staged: bool = False
+    plot: str | None = None
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        problem = self._problem()
+        if problem:
+            raise ValueError(f"metrics record key {self.key!r}: {problem}")
+
+    def _problem(self) -> str | None:
+        name = self.prometheus
+        if self.kind is Kind.RECORD:
+            return None if name is None else f"a {self.kind} key has no Prometheus name ({name})"
+        if name is None:
+            return f"a {self.kind} needs its Prometheus name (`prometheus=`)"
+        if not name.startswith("kpo_"):
+            return f"Prometheus name {name!r} must start with `kpo_`"
+        base = name.removesuffix("_total")
+        if (self.kind is Kind.COUNTER) != (base != name):
+            return f"{name!r}: a counter's name, and only a counter's, ends in `_total`"
+        if self.kind is Kind.HISTOGRAM and self.unit != "seconds":
+            return f"a histogram holds durations (unit seconds), not {self.unit!r}"
+        named = next((unit for unit in NAMED_UNITS if base.endswith(f"_{unit}")), None)
+        if self.unit in NAMED_UNITS and named != self.unit:
+            return f"{name!r} must end in `_{self.unit}` (its unit)"
+        if named is not None and named != self.unit:
+            return f"{name!r} ends in `_{named}`, so its unit must be {named!r}, not {self.unit!r}"
+        if self.staged and self.kind is not Kind.GAUGE:
+            return "a ratio diagnostic is a gauge or record-only"
+        return None
+
+    @property
+    def record_keys(self) -> tuple[str, ...]:
+        """The keys this declaration stands for in a record."""
+        return tuple(f"{stage}_{self.key}" for stage in STAGES) if self.staged else (self.key,)
+
+
+@dataclass(frozen=True)
+class Group:
+    """A group of keys, one block of the docs table."""
+
+    title: str  # Markdown, as the docs table shows it
+    keys: tuple[MetricKey, ...]
+
+
+_L, _D = Source.LEARNER, Source.DRIVER
+
+
+def _gauge(
+    key: str,
+    name: str,
+    unit: str,
+    help: str,
+    source: Source = _L,
+    *,
+    plot: str | None = None,
+    note: str = "",
+) -> MetricKey:
+    return MetricKey(key, Kind.GAUGE, unit, help, source, name, plot=plot, note=note)
+
+
+def _counter(key: str, name: str, unit: str, help: str) -> MetricKey:
+    return MetricKey(key, Kind.COUNTER, unit, help, _D, name)
+
+
+def _record(key: str, unit: str, help: str, source: Source = _L, note: str = "") -> MetricKey:
+    return MetricKey(key, Kind.RECORD, unit, help, source, note=note)
+
+
+PROGRESS = Group(
+    "progress",
+    (
+        _record("step", "steps", "Learner steps done in the run: the record's index.", _D),
+        _gauge("policy_version", "kpo_policy_version", "versions", "The learner's policy version."),
+        _gauge(
+            "time",
+            "kpo_last_step_timestamp_seconds",
+            "seconds",
+            "Unix time of the latest learner step.",
+            _D,
+        ),
+        _record(
+            "wall_seconds",
+            "seconds",
+            "Wall time of the run so far.",
+            _D,
+            note="Earlier attempts of a resumed run included.",
+        ),
+        MetricKey(
+            "step_seconds",
+            Kind.HISTOGRAM,
+            "seconds",
+            "Duration of learner steps.",
+            _D,
+            "kpo_learner_step_seconds",
+            note="From the call to the learner to its result.",
+        ),
+        _record("lr", "", "Learning rate the step used."),
+    ),
+)
+REWARD = Group(
+    "reward",
+    (
+        _gauge(
+            "reward_mean",
+            "kpo_reward_mean",
+            "",
+            "Mean reward of the latest step's batch.",
+            plot="reward",
+        ),
+        _record(
+            "reward_std",
+            "",
+            "Population standard deviation of the batch's rewards.",
+            note="NaN/inf rewards left out, as of `reward_mean` (both 0.0 when none is finite).",
+        ),
+        _gauge(
+            "accuracy",
+            "kpo_accuracy_ratio",
+            "ratio",
+            "Fraction of correct responses (latest step).",
+        ),
+        _record(
+            "zero_variance_group_fraction",
+            "ratio",
+            "Fraction of groups whose finite rewards are all equal (no GRPO learning signal).",
+        ),
+        _record("response_length_mean", "tokens", "Mean response length of the batch."),
+        _record("truncated_fraction", "ratio", "Fraction of responses cut at the token limit."),
+    ),
+)
+OPTIMISATION = Group(
+    "optimisation",
+    (
+        _gauge(
+            "policy_loss",
+            "kpo_policy_loss",
+            "",
+            "Policy-gradient loss of the latest step.",
+            note="Mean over minibatches.",
+        ),
+        _gauge(
+            "entropy",
+            "kpo_entropy_nats",
+            "nats",
+            "Mean token entropy of the policy, in nats.",
+            plot="entropy",
+            note="Over the first epoch (each row once).",
+        ),
+        _gauge(
+            "clip_fraction",
+            "kpo_clip_fraction_ratio",
+            "ratio",
+            "Fraction of tokens whose ratio was clipped.",
+            plot="clip fraction",
+        ),
+        _gauge(
+            "approx_kl",
+            "kpo_kl_nats",
+            "nats",
+            "Approximate KL(behaviour || policy), in nats.",
+            note="The k3 estimator, mean over minibatches.",
+        ),
+        _gauge(
+            "grad_norm",
+            "kpo_grad_norm",
+            "",
+            "Gradient norm before clipping (latest step).",
+            note="Mean over trained minibatches; absent when none was trained.",
+        ),
+    ),
+)
+BAD_NUMBERS = Group(
+    "bad numbers ([numerics.md](numerics.md))",
+    (
+        _record("nonfinite_rewards", "responses", "Responses whose reward was NaN/inf (dropped)."),
+        _record(
+            "nonfinite_tokens",
+            "tokens",
+            "Tokens masked for a NaN/inf log-prob or advantage.",
+            note="Per pass over the batch (summed over minibatches, divided by the epochs).",
+        ),
+        _record(
+            "extreme_ratio_tokens",
+            "tokens",
+            "Tokens whose |log-ratio| exceeded 20 (saturated).",
+            note="Per pass over the batch (summed over minibatches, divided by the epochs).",
+        ),
+        _record("empty_responses", "responses", "Responses without a token."),
+        _record(
+            "skipped_minibatches",
+            "minibatches",
+            "Minibatches whose loss or gradient was not finite, skipped without an update.",
+        ),
+        _record(
+            "empty_minibatches", "minibatches", "Minibatches without a valid token (no update)."
+        ),
+        # Run totals of the counts above: the driver sums `<key>` into `<key>_total`.
+        _counter(
+            "nonfinite_rewards_total",
+            "kpo_nonfinite_rewards_total",
+            "responses",
+            "Responses whose reward was not finite, left out of training.",
+        ),
+        _counter(
+            "nonfinite_tokens_total",
+            "kpo_nonfinite_tokens_total",
+            "tokens",
+            "Tokens masked for a log-prob that was not finite.",
+        ),
+        _counter(
+            "extreme_ratio_tokens_total",
+            "kpo_extreme_ratio_tokens_total",
+            "tokens",
+            "Tokens whose log-ratio exceeded the extreme-ratio threshold (|z| > 20).",
+        ),
+        _counter(
+            "skipped_minibatches_total",
+            "kpo_skipped_minibatches_total",
+            "minibatches",
+            "Minibatches whose loss or gradient was not finite, skipped without an update.",
+        ),
+    ),
+)
+RATIOS = Group(
+    "ratios",
+    (
+        _record("ratio_mean", "", "Mean of the estimator's ratio over valid tokens."),
+        _record("ratio_max", "", "Largest estimator ratio.", note="Max over minibatches."),
+        _record("ratio_min", "", "Smallest estimator ratio.", note="Min over minibatches."),
+        _record(
+            "kalman_gain_mean",
+            "",
+            "Mean Kalman gain over valid tokens.",
+            note="KPO (`kalman`) only.",
+        ),
+        _record(
+            "filtered_ratio_mean",
+            "",
+            "Mean filtered ratio exp(x_t) over valid tokens.",
+            note="KPO (`kalman`) only.",
+        ),
+        _record(
+            "behaviour_weight_mean",
+            "",
+            "Mean decoupled-PPO weight pi_prox / pi_behaviour.",
+            note="With `algorithm.reference: proximal` only.",
+        ),
+        _record(
+            "behaviour_weight_max",
+            "",
+            "Largest decoupled-PPO weight.",
+            note="With `algorithm.reference: proximal` only.",
+        ),
+        _record(
+            "tis_truncated_fraction",
+            "ratio",
+            "Fraction of tokens whose behaviour weight was truncated at `tis_cap`.",
+            note="With the proximal reference and `off_policy.tis_cap` only.",
+        ),
+        _record(
+            "mis_masked_fraction",
+            "ratio",
+            "Fraction of tokens whose behaviour weight was zeroed outside [mis_low, mis_high].",
+            note="With the proximal reference and `off_policy.mis_low`/`mis_high` only.",
+        ),
+    ),
+)
+
+
+def _diagnostic(key: str, unit: str, help: str, name: str | None = None) -> MetricKey:
+    kind = Kind.RECORD if name is None else Kind.GAUGE
+    return MetricKey(key, kind, unit, help, _L, name, staged=True)
+
+
+RATIO_DIAGNOSTICS = Group(
+    "ratio diagnostics (`raw_`: of exp(z); `filtered_`: of the estimator's ratio)",
+    (
+        _diagnostic(
+            "switch_frequency",
+            "ratio",
+            "Share of adjacent token pairs whose ratio switches side of 1 (raw: exp(z); "
+            "filtered: the estimator's ratio).",
+            "kpo_ratio_switch_frequency_ratio",
+        ),
+        _diagnostic("run_length_up", "tokens", "Mean length of runs of ratios above 1."),
+        _diagnostic("run_length_down", "tokens", "Mean length of runs of ratios below 1."),
+        _diagnostic("run_length_on", "tokens", "Mean length of runs of ratios near 1."),
+        _diagnostic(
+            "low_frequency_ratio",
+            "ratio",
+            "Share of the log-ratio's spectral energy at low frequencies.",
+            "kpo_ratio_low_frequency_ratio",
+        ),
+        _diagnostic("global_variance", "", "Mean variance of the ratios within a response."),
+        _diagnostic("local_variance", "", "Mean variance of the ratios within 50-token windows."),
+    ),
+)
+STALENESS = Group(
+    "staleness",
+    (
+        _gauge(
+            "staleness_mean",
+            "kpo_staleness_mean",
+            "versions",
+            "Mean staleness of the trained batch, in versions.",
+            plot="staleness (versions)",
+        ),
+        _gauge(
+            "staleness_max",
+            "kpo_staleness_max",
+            "versions",
+            "Largest staleness in the trained batch, in versions.",
+            plot="staleness (versions)",
+        ),
+        _counter(
+            "rollouts_dropped_stale",
+            "kpo_rollouts_dropped_stale_total",
+            "responses",
+            "Responses dropped for exceeding the staleness bound.",
+        ),
+        _counter(
+            "groups_dropped_stale",
+            "kpo_groups_dropped_stale_total",
+            "groups",
+            "Response groups dropped for exceeding the staleness bound.",
+        ),
+        _gauge(
+            "buffer_groups",
+            "kpo_buffer_groups",
+            "groups",
+            "Scored groups waiting in the buffer.",
+            _D,
+        ),
+    ),
+)
+FAULTS = Group(
+    "faults survived (totals of the run; [reliability.md](reliability.md))",
+    (
+        _counter(
+            "learner_restarts",
+            "kpo_learner_restarts_total",
+            "restarts",
+            "Times the run resumed itself from a checkpoint after its learner died.",
+        ),
+        _counter(
+            "generation_replacements",
+            "kpo_generation_replacements_total",
+            "actors",
+            "Generation actors replaced after they died.",
+        ),
+        _counter(
+            "verifier_replacements",
+            "kpo_verifier_replacements_total",
+            "actors",
+            "Verifier actors replaced after they died or hung.",
+        ),
+        _counter(
+            "rescored_groups",
+            "kpo_rescored_groups_total",
+            "groups",
+            "Response groups scored again because their verifier actor died or hung.",
+        ),
+        _counter(
+            "unverified_groups",
+            "kpo_unverified_groups_total",
+            "groups",
+            "Response groups marked unverified (reward 0) after their verifier failed twice.",
+        ),
+    ),
+)
+THROUGHPUT = Group(
+    "throughput",
+    (
+        _record(
+            "tokens_trained",
+            "tokens",
+            "Response tokens in the step's batch.",
+            note="Once per step, whatever the epochs; tokens the loss masks included.",
+        ),
+        _counter(
+            "tokens_trained_total",
+            "kpo_tokens_trained_total",
+            "tokens",
+            "Response tokens trained on.",
+        ),
+        _counter(
+            "tokens_generated_total",
+            "kpo_tokens_generated_total",
+            "tokens",
+            "Response tokens generated.",
+        ),
+        _record(
+            "generation_tokens_per_s",
+            "tokens/s",
+            "Tokens generated per second since the previous step.",
+            _D,
+        ),
+        MetricKey(
+            "generation_batch_seconds",
+            Kind.HISTOGRAM,
+            "seconds",
+            "Duration of generation batches.",
+            _D,
+            "kpo_generation_batch_seconds",
+            note="Mean of the generate calls finished since the previous step (0 if none did).",
+        ),
+        _record(
+            "generation_batches", "batches", "Generate calls finished since the previous step.", _D
+        ),
+    ),
+)
+LEARNER_GROUP = Group(
+    "learner group",
+    (
+        _record(
+            "micro_batches",
+            "forward passes",
+            "Forward passes each learner rank ran in the step (the maximum over ranks).",
+        ),
+        _record("learner_world_size", "ranks", "Ranks in the learner group."),
+    ),
+)
+
+GROUPS = (
+    PROGRESS,
+    REWARD,
+    OPTIMISATION,
+    BAD_NUMBERS,
+    RATIOS,
+    RATIO_DIAGNOSTICS,
+    STALENESS,
+    FAULTS,
+    THROUGHPUT,
+    LEARNER_GROUP,
+)
+# Every declaration, in the docs table's order.
+RECORD: tuple[MetricKey, ...] = tuple(metric for group in GROUPS for metric in group.keys)
+# Every key a record may hold, to its declaration.
+BY_KEY: dict[str, MetricKey] = {key: metric for metric in RECORD for key in metric.record_keys}
+
+# Per-step counts of the learner's record that the driver sums into run totals named
+# `<key>_total`: the counters of BAD_NUMBERS.
+LEARNER_TOTALS = tuple(
+    metric.key.removesuffix("_total") for metric in BAD_NUMBERS.keys if metric.kind is Kind.COUNTER
+)
+# Faults the run survived: run totals the driver keeps and writes into every record.
+FAULT_COUNTERS = tuple(metric.key for metric in FAULTS.keys)
+
+
+def exported(kind: Kind, staged: bool = False) -> tuple[MetricKey, ...]:
+    """The declarations of `kind` exported to Prometheus, with or without a `stage` label."""
+    return tuple(m for m in RECORD if m.kind is kind and m.prometheus and m.staged is staged)
+
+
+def _check_declaration() -> None:
+    keys = [key for metric in RECORD for key in metric.record_keys]
+    names = [metric.prometheus for metric in RECORD if metric.prometheus]
+    for what, values in (("record key", keys), ("Prometheus name", names)):
+        repeated = sorted({v for v in values if values.count(v) > 1})
+        if repeated:
+            raise ValueError(f"declared twice in services/metrics.py ({what}): {repeated}")
+    for key in LEARNER_TOTALS:
+        if key not in BY_KEY or BY_KEY[key].source is not Source.LEARNER:
+            raise ValueError(f"the run total {key}_total sums an undeclared learner key {key!r}")
+
+
+_check_declaration()
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _exported_as(metric: MetricKey) -> str:
+    if metric.prometheus is None:
+        return ""
+    label = ", label `stage`" if metric.staged else ""
+    return f"{metric.kind} `{metric.prometheus}`{label}"
+
+
+def markdown_table() -> str:
+    """The metrics table of docs/pipeline.md: a row per declaration, grouped as GROUPS."""
+    lines = [
+        "| key | unit | Prometheus | meaning |",
+        "| --- | --- | --- | --- |",
+    ]
+    for group in GROUPS:
+        lines.append(f"| **{group.title}** | | | |")
+        for metric in group.keys:
+            keys = ", ".join(f"`{key}`" for key in metric.record_keys)
+            meaning = f"{metric.help} {metric.note}".strip()
+            row = (keys, metric.unit, _exported_as(metric), meaning)
+            lines.append("| " + " | ".join(_cell(cell) for cell in row) + " |")
+    return "\n".join(lines)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,9 +20,16 @@ from pathlib import Path
 from typing import Any
 
 from kpo_core.config import RunSpec
+from services.learner.export import export_model
 from services.pipeline.checkpoints import LEARNER_DIR, list_checkpoints
 from services.pipeline.launch import execute_run
-from services.pipeline.outputs import CHECKPOINTS_DIR, MetricsRecord, RunDirectory, read_metrics
+from services.pipeline.outputs import (
+    CHECKPOINTS_DIR,
+    MODEL_DIR,
+    MetricsRecord,
+    RunDirectory,
+    read_metrics,
+)
 from stability_study.grid import Cell, cell_spec
 
 EVALS_FILE = "evals.json"
@@ -71,7 +79,8 @@ def run_one(
 ) -> RunResult:
     """Run (cell, seed) to its last step, evaluate each checkpoint, and record the result.
 
-    Checkpoints are deleted once evaluated: the study keeps metrics, ratios and evaluations.
+    Checkpoints (and the run's final export) are deleted once evaluated: the study keeps
+    metrics, ratios and evaluations.
     """
     started = time.perf_counter()
     path = run_path(out, cell, seed)
@@ -84,8 +93,11 @@ def run_one(
     accuracy = {0: initial_accuracy}
     checkpoints = path / CHECKPOINTS_DIR
     for step, checkpoint in list_checkpoints(checkpoints):
-        accuracy[step] = accuracy_of(checkpoint / LEARNER_DIR)
+        # Each checkpoint evaluated as the Hugging Face model it exports to.
+        with tempfile.TemporaryDirectory() as tmp:
+            accuracy[step] = accuracy_of(export_model(checkpoint / LEARNER_DIR, Path(tmp) / "m"))
     shutil.rmtree(checkpoints, ignore_errors=True)
+    shutil.rmtree(path / MODEL_DIR, ignore_errors=True)
     seconds = time.perf_counter() - started
     evals = {"accuracy": {str(step): value for step, value in accuracy.items()}, "seconds": seconds}
     _write_json(path / EVALS_FILE, evals)

@@ -70,10 +70,21 @@ def test_a_hung_verifier_actor_is_replaced_and_its_batch_scored_again(tmp_path: 
     assert_ledger_balances(run.out, BATCH_GROUPS)
 
 
-def test_a_killed_learner_resumes_the_run_from_its_checkpoint(tmp_path: Path) -> None:
-    with KpoRun(tmp_path, "pipeline.steps=6", "pipeline.checkpoint_every=2") as run:
+# A single learner, and rank 1 of a 2-rank FSDP2 group: rank 0, still alive, waits in a
+# collective for it, so the driver must notice rank 1's death itself.
+LEARNER_GROUPS = [
+    pytest.param((), 0, id="single"),
+    pytest.param(("learner.strategy=fsdp2", "learner.world_size=2"), 1, id="fsdp2-rank-1"),
+]
+
+
+@pytest.mark.parametrize(("group", "rank"), LEARNER_GROUPS)
+def test_a_killed_learner_resumes_the_run_from_its_checkpoint(
+    tmp_path: Path, group: tuple[str, ...], rank: int
+) -> None:
+    with KpoRun(tmp_path, "pipeline.steps=6", "pipeline.checkpoint_every=2", *group) as run:
         run.wait_for_steps(3)
-        kill(actor_pid(run.out, "learner"))
+        kill(actor_pid(run.out, "learner", rank))
         assert run.finish() == 0, run.output
     records = read_metrics(run.out)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]

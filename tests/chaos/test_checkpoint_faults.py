@@ -24,10 +24,13 @@ def flip_a_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.parametrize(
+    "group", [(), ("learner.strategy=fsdp2", "learner.world_size=2")], ids=["single", "fsdp2"]
+)
 def test_resume_skips_a_corrupt_checkpoint_and_falls_back_to_the_previous(
-    tmp_path: Path,
+    tmp_path: Path, group: tuple[str, ...]
 ) -> None:
-    with KpoRun(tmp_path, "pipeline.steps=12", "pipeline.checkpoint_every=2") as run:
+    with KpoRun(tmp_path, "pipeline.steps=12", "pipeline.checkpoint_every=2", *group) as run:
         run.wait_for_steps(5)
         os.killpg(run.process.pid, signal.SIGKILL)
         run.finish()

@@ -127,3 +127,46 @@ def test_two_ranks_with_micro_batches_equal_the_single_learner(
     ranks = run_ranks(two_steps, 2, tiny_model_dir, groups, settings)
     assert ranks[0]["metrics"]["micro_batches"] > 1.0
     assert_same_step(ranks[0], single, 1e-3)
+
+
+def test_activation_checkpointing_changes_memory_not_the_step(
+    tiny_model_dir: Path, groups: list[ScoredGroup]
+) -> None:
+    plain = two_steps(None, tiny_model_dir, groups, {})
+    recomputed = two_steps(None, tiny_model_dir, groups, {"gradient_checkpointing": True})
+    assert_same_step(recomputed, plain, 1e-3)
+    sharded = run_ranks(two_steps, 2, tiny_model_dir, groups, {"gradient_checkpointing": True})
+    assert_same_step(sharded[0], plain, 1e-3)
+
+
+def bfloat16_step(
+    group: RankGroup | None, model_dir: Path, groups: list[ScoredGroup]
+) -> dict[str, Any]:
+    core = make_core(model_dir, group=group, compute_dtype="bfloat16")
+    before = {n: p.detach().clone() for n, p in core.model.named_parameters()}
+    metrics = core.train_step(groups)
+    masters = dict(core.model.named_parameters())
+    return {
+        "metrics": metrics,
+        "master_dtypes": {p.dtype for p in masters.values()},
+        # An update far below bfloat16's resolution at 1: kept only by float32 masters.
+        "moved": sum(int((p.detach() != before[n]).sum()) for n, p in masters.items()),
+        "published": core.state_dict_for_publish(),
+    }
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_bfloat16_compute_keeps_float32_masters_and_publishes_bfloat16(
+    tiny_model_dir: Path, groups: list[ScoredGroup], world_size: int
+) -> None:
+    if world_size == 1:
+        result = bfloat16_step(None, tiny_model_dir, groups)
+    else:
+        result = run_ranks(bfloat16_step, world_size, tiny_model_dir, groups)[0]
+    assert result["master_dtypes"] == {torch.float32}
+    assert result["moved"] > 0 and result["metrics"]["grad_norm"] > 0
+    published = result["published"]
+    assert published and {t.dtype for t in published.values()} == {torch.bfloat16}
+    # The bfloat16 forward agrees with the float32 one to bfloat16 precision.
+    reference = two_steps(None, tiny_model_dir, groups, {})
+    assert result["metrics"]["entropy"] == pytest.approx(reference["metrics"]["entropy"], rel=0.05)

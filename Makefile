@@ -40,9 +40,10 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy kpo_core services benchmarks/study.py benchmarks/stability_study benchmarks/bench_load.py benchmarks/soak.py \
 		scripts/audit_dependencies.py
 
+# tests/gpu runs where a GPU exists (scripts/gpu_check.sh); the CPU suite covers the same code.
 test: system-deps lint typecheck
 	$(VENV)/bin/pytest --ignore=tests/services/generation/test_vllm_backend.py \
-		--ignore=tests/integrations
+		--ignore=tests/integrations --ignore=tests/gpu
 
 # The vLLM backend's tests, in their own virtualenv with the CPU build of vLLM (large: ~4 GB).
 test-vllm:

@@ -289,6 +289,11 @@ class LearnerConfig(StrictModel):
         description="response positions projected to the vocabulary at once when computing "
         "log-probs and entropy (bounds the float32 logits to chunk x vocabulary)",
     )
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = Field(
+        "sdpa",
+        description="the model's attention kernel; with flash-attention (GPUs, the "
+        "flash-attn package) rows are packed without padding",
+    )
     gradient_checkpointing: bool = Field(
         False, description="recompute each decoder layer's activations in the backward pass"
     )

@@ -40,8 +40,11 @@ class RankGroup:
         return self.world_size > 1
 
     def join(self, address: str, device: torch.device, timeout_s: float) -> None:
-        """Join the process group at `address` (blocks until every rank has joined)."""
-        if not self.distributed:
+        """Join the process group at `address` (blocks until every rank has joined); "": none.
+
+        An FSDP2 learner of one rank has a process group of one (FSDP2 needs one).
+        """
+        if not address:
             return
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
@@ -53,7 +56,7 @@ class RankGroup:
         )
 
     def leave(self) -> None:
-        if self.distributed and dist.is_initialized():
+        if dist.is_initialized():
             dist.destroy_process_group()
 
     def sum(self, tensor: Tensor) -> Tensor:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kpo_core.config import RunSpec
@@ -51,12 +51,13 @@ class LearnerGroup:
 
     def __init__(self, spec: RunSpec, model_path: str, ratio_dir: str | None = None) -> None:
         learner = spec.learner
+        self.sharded = learner.strategy == "fsdp2"
         bundle = {"CPU": learner.num_cpus, **learner.resources}
         if learner.num_gpus:
             bundle["GPU"] = learner.num_gpus
-        self._placement = None
+        self.placement: PlacementGroup | None = None
         if learner.world_size > 1:
-            self._placement = placement_group([dict(bundle)] * learner.world_size, "PACK")
+            self.placement = placement_group([dict(bundle)] * learner.world_size, "PACK")
         self.ranks: list[Any] = []
         for rank in range(learner.world_size):
             options: dict[str, Any] = {
@@ -64,16 +65,18 @@ class LearnerGroup:
                 "num_gpus": learner.num_gpus,
                 "resources": dict(learner.resources),
             }
-            if self._placement is not None:
+            if self.placement is not None:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    self._placement, placement_group_bundle_index=rank
+                    self.placement, placement_group_bundle_index=rank
                 )
             args = (model_path, learner, spec.algorithm, spec.generation.temperature, spec.seed)
             self.ranks.append(Learner.options(**options).remote(*args, rank, ratio_dir))
 
     def setup(self) -> list[Any]:
         """Refs of every rank joining the group and loading the model (wait for them)."""
-        address = "" if len(self.ranks) == 1 else ray.get(self.ranks[0].rendezvous_address.remote())
+        address = ""
+        if self.sharded:
+            address = ray.get(self.ranks[0].rendezvous_address.remote())
         return [rank.setup.remote(address) for rank in self.ranks]
 
     def _all(self, method: str, *args: Any) -> list[Any]:
@@ -114,9 +117,9 @@ class LearnerGroup:
                 ray.kill(rank, no_restart=True)
             except Exception as error:  # a rank that is already gone is what we want
                 log.debug("kill %s: %s", rank, error)
-        if self._placement is not None:
+        if self.placement is not None:
             try:
-                remove_placement_group(self._placement)
+                remove_placement_group(self.placement)
             except Exception as error:  # the cluster may be going away with it
                 log.debug("remove placement group: %s", error)
-            self._placement = None
+            self.placement = None

@@ -64,13 +64,16 @@ class ResponseLogProbs(nn.Module):
     Wrapping the model makes this the one forward the learner calls: under FSDP2 the wrapper is
     the root module, so the embedding, final norm and output head (the root's parameters) are
     gathered for exactly this forward and its backward, and the chunked head runs inside it.
-    `policy` is the Hugging Face model, whose parameter names the checkpoints keep.
+    `policy` is the Hugging Face model, whose parameter names the checkpoints keep. `packed`:
+    rows are concatenated without padding (`_hidden`), for attention kernels that take
+    variable-length rows (flash-attention).
     """
 
-    def __init__(self, policy: nn.Module, chunk_tokens: int) -> None:
+    def __init__(self, policy: nn.Module, chunk_tokens: int, packed: bool = False) -> None:
         super().__init__()
         self.policy = policy
         self.chunk_tokens = chunk_tokens
+        self.packed = packed
 
     def forward(
         self, batch: TrainingBatch, temperature: float, with_entropy: bool
@@ -79,26 +82,19 @@ class ResponseLogProbs(nn.Module):
         where the logits are not finite) and entropy [B, T] float32 (detached; 0 off the
         mask, and everywhere unless `with_entropy`). Differentiable in the policy's
         parameters when grad is enabled."""
-        width = batch.response_width
-        decoder = self.policy.get_decoder()  # type: ignore[operator]
-        hidden = decoder(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=batch.position_ids,
-            use_cache=False,
-        ).last_hidden_state
-        # Columns P-1 .. P+T-2 predict response slots 0 .. T-1.
-        total = hidden.shape[1]
-        predicting = hidden[:, total - width - 1 : total - 1]
         mask = batch.response_mask
         # With no response token to score (empty responses, a rank's filler pass), one ghost
         # position keeps the head in the graph with a zero gradient: every rank of an FSDP
         # group must reduce the same gradients, whatever its rows.
         ghost = not bool(mask.any())
+        hidden, where = self._hidden(batch)  # [X, H]; where [B, P+T]: row of each token
         if ghost:
-            states, targets = hidden[:1, -1], batch.input_ids[:1, -1]  # [1, H], [1]
+            states, targets = hidden[-1:], batch.input_ids[:1, -1]  # [1, H], [1]
         else:
-            states, targets = predicting[mask], batch.response_ids[mask]  # [N, H], [N]
+            # Columns P-1 .. P+T-2 predict response slots 0 .. T-1.
+            total, width = batch.input_ids.shape[1], batch.response_width
+            scored = where[:, total - width - 1 : total - 1][mask]
+            states, targets = hidden[scored], batch.response_ids[mask]  # [N, H], [N]
         head = self.policy.get_output_embeddings()  # type: ignore[operator]
         parts_logp, parts_entropy = [], []
         for start in range(0, int(targets.shape[0]), self.chunk_tokens):
@@ -112,7 +108,7 @@ class ResponseLogProbs(nn.Module):
             parts_logp.append(logp)
             parts_entropy.append(entropy)
         logp, entropy = torch.cat(parts_logp), torch.cat(parts_entropy).detach()
-        zeros = hidden.new_zeros(mask.shape, dtype=logp.dtype)
+        zeros = torch.zeros(mask.shape, dtype=logp.dtype, device=logp.device)
         if ghost:
             # where(), not a product: the ghost's log-prob may be NaN.
             return zeros + torch.where(
@@ -120,6 +116,34 @@ class ResponseLogProbs(nn.Module):
             ), zeros
         entropy_out = torch.zeros_like(zeros, dtype=entropy.dtype).masked_scatter(mask, entropy)
         return zeros.masked_scatter(mask, logp), entropy_out
+
+    def _hidden(self, batch: TrainingBatch) -> tuple[Tensor, Tensor]:
+        """The decoder's last hidden states as rows [X, H], and for every (row, column) of the
+        batch the index of its state there [B, P+T] (meaningful at real tokens only).
+
+        Padded: one forward over [B, P+T] with the attention mask (X = B (P+T)). Packed: the
+        real tokens of every row concatenated into one sequence whose position ids restart at
+        each row (X = the real tokens): transformers then attends within each row only (with
+        flash-attention, through its variable-length kernels, so padding costs nothing).
+        """
+        decoder = self.policy.get_decoder()  # type: ignore[operator]
+        real = batch.attention_mask.bool()
+        if self.packed and batch.num_rows > 1:
+            hidden = decoder(
+                input_ids=batch.input_ids[real].unsqueeze(0),
+                position_ids=batch.position_ids[real].unsqueeze(0),
+                use_cache=False,
+            ).last_hidden_state[0]
+            where = (real.flatten().cumsum(0) - 1).reshape(real.shape)
+            return hidden, where
+        hidden = decoder(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            use_cache=False,
+        ).last_hidden_state
+        where = torch.arange(real.numel(), device=real.device).reshape(real.shape)
+        return hidden.flatten(0, 1), where
 
 
 def response_logprobs(

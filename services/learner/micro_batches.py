@@ -12,7 +12,8 @@ must run the same number of passes: a rank with fewer micro-batches runs filler 
 row whose loss weight is zero).
 
 Rows are padded to the widest prompt and longest response of their micro-batch, so sorting by
-length first keeps padding small: a micro-batch of n rows costs n * (P_max + T_max) tokens.
+length first keeps padding small: a micro-batch of n rows costs n * (P_max + T_max) tokens; with
+an attention kernel that takes variable-length rows, they are packed and cost their lengths.
 """
 
 from __future__ import annotations
@@ -46,29 +47,37 @@ def share_rows(lengths: Sequence[int], world_size: int) -> list[list[int]]:
 
 
 def pack(
-    rows: Sequence[int], prompt_lengths: Sequence[int], response_lengths: Sequence[int], budget: int
+    rows: Sequence[int],
+    prompt_lengths: Sequence[int],
+    response_lengths: Sequence[int],
+    budget: int,
+    packed: bool = False,
 ) -> list[tuple[int, ...]]:
-    """Pack `rows` (longest first) into micro-batches of at most `budget` padded tokens.
+    """Pack `rows` (longest first) into micro-batches of at most `budget` tokens.
 
-    A micro-batch of rows R costs |R| * (max P + max T) over R. A row longer than the budget
-    alone gets a micro-batch of its own. `budget` 0: one micro-batch of every row.
+    A micro-batch of rows R costs |R| * (max P + max T) over R when padded, or the sum of its
+    rows' lengths when `packed` (rows concatenated, `ResponseLogProbs.packed`). A row longer
+    than the budget alone gets a micro-batch of its own. `budget` 0: one micro-batch of every
+    row.
     """
     order = sorted(rows, key=lambda r: (-(prompt_lengths[r] + response_lengths[r]), r))
     if budget == 0:
         return [tuple(order)] if order else []
-    packed: list[tuple[int, ...]] = []
+    parts: list[tuple[int, ...]] = []
     current: list[int] = []
-    width_p = width_t = 0
+    width_p = width_t = tokens = 0
     for row in order:
+        length = prompt_lengths[row] + response_lengths[row]
         p, t = max(width_p, prompt_lengths[row]), max(width_t, response_lengths[row])
-        if current and (len(current) + 1) * (p + t) > budget:
-            packed.append(tuple(current))
-            current, p, t = [], prompt_lengths[row], response_lengths[row]
+        cost = tokens + length if packed else (len(current) + 1) * (p + t)
+        if current and cost > budget:
+            parts.append(tuple(current))
+            current, p, t, tokens = [], prompt_lengths[row], response_lengths[row], 0
         current.append(row)
-        width_p, width_t = p, t
+        width_p, width_t, tokens = p, t, tokens + length
     if current:
-        packed.append(tuple(current))
-    return packed
+        parts.append(tuple(current))
+    return parts
 
 
 def plan_minibatch(
@@ -76,6 +85,7 @@ def plan_minibatch(
     response_lengths: Sequence[int],
     world_size: int,
     budget: int,
+    packed: bool = False,
 ) -> list[list[MicroBatch]]:
     """The passes of every rank over one minibatch: plan[rank] is that rank's micro-batches.
 
@@ -86,7 +96,7 @@ def plan_minibatch(
     if not lengths:
         raise ValueError("a minibatch needs at least one row")
     plan = [
-        [MicroBatch(rows) for rows in pack(share, prompt_lengths, response_lengths, budget)]
+        [MicroBatch(rows) for rows in pack(share, prompt_lengths, response_lengths, budget, packed)]
         for share in share_rows(lengths, world_size)
     ]
     passes = max(len(rank_plan) for rank_plan in plan)

@@ -9,6 +9,7 @@ small models) are published once, as one tensor under each of their names.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -33,7 +34,7 @@ def full_state_dict(model: nn.Module, dtype: torch.dtype, group: RankGroup) -> d
     rank 0, empty elsewhere)."""
     aliases = tied_names(model)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    if group.distributed:
+    if dist.is_initialized():  # sharded (FSDP2): gathered from every rank
         state = get_model_state_dict(model, options=options)
     else:
         state = {name: tensor.detach() for name, tensor in model.state_dict().items()}

@@ -52,16 +52,18 @@ def compute_dtype(learner: LearnerConfig) -> torch.dtype:
     return dtype
 
 
-def _load(model_path: str, on_meta: bool) -> nn.Module:
+def _load(model_path: str, on_meta: bool, attention: str) -> nn.Module:
     model: nn.Module
     if on_meta:
         config = AutoConfig.from_pretrained(model_path)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
-                config, dtype=torch.float32
+                config, dtype=torch.float32, attn_implementation=attention
             )
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch.float32, attn_implementation=attention
+        )
     return model
 
 
@@ -72,8 +74,10 @@ def build_policy(
     ratios would not be 1."""
     sharded = learner.strategy == "fsdp2"
     on_meta = sharded and group.rank != 0
-    policy = _load(model_path, on_meta).eval()
-    model = ResponseLogProbs(policy, learner.logprob_chunk_tokens)
+    policy = _load(model_path, on_meta, learner.attn_implementation).eval()
+    # Flash-attention takes variable-length rows: micro-batches are packed, not padded.
+    packed = learner.attn_implementation.startswith("flash_attention")
+    model = ResponseLogProbs(policy, learner.logprob_chunk_tokens, packed)
     if learner.gradient_checkpointing:
         for layer in decoder_layers(policy):
             checkpoint_activations(layer)

@@ -346,7 +346,8 @@ class LearnerCore:
         prompts = real[:, :width_p].sum(-1).tolist()
         responses = real[:, width_p:].sum(-1).tolist()
         world, budget = self.group.world_size, self.learner.micro_batch_tokens
-        return plan_minibatch(prompts, responses, world, budget)[self.group.rank]
+        plan = plan_minibatch(prompts, responses, world, budget, self.model.packed)
+        return plan[self.group.rank]
 
     def _references(self, batch: TrainingBatch) -> tuple[Tensor, Tensor | None]:
         """(ref_logp [B, T], behaviour_logp [B, T] or None) for `algorithm.reference`.

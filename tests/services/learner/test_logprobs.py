@@ -186,3 +186,23 @@ def test_nonfinite_logits_give_nan_logprobs_there_and_a_finite_gradient(
     handle.remove()  # type: ignore[attr-defined]
     for name, parameter in model.named_parameters():
         assert parameter.grad is not None and bool(torch.isfinite(parameter.grad).all()), name
+
+
+def test_packed_rows_give_the_log_probs_and_gradients_of_padded_rows(tiny_model_dir: Path) -> None:
+    """Rows concatenated without padding (what flash-attention runs on GPUs) against padded
+    rows. transformers attends within each packed row with any kernel (a block-diagonal mask
+    here), so the packing itself is checked on CPU; float64 for the same reason as above."""
+    batch = collate(sample_groups(tiny_model_dir), PAD, learner_version=0)
+    padded = policy(tiny_model_dir).double()
+    packed = policy(tiny_model_dir).double()
+    packed.packed = True
+    results = []
+    for model in (padded, packed):
+        logp, entropy = model(batch, 0.7, with_entropy=True)
+        logp.sum().backward()
+        results.append((logp, entropy, gradients(model.policy)))
+    (logp, entropy, grads), (packed_logp, packed_entropy, packed_grads) = results
+    torch.testing.assert_close(packed_logp, logp, rtol=0, atol=1e-9)
+    torch.testing.assert_close(packed_entropy, entropy, rtol=0, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=0, atol=1e-9, msg=name)

@@ -10,8 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.pipeline.checkpoints import latest_checkpoint, read_driver_state
+from services.learner.export import export_model
+from services.pipeline.checkpoints import LEARNER_DIR, latest_checkpoint, read_driver_state
 from services.pipeline.driver import FAULT_COUNTERS, LEARNER_TOTALS, RunDriver
 from services.pipeline.launch import execute_run
 from services.pipeline.outputs import RunDirectory, read_metrics
@@ -202,3 +205,28 @@ def test_lead_batches_keeps_generation_exactly_that_many_versions_ahead(tmp_path
     assert all(r["buffer_groups"] == lead * spec.pipeline.batch_groups for r in records)
     assert all(r["groups_dropped_stale"] == 0 for r in records)
     assert all(r["rollouts_dropped_stale"] == 0 for r in records)
+
+
+def test_a_run_of_a_two_rank_fsdp2_learner_trains_and_leaves_a_model_that_generates(
+    tmp_path: Path,
+) -> None:
+    spec = tiny_spec(
+        "pipeline.steps=3", "learner.strategy=fsdp2", "learner.world_size=2", "learner.num_cpus=0.5"
+    )
+    assert execute_run(spec, RunDirectory(tmp_path)) == "succeeded"
+    records = read_metrics(tmp_path)
+    assert [r["policy_version"] for r in records] == [1, 2, 3]
+    assert {r["learner_world_size"] for r in records} == {2.0}
+    assert len(status_of(tmp_path)["actors"]["learner"]) == 2  # a pid per rank
+    # The export of the final checkpoint (step 3): its weights and a model that generates.
+    (step, checkpoint), model_dir = latest_checkpoint(tmp_path / "checkpoints"), tmp_path / "model"
+    assert step == 3
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt = tokenizer("12+7=", return_tensors="pt")
+    generated = model.generate(**prompt, max_new_tokens=4, do_sample=False)
+    assert generated.shape[1] > prompt["input_ids"].shape[1]
+    on_disk = export_model(checkpoint / LEARNER_DIR, tmp_path / "again")
+    again = AutoModelForCausalLM.from_pretrained(on_disk).state_dict()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, again[name]), name

@@ -46,8 +46,10 @@ from services.learner.checkpoint import (
 )
 from services.pipeline.checkpoints import (
     LEARNER_DIR,
+    fsync_path,
     latest_checkpoint,
     list_checkpoints,
+    sync_tree,
     verify_checkpoint,
 )
 from services.pipeline.outputs import CHECKPOINTS_DIR, MODEL_DIR
@@ -97,7 +99,7 @@ def export_model(learner_dir: Path, out_dir: Path) -> Path:
         model.save_pretrained(tmp)
         del model
         _copy_tokenizer_files(learner_dir / HF_DIR, tmp)
-        _sync_tree(tmp)
+        sync_tree(tmp)
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -270,20 +272,5 @@ def _replace_dir(new: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(new, final)
-    _fsync(final.parent)
+    fsync_path(final.parent)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def _sync_tree(directory: Path) -> None:
-    """Flush every file under `directory`, and the directory, to disk before the rename."""
-    for path in sorted(directory.rglob("*"), reverse=True):
-        _fsync(path)
-    _fsync(directory)

@@ -94,23 +94,13 @@ def raw_ratios(logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
 @dataclass(frozen=True)
 class MicroBatchRecord:
     """What one micro-batch's loss reports: its loss metrics (`token_policy_loss`'s, plus
-    entropy), its valid token count, and its detached raw and estimator ratios with the mask
-    [b, t] the loss used."""
+    entropy) and its valid token count (the weight of its means in the minibatch's record)."""
 
     metrics: dict[str, float]
     tokens: float
-    raw: Tensor
-    filtered: Tensor
-    mask: Tensor
 
 
-@dataclass(frozen=True)
-class MergedRecord:
-    metrics: dict[str, float]
-    tokens: float
-
-
-def merge_micro_batches(records: Sequence[MicroBatchRecord]) -> MergedRecord:
+def merge_micro_batches(records: Sequence[MicroBatchRecord]) -> MicroBatchRecord:
     """The loss metrics of a minibatch from those of its micro-batches (of every rank).
 
     Every loss metric is a mean over valid tokens (clip_fraction, ratio_mean, approx_kl,
@@ -141,7 +131,7 @@ def merge_micro_batches(records: Sequence[MicroBatchRecord]) -> MergedRecord:
                 out[key] = values[0]
             else:
                 out[key] = sum(r.tokens * v for r, v in zip(present, values, strict=True)) / weight
-    return MergedRecord(out, total)
+    return MicroBatchRecord(out, total)
 
 
 def diagnostic_metrics(prefix: str, ratios: Tensor, mask: Tensor) -> dict[str, float]:

@@ -316,8 +316,10 @@ class LearnerCore:
         self._version += 1
         self._steps += 1
         ratios = ratios.merge(self.group.gather(ratios))
+        if self.group.rank != 0:
+            return {}  # the group's record is rank 0's
         every = self.learner.record_ratios_every
-        if every and self.ratio_dir and self._version % every == 0 and self.group.rank == 0:
+        if every and self.ratio_dir and self._version % every == 0:
             ratios.save(ratio_file(self.ratio_dir, self._version - 1), self._version - 1)
         metrics.update(reduce_minibatches(records))
         metrics.update(ratios.metrics())
@@ -389,11 +391,11 @@ class LearnerCore:
         loss_sum = 0.0
         for micro in plan:
             part = minibatch.part(micro)
-            record, loss_value = self._train_micro_batch(part, normaliser, index is not None)
+            record, views, loss_value = self._train_micro_batch(part, normaliser, index is not None)
             loss_sum += loss_value
             if not micro.filler:
                 parts.append(record)
-                ratios.add(record.raw, record.filtered, record.mask, part, index)
+                ratios.add(*views, part, index)
         merged = merge_micro_batches([r for rank in self.group.gather(parts) for r in rank])
         metrics = merged.metrics
         loss_value = self.group.sum_floats([loss_sum], self.device)[0]
@@ -423,8 +425,12 @@ class LearnerCore:
 
     def _train_micro_batch(
         self, part: Minibatch, normaliser: LossNormaliser, with_entropy: bool
-    ) -> tuple[MicroBatchRecord, float]:
-        """Forward, loss (normalised by the whole minibatch), backward of one micro-batch."""
+    ) -> tuple[MicroBatchRecord, tuple[Tensor, Tensor, Tensor], float]:
+        """Forward, loss (normalised by the whole minibatch), backward of one micro-batch.
+
+        Returns its loss metrics, its (raw ratio, estimator ratio, mask) [b, t] for the ratio
+        diagnostics, and its share of the minibatch's loss.
+        """
         algorithm = self.algorithm
         with compute_context(self.learner, self.device):
             logp, entropy = response_logprobs(
@@ -451,14 +457,8 @@ class LearnerCore:
         metrics = dict(token_loss.metrics)
         if entropy is not None:
             metrics["entropy"] = masked_mean(entropy, valid)
-        record = MicroBatchRecord(
-            metrics,
-            tokens=float(valid.sum()),
-            raw=raw_ratios(logp, part.ref_logp, valid),
-            filtered=token_loss.ratio,
-            mask=valid,
-        )
-        return record, float(loss.detach())
+        views = (raw_ratios(logp, part.ref_logp, valid), token_loss.ratio, valid)
+        return MicroBatchRecord(metrics, float(valid.sum())), views, float(loss.detach())
 
     def _clip_gradients(self) -> float:
         """Total gradient 2-norm before clipping (over every rank's shard); clipped to

@@ -50,7 +50,7 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     # A directory is opened read-only to sync its entries (the renames and new files in it).
     descriptor = os.open(path, os.O_RDONLY)
     try:
@@ -59,11 +59,11 @@ def _fsync(path: Path) -> None:
         os.close(descriptor)
 
 
-def _sync_tree(directory: Path) -> None:
+def sync_tree(directory: Path) -> None:
     """Flush every file and directory under `directory` to disk."""
     for path in sorted(directory.rglob("*"), reverse=True):
-        _fsync(path)
-    _fsync(directory)
+        fsync_path(path)
+    fsync_path(directory)
 
 
 def write_checkpoint(
@@ -86,11 +86,11 @@ def write_checkpoint(
     }
     manifest = {"step": step, "files": files}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
-    _sync_tree(tmp)
+    sync_tree(tmp)
     if final.exists():  # a checkpoint of the same step from an earlier, interrupted attempt
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync(root)
+    fsync_path(root)
     return final
 
 

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
-import time
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -31,13 +27,14 @@ from services.learner.checkpoint import (
     TrainingState,
     save_checkpoint,
 )
+from services.learner.distributed import RankGroup
 from services.learner.export import ExportError, export_model, export_run, write_hf_files
 from services.pipeline.checkpoints import LEARNER_DIR, checkpoint_name, write_checkpoint
 from services.pipeline.outputs import CHECKPOINTS_DIR
 from services.tasks.models import resolve_model
+from tests.services.learner.ranks import run_ranks
 
 SEED = 7
-RANKS_TIMEOUT_S = 120
 # The checkpoints are written without a process group, as DCP warns: on purpose.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 TIED = ("model.embed_tokens.weight", "lm_head.weight")
@@ -84,28 +81,14 @@ def write_run(run_dir: Path, steps: dict[int, Path]) -> Path:
     return run_dir
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _save_sharded(rank: int, world_size: int, port: int, path: str) -> None:
+def _save_sharded(group: RankGroup, path: str) -> None:
     """One rank of an FSDP2 learner (gloo): shard every decoder layer and the root, save."""
-    torch.set_num_threads(1)  # before any op: a forked child must not use the parent's pool
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-    )
-    try:
-        model, tokenizer = tiny_model()
-        mesh = init_device_mesh("cpu", (world_size,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        save_learner_checkpoint(Path(path), model, tokenizer, world_size=world_size)
-    finally:
-        dist.destroy_process_group()
+    model, tokenizer = tiny_model()
+    mesh = init_device_mesh("cpu", (group.world_size,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    save_learner_checkpoint(Path(path), model, tokenizer, world_size=group.world_size)
 
 
 @pytest.fixture(scope="module")
@@ -131,26 +114,9 @@ def bf16_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def sharded_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The same weights, written by 2 FSDP2 ranks (2 processes, gloo).
-
-    The processes are forked, not spawned: a spawned one imports torch and transformers afresh,
-    which takes 10 to 30 s on a busy 2-core machine; a forked one starts at once. They start
-    with no process group and no thread pool in use (one torch thread, set first thing).
-    """
+    """The same weights, written by 2 FSDP2 ranks (2 forked processes, gloo)."""
     path = tmp_path_factory.mktemp("ckpt-2-ranks") / "learner"
-    ranks = mp.start_processes(
-        _save_sharded,
-        args=(2, _free_port(), str(path)),
-        nprocs=2,
-        join=False,
-        start_method="fork",
-    )
-    deadline = time.monotonic() + RANKS_TIMEOUT_S
-    while not ranks.join(timeout=1):  # raises if a rank failed
-        if time.monotonic() > deadline:
-            for process in ranks.processes:
-                process.kill()
-            pytest.fail(f"the 2 ranks did not save their checkpoint within {RANKS_TIMEOUT_S} s")
+    run_ranks(_save_sharded, 2, str(path))
     return path
 
 

@@ -2,9 +2,10 @@
 
 The run is asynchronous, so which policy version generated which batch depends on timing and
 the training rewards of a short run are noisy (a batch mean moves by +-0.08 from batch to batch).
-The judge is therefore held-out accuracy: the final checkpoint (an ordinary model directory) and
-the starting model answer the same unseen prompts with the same sampling seed, so the two
-samples are paired and their difference is measured with little noise.
+The judge is therefore held-out accuracy: the run's exported policy (`RUN_DIR/model`, the final
+checkpoint as an ordinary model directory) and the starting model answer the same unseen
+prompts with the same sampling seed, so the two samples are paired and their difference is
+measured with little noise.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from kpo_core.config import RunSpec
 from services.generation.base import SamplingSettings
 from services.generation.hf_backend import HFBackend
-from services.pipeline.checkpoints import LEARNER_DIR, latest_checkpoint
+from services.pipeline.checkpoints import latest_checkpoint
 from services.pipeline.outputs import read_metrics
 from services.pipeline.specs import load_run_spec
 from services.tasks import generate_prompts, is_correct
@@ -60,7 +61,7 @@ def test_a_short_demo_run_improves_held_out_accuracy(tmp_path: Path) -> None:
     found = latest_checkpoint(out / "checkpoints")
     assert found is not None and found[0] == STEPS
     before = held_out_accuracy(resolve_model(spec.model), spec)
-    after = held_out_accuracy(found[1] / LEARNER_DIR, spec)
+    after = held_out_accuracy(out / "model", spec)
     first = sum(r["reward_mean"] for r in records[:20]) / 20
     last = sum(r["reward_mean"] for r in records[-20:]) / 20
     print(

@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from kpo_core.losses import aggregate_loss, entropy_from_logits, kl_k3, token_entropy
+from kpo_core.config import LOSS_AGG_MODES, LossAggMode
+from kpo_core.losses import (
+    LossNormaliser,
+    aggregate_loss,
+    entropy_from_logits,
+    kl_k3,
+    token_entropy,
+)
 
 # Two responses: [1, 2, 3] (3 tokens) and [4, pad, pad] (1 token), plus an empty one.
 PER_TOKEN = torch.tensor([[1.0, 2.0, 3.0], [4.0, 99.0, 99.0], [99.0, 99.0, 99.0]])
@@ -81,3 +88,22 @@ def test_entropy_ignores_zero_probability_tokens() -> None:
     assert logits.grad is not None and bool(torch.isfinite(logits.grad).all())
     # A NaN logit is not hidden: the entropy of that position is NaN.
     assert token_entropy(torch.tensor([[[0.0, math.nan]]])).isnan().all()
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_parts_normalised_by_the_whole_add_up_to_the_whole(mode: LossAggMode) -> None:
+    """Row splits (micro-batches, ranks) each divided by the whole minibatch's counts sum to the
+    loss of the whole; with their own counts they would not (the parts differ in size)."""
+    generator = torch.Generator().manual_seed(5)
+    per_token = torch.randn(6, 9, generator=generator, dtype=torch.float64)
+    mask = torch.rand(6, 9, generator=generator) < 0.7
+    mask[2] = False  # an empty response: left out of the sequence count
+    whole = aggregate_loss(per_token, mask, mode, norm_length=12)
+    normaliser = LossNormaliser.of(mask)
+    assert normaliser.sequences == float((mask.sum(-1) > 0).sum()) == 5.0
+    parts = [torch.tensor([0, 3]), torch.tensor([1, 2, 4, 5])]
+    split = sum(aggregate_loss(per_token[rows], mask[rows], mode, 12, normaliser) for rows in parts)
+    torch.testing.assert_close(split, whole, rtol=1e-12, atol=0.0)
+    if mode != "token-sum":
+        unnormalised = sum(aggregate_loss(per_token[rows], mask[rows], mode, 12) for rows in parts)
+        assert not torch.isclose(unnormalised, whole)

@@ -8,12 +8,12 @@ of 32,000, so unchunked logits of 512 tokens are 65 MB a copy).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
+import bench_learner
 import pytest
 from bench_learner import (
     SIZING_SHAPES,
@@ -23,7 +23,6 @@ from bench_learner import (
     sizing_table,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
 TINY = ModelShape(
     "tiny", hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=32000, tied=True
 )
@@ -48,16 +47,25 @@ def test_tiny_parameter_count_worked_out_by_hand() -> None:
 
 def test_estimate_follows_its_formula() -> None:
     counts = param_counts(TINY)
+    P, L, H, V, inter = counts.total, 2, 64, 32000, 128  # inter: I, the MLP width
     sharded = estimate_rank_memory(TINY, 4, tokens=512, chunk=64, dtype_bytes=2, checkpointing=True)
-    assert sharded.states == 16 * counts.total / 4
+    assert sharded.states == 16 * P / 4
     assert sharded.gathered == 2 * (counts.root + 2 * counts.layer) + 4 * counts.root
-    layer = 512 * (12 * 64 + 4 * 128) * 2
-    assert sharded.activations == 2 * 512 * 64 * 2 + layer
-    assert sharded.logits == 3 * 64 * 32000 * 4
+    assert sharded.saved == L * 512 * H * 2
+    logits = 5 * 64 * V * 4 + 2 * V * H  # 40,960,000 + 4,096,000
+    layer = 512 * (12 * H + 4 * inter) * 2  # 1,310,720: the logits are the larger transient
+    assert sharded.working == logits
+    assert sharded.total == sharded.gathered + sharded.saved + sharded.states + logits
+    # One micro-batch per minibatch: no gradients yet while the head runs (12 P / W, not 16).
+    first = estimate_rank_memory(TINY, 4, 512, 64, 2, True, accumulating=False)
+    assert first.total == sharded.total - 4 * P / 4
+    # float32 single without checkpointing: no cast copies, every layer's activations kept,
+    # and the chunk capped by the tokens.
     alone = estimate_rank_memory(TINY, 1, tokens=32, chunk=64, dtype_bytes=4, checkpointing=False)
-    assert alone.gathered == 0  # float32 single: no cast copies
-    assert alone.activations == 2 * 32 * (12 * 64 + 4 * 128) * 4
-    assert alone.logits == 3 * 32 * 32000 * 4  # the chunk is capped by the tokens
+    assert alone.gathered == 0
+    assert alone.saved == L * 32 * (12 * H + 4 * inter) * 4
+    assert alone.working == 5 * 32 * V * 4 + 4 * V * H
+    assert layer < logits
 
 
 def test_sizing_shapes_have_the_published_sizes() -> None:
@@ -73,18 +81,16 @@ def test_sizing_shapes_have_the_published_sizes() -> None:
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The benchmark's `main` in this process (its measurements still run in forked ones)."""
     out = tmp_path_factory.mktemp("bench-learner") / "result.json"
-    script = ROOT / "benchmarks" / "bench_learner.py"
-    run = subprocess.run(
-        [sys.executable, str(script), *TINY_FLAGS, "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    assert "[6/6] log-probs" in run.stdout  # one progress line per measurement
-    return json.loads(out.read_text())
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        returned = bench_learner.main([*TINY_FLAGS, "--json", str(out)])
+    lines = printed.getvalue().splitlines()
+    assert sum(line.startswith("[") for line in lines) == 7  # the model, then 6 measurements
+    written = json.loads(out.read_text())
+    assert written == json.loads(json.dumps(returned))
+    return written
 
 
 def test_structure(result: dict) -> None:
@@ -98,7 +104,7 @@ def test_structure(result: dict) -> None:
     for step in steps:
         assert len(step["ranks"]) == step["world_size"]
         assert step["tokens_trained"] == step["tokens"] * step["rows"]
-        assert all(rank["skipped_minibatches"] == 0 for rank in step["ranks"])
+        assert step["ranks"][0]["skipped_minibatches"] == 0  # the record is rank 0's
         for key in (
             "peak_rss_bytes",
             "training_rss_bytes",
@@ -108,7 +114,10 @@ def test_structure(result: dict) -> None:
         ):
             assert math.isfinite(step[key]) and step[key] > 0, key
     assert [r["chunk"] for r in result["logprobs"]] == [64, 512]
-    assert result["logprobs"][-1]["vs_unchunked"] == 1.0
+    for record in result["logprobs"]:
+        for key in ("activation_peak_bytes", "logits_peak_bytes", "logits_estimate_bytes"):
+            assert math.isfinite(record[key]) and record[key] > 0, key
+    assert result["logprobs"][-1]["vs_unchunked"]["activation_peak_bytes"] == 1.0
 
 
 def test_parameter_and_optimiser_bytes_are_exact(result: dict) -> None:
@@ -133,5 +142,7 @@ def test_fsdp2_halves_the_parameter_and_optimiser_memory_per_rank(result: dict) 
 
 def test_chunked_log_probs_peak_below_unchunked(result: dict) -> None:
     chunked, unchunked = result["logprobs"]
-    assert 0 < chunked["activation_peak_bytes"] < unchunked["activation_peak_bytes"]
+    for key in ("activation_peak_bytes", "logits_peak_bytes"):
+        assert 0 < chunked[key] < unchunked[key], key
     assert result["ratios"]["unchunked_vs_chunked_activation_peak"] > 1
+    assert result["ratios"]["unchunked_vs_chunked_logits_peak"] > 1

@@ -741,11 +741,19 @@ def measure_all(args: argparse.Namespace, shape: ModelShape, model_dir: str) -> 
     )  # fmt: skip
     total = 2 * len(args.tokens) + 2
     done = 0
+    partial = None if args.json is None else args.json.with_suffix(".partial.jsonl")
+    if partial is not None:
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text("")
 
-    def progress(line: str, start: float) -> None:
+    def progress(line: str, start: float, record: dict[str, Any]) -> None:
+        """One line per measurement; with --json, its record too, so a cut run keeps them."""
         nonlocal done
         done += 1
         print(f"[{done}/{total}] {line} ({time.perf_counter() - start:.0f} s)", flush=True)
+        if partial is not None:
+            with partial.open("a") as out:
+                out.write(json.dumps(record) + "\n")
 
     steps = []
     for tokens, rows in zip(args.tokens, args.rows, strict=True):
@@ -761,6 +769,7 @@ def measure_all(args: argparse.Namespace, shape: ModelShape, model_dir: str) -> 
                 f"tokens/s, param+optim {step['param_optim_bytes'] / MiB:.0f} MiB/rank, peak RSS "
                 f"{step['peak_rss_bytes'] / MiB:.0f} MiB/rank",
                 start,
+                step,
             )
     logprobs = []
     for chunk in (args.chunk, max(args.chunk, args.logprob_tokens)):
@@ -783,6 +792,7 @@ def measure_all(args: argparse.Namespace, shape: ModelShape, model_dir: str) -> 
         progress(
             f"log-probs, chunk {chunk}: activation peak {peak:.0f} MiB, logits {logits:.0f} MiB",
             start,
+            logprobs[-1],
         )
     return {"steps": steps, "logprobs": logprobs}
 
@@ -820,6 +830,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
+        args.json.with_suffix(".partial.jsonl").unlink()
     return result
 
 

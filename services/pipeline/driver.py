@@ -608,11 +608,16 @@ class RunDriver:
             **totals,
             **self.counters.faults(),
         }
+        every = self.spec.pipeline.checkpoint_every
+        checkpointed = bool(every) and self.counters.step % every == 0
+        if checkpointed:
+            # Before the record: a step recorded at a checkpoint boundary is never lost, even
+            # when the learner dies while it is written and the run is then cancelled.
+            self._checkpoint(actors)
         for observer in self.observers:
             observer.on_metrics(record)
-        every = self.spec.pipeline.checkpoint_every
-        if every and self.counters.step % every == 0:
-            self._checkpoint(actors)
+        if checkpointed:  # the curves are redrawn as often as the run is checkpointed
+            self._plot()
 
     def _offer_weights(self, actors: RunActors, version: int, weights_ref: Any) -> None:
         # Wrapped in a list so Ray hands the worker the ref, not the fetched weights: a busy
@@ -654,7 +659,6 @@ class RunDriver:
         write_checkpoint(root, self.counters.step, state, write_learner)
         prune_checkpoints(root, self.spec.pipeline.keep_checkpoints)
         self._last_checkpoint_step = self.counters.step
-        self._plot()
 
     def _finish(self, actors: RunActors) -> None:
         """Final checkpoint (the last step, or where a cancel stopped the run), exported as a

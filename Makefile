@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: system-deps venv lint typecheck test test-vllm test-integrations test-deploy helm-docs demo study bench bench-pipeline bench-learner bench-api bench-load soak bench-generation bench-integrations audit clean
+.PHONY: system-deps venv lint typecheck test test-vllm test-integrations test-deploy gpu-check helm-docs demo study bench bench-pipeline bench-learner bench-weight-sync bench-api bench-load soak bench-generation bench-integrations audit clean
 
 # The CPU build of torch goes in first: the package's torch range then resolves to it and
 # nothing pulls a CUDA build.
@@ -38,7 +38,8 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy kpo_core services benchmarks/study.py benchmarks/stability_study benchmarks/bench_load.py benchmarks/soak.py \
-		benchmarks/bench_learner.py scripts/audit_dependencies.py
+		benchmarks/bench_learner.py benchmarks/bench_weight_sync.py benchmarks/bench_pipeline.py \
+		scripts/audit_dependencies.py scripts/gpu_check.py
 
 # tests/gpu runs where a GPU exists (scripts/gpu_check.sh); the CPU suite covers the same code.
 test: system-deps lint typecheck
@@ -79,7 +80,7 @@ bench: $(STAMP) bench-pipeline
 	$(PY) benchmarks/bench_losses.py
 
 bench-pipeline: $(STAMP)
-	$(PY) benchmarks/bench_pipeline.py
+	$(PY) benchmarks/bench_pipeline.py --long-tail
 
 # The learner's memory and speed on a random model of Qwen2.5-0.5B's shape: single vs fsdp2 at
 # 2 ranks (per-rank parameter + optimiser bytes, peak RSS, tokens/s at 1,024 and 4,096 tokens)
@@ -88,9 +89,25 @@ bench-pipeline: $(STAMP)
 bench-learner: $(STAMP)
 	$(PY) benchmarks/bench_learner.py $(LEARNER_ARGS)
 
+# Weight sync, object_store vs collective: seconds from the end of a learner step to two
+# generation workers holding the new weights, and each process's peak extra host memory, on
+# random models of Qwen2.5-0.5B's and 1.5B's shapes (about 16 GB of RAM at its peak). Flags
+# through WEIGHT_SYNC_ARGS, e.g. WEIGHT_SYNC_ARGS="--quick" or "--json runs/weight-sync.json".
+bench-weight-sync: $(STAMP)
+	$(PY) benchmarks/bench_weight_sync.py $(WEIGHT_SYNC_ARGS)
+
 # The deployment checks alone: Dockerfile, Helm chart, Grafana dashboard, Prometheus rules.
 test-deploy: system-deps $(STAMP)
 	$(VENV)/bin/pytest tests/deploy
+
+# The checks that need a GPU, on a machine with one (never in CI): a short pipeline run on one GPU
+# (a random ~0.5B Qwen2 model, 3 learner steps on CUDA, vLLM, the collective weight transport;
+# each stage timed; within 8 minutes, nothing downloaded), then tests/gpu. PYTHON must have a
+# CUDA build of torch and vLLM (the gpu-worker image has both), e.g.
+# `make gpu-check GPU_PYTHON=/opt/venv/bin/python`.
+GPU_PYTHON ?= $(PY)
+gpu-check:
+	PYTHON=$(GPU_PYTHON) bash scripts/gpu_check.sh
 
 # The dependency audit: every package of the virtualenv checked for known vulnerabilities with
 # pip-audit (pinned in requirements/audit.txt), falling back to PyPI's project JSON where its

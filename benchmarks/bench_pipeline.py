@@ -1,12 +1,20 @@
-"""Synchronous vs asynchronous pipeline: trained tokens/s and seconds per learner step, one run.
+"""Synchronous vs asynchronous pipeline, batch vs streaming generation, with and without in-flight
+weight updates: trained tokens/s, seconds per learner step and mean staleness, in one run.
 
-Both modes run the same spec (examples/demo.yaml unless --config) on one local Ray instance,
+Every mode runs the same spec (examples/demo.yaml unless --config) on one local Ray instance,
 one after the other; the first --warmup steps of each are left out (actor start-up, first
-compilations). Asynchronous mode overlaps generation with the learner step, so on a machine
-where each has its own core the ceiling is about 2x; it approaches it when the two take
-equally long.
+compilations). Modes:
 
-    python benchmarks/bench_pipeline.py [--steps 24] [--warmup 4] [--config FILE] [--set k=v]
+    sync             generation pauses while the learner trains (the baseline of every ratio)
+    async-batch      asynchronous; a worker gets new prompts only when its whole batch ended
+    async-stream     asynchronous; groups return as they end and the engine is refilled at once
+    async-inflight   async-stream, and new weights load between decoding steps
+
+With --long-tail the prompts mix difficulties 1-5 (responses of about 30 to 180 tokens), where
+a batch waits for its longest response: that is what streaming removes. On a machine where
+generation and the learner each have a core the ceiling of async over sync is about 2x.
+
+    python benchmarks/bench_pipeline.py [--long-tail] [--steps 24] [--warmup 4] [--modes ...]
 """
 
 from __future__ import annotations
@@ -14,7 +22,9 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import ray
 
@@ -29,6 +39,16 @@ from services.pipeline.specs import load_run_spec
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
 
+# mode -> (pipeline settings, generation settings)
+MODES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "sync": ({"mode": "sync", "max_staleness": 0}, {"streaming": False}),
+    "async-batch": ({"mode": "async"}, {"streaming": False}),
+    "async-stream": ({"mode": "async"}, {"streaming": True}),
+    "async-inflight": ({"mode": "async", "in_flight_updates": True}, {"streaming": True}),
+}
+LONG_TAIL = {"task": {"name": "arith", "difficulty": 1, "difficulty_max": 5}}
+LONG_TAIL_MAX_NEW_TOKENS = 192  # above the longest level-5 response
+
 
 def measured(records: list[MetricsRecord], warmup: int) -> tuple[float, float]:
     """(trained tokens/s, seconds per step) over the steps after the first `warmup` (>= 1)."""
@@ -40,40 +60,57 @@ def measured(records: list[MetricsRecord], warmup: int) -> tuple[float, float]:
     return tokens / seconds, seconds / len(window)
 
 
-def run_mode(base: RunSpec, mode: str, steps: int) -> list[MetricsRecord]:
+def mode_spec(base: RunSpec, mode: str, steps: int, long_tail: bool) -> RunSpec:
+    """`base` set up for `mode`, `steps` steps, no checkpoints; long-tailed prompts if asked."""
+    pipeline, generation = MODES[mode]
     data = base.model_dump(mode="json")
-    data["pipeline"].update(mode=mode, steps=steps, checkpoint_every=0)
-    if mode == "sync":
-        data["pipeline"]["max_staleness"] = 0
-    spec = RunSpec.model_validate(data)
+    data["pipeline"].update(pipeline, steps=steps, checkpoint_every=0)
+    data["generation"].update(generation)
+    if long_tail:
+        data.update(LONG_TAIL)
+        data["generation"]["max_new_tokens"] = LONG_TAIL_MAX_NEW_TOKENS
+    return RunSpec.model_validate(data)
+
+
+def run_mode(spec: RunSpec) -> list[MetricsRecord]:
     with tempfile.TemporaryDirectory() as out:
         run_dir = RunDirectory(Path(out))
         state = execute_run(spec, run_dir)
         if state != "succeeded":
-            raise RuntimeError(f"{mode} run ended {state}")
+            raise RuntimeError(f"the {spec.pipeline.mode} run ended {state}")
         return run_dir.read_metrics()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: Sequence[str] | None = None) -> dict[str, float]:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--warmup", type=int, default=4)
-    args = parser.parse_args()
+    parser.add_argument("--long-tail", action="store_true", help="difficulties 1-5 mixed")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    args = parser.parse_args(argv)
+    if "sync" not in args.modes:
+        parser.error("--modes must include sync: every ratio is against it")
     base = load_run_spec(args.config, args.overrides)
     connect_ray(base)
     rows, rates = [], {}
-    for mode in ("sync", "async"):
-        records = run_mode(base, mode, args.steps)
+    for mode in args.modes:
+        records = run_mode(mode_spec(base, mode, args.steps, args.long_tail))
         rate, per_step = measured(records, args.warmup)
         rates[mode] = rate
         staleness = sum(r["staleness_mean"] for r in records) / len(records)
-        rows.append([mode, f"{rate:,.0f}", f"{per_step:.2f}", f"{staleness:.2f}"])
+        span = max(r["version_span_max"] for r in records)
+        print(f"{mode}: {rate:,.0f} trained tokens/s, {per_step:.2f} s/step", flush=True)
+        rows.append([mode, f"{rate:,.0f}", f"{per_step:.2f}", f"{staleness:.2f}", f"{span:.0f}"])
     ray.shutdown()
-    print(f"{args.config.name}: {args.steps} steps per mode, first {args.warmup} left out")
-    print_table(["mode", "trained tokens/s", "s/step", "mean staleness"], rows)
-    print(f"async / sync throughput: {rates['async'] / rates['sync']:.2f}x")
+    tail = ", long-tailed prompts (difficulty 1-5)" if args.long_tail else ""
+    print(f"{args.config.name}: {args.steps} steps per mode, first {args.warmup} left out{tail}")
+    for row in rows:
+        row.append(f"{rates[row[0]] / rates['sync']:.2f}x")
+    header = ["mode", "trained tokens/s", "s/step", "mean staleness", "max version span"]
+    print_table([*header, "vs sync"], rows)
+    return {mode: rate / rates["sync"] for mode, rate in rates.items()}
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    JsonValue,
     ValidationError,
     field_validator,
     model_validator,
@@ -173,6 +174,21 @@ class ArithTask(StrictModel):
 
     name: Literal["arith"] = "arith"
     difficulty: int = Field(3, ge=1, le=5, description="1 (4 terms, +) to 5 (8 terms, + - *)")
+    difficulty_max: int | None = Field(
+        None,
+        ge=1,
+        le=5,
+        description="draw each prompt's difficulty uniformly from difficulty..difficulty_max "
+        "(seeded): a mix of short and long responses, as real tasks have",
+    )
+
+    @model_validator(mode="after")
+    def _range(self) -> ArithTask:
+        if self.difficulty_max is not None and self.difficulty_max < self.difficulty:
+            raise ValueError(
+                f"difficulty_max ({self.difficulty_max}) must be >= difficulty ({self.difficulty})"
+            )
+        return self
 
 
 class JsonlTask(StrictModel):
@@ -217,7 +233,9 @@ class GenerationConfig(StrictModel):
         default_factory=dict,
         description="custom Ray resources per generation actor, e.g. {generation_gpu: 1}",
     )
-    prompts_per_batch: int = Field(8, ge=1, description="prompts in one generate call")
+    prompts_per_batch: int = Field(
+        8, ge=1, description="prompts in flight per generation worker (each of group_size rows)"
+    )
     group_size: int = Field(8, ge=2, description="G: responses per prompt (GRPO needs >= 2)")
     temperature: float = Field(1.0, gt=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -225,8 +243,37 @@ class GenerationConfig(StrictModel):
     max_new_tokens: int = Field(128, ge=1)
     options: dict[str, BackendOption] = Field(
         default_factory=dict,
-        description="backend constructor options (hf: device, dtype; vllm: engine arguments)",
+        description="backend constructor options (hf: device, dtype; vllm: dtype, "
+        "tensor_parallel_size, gpu_memory_utilization, ...)",
     )
+    streaming: bool = Field(
+        True,
+        description="a worker gets new prompts as soon as its groups end (continuous "
+        "batching); false: only once all of its prompts ended, as one batch, so the engine "
+        "drains during each batch's longest response (the baseline streaming is measured "
+        "against)",
+    )
+    first_group_timeout_s: float = Field(
+        1800.0,
+        gt=0.0,
+        description="longest a worker holding prompts may take to return its first group "
+        "(engine start-up included) before it is taken for hung; later, the deadline is derived "
+        "from max_new_tokens and the worker's measured speed",
+    )
+    engine: dict[str, JsonValue] = Field(
+        default_factory=dict,
+        description="vllm only: further vLLM engine arguments (EngineArgs), passed through "
+        "unchanged, nested mappings included, e.g. {compilation_config: {level: 0}}",
+    )
+
+    @model_validator(mode="after")
+    def _engine_needs_vllm(self) -> GenerationConfig:
+        if self.engine and self.backend != "vllm":
+            raise ValueError(
+                f"engine holds vLLM engine arguments, but backend is {self.backend!r}: "
+                "use options for the hf backend"
+            )
+        return self
 
 
 class RewardConfig(StrictModel):
@@ -399,6 +446,30 @@ class PipelineConfig(StrictModel):
         description="generation and verifier actors that may die (or hang) and be replaced, "
         "in all, before the run fails",
     )
+    weight_transport: Literal["object_store", "collective"] = Field(
+        "object_store",
+        description="how new weights reach generation: object_store (tensors in buckets "
+        "through Ray's object store) or collective (a torch.distributed broadcast from learner "
+        "rank 0 to every generation worker's receiving processes; NCCL on GPUs, gloo on CPU)",
+    )
+    weight_bucket_mb: int = Field(
+        256,
+        ge=1,
+        le=16384,
+        description="size of one bucket of weights sent at a time: bounds the full tensors "
+        "held beyond a rank's shard while gathering, and each message on the way",
+    )
+    in_flight_updates: bool = Field(
+        False,
+        description="async only. Load new weights between decoding steps without waiting for "
+        "the responses in flight (their KV cache is kept, see recompute_kv); each token keeps "
+        "the version and behaviour log-prob of the weights that sampled it",
+    )
+    recompute_kv: bool = Field(
+        False,
+        description="with in_flight_updates: recompute the KV cache of responses in flight "
+        "under the new weights (exact, costs a prefill) instead of keeping it",
+    )
 
     @model_validator(mode="after")
     def _resolve(self) -> PipelineConfig:
@@ -419,6 +490,10 @@ class PipelineConfig(StrictModel):
             )
         if self.lead_batches > 0:
             self._check_lead()
+        if self.in_flight_updates and self.mode == "sync":
+            raise ValueError("in_flight_updates needs mode 'async' (sync trains on-policy)")
+        if self.recompute_kv and not self.in_flight_updates:
+            raise ValueError("recompute_kv applies to in_flight_updates: set that too")
         return self
 
     def _check_lead(self) -> None:

@@ -84,7 +84,8 @@ def _clamp(x: Tensor, low: Tensor | float | None, high: Tensor | float | None) -
 class LossNormaliser:
     """The denominators of a minibatch's loss, counted once over the whole minibatch.
 
-    tokens: valid tokens; sequences: responses with at least one valid token. When a minibatch
+    tokens: valid tokens; sequences: responses with at least one valid token; width: the padded
+    response length (seq-mean-token-sum-norm's default divisor). When a minibatch
     is split into micro-batches (and over ranks), each part's loss is divided by the counts of
     the whole, so that the parts' losses (and gradients) add up to the unsplit one, as verl's
     global batch info does.
@@ -92,12 +93,17 @@ class LossNormaliser:
 
     tokens: float
     sequences: float
+    width: int
 
     @classmethod
-    def of(cls, mask: Tensor) -> LossNormaliser:
-        """The counts of a bool mask [B, T]."""
+    def of(cls, mask: Tensor, width: int | None = None) -> LossNormaliser:
+        """The counts of a bool mask [B, T]; the width is T unless given."""
         lengths = mask.sum(-1)
-        return cls(tokens=float(lengths.sum()), sequences=float((lengths > 0).sum()))
+        return cls(
+            tokens=float(lengths.sum()),
+            sequences=float((lengths > 0).sum()),
+            width=int(mask.shape[-1]) if width is None else width,
+        )
 
 
 def aggregate_loss(
@@ -109,8 +115,10 @@ def aggregate_loss(
 ) -> Tensor:
     """Reduce a [B, T] per-token loss to a scalar by one of verl's aggregation modes.
 
-    The denominators (token count, non-empty sequence count) are those of `mask` unless
-    `normaliser` gives the counts of the whole minibatch this is a part of.
+    The denominators (token count, non-empty sequence count, padded width) are those of `mask`
+    unless `normaliser` gives the counts of the whole minibatch this is a part of: a
+    micro-batch of short rows is padded less than its minibatch, and seq-mean-token-sum-norm
+    must still divide by the minibatch's width.
     """
     weights = mask.to(per_token.dtype)
     token_sum = (per_token * weights).sum(-1)
@@ -126,7 +134,7 @@ def aggregate_loss(
     elif mode == "seq-mean-token-sum":
         per_sequence = token_sum
     elif mode == "seq-mean-token-sum-norm":
-        per_sequence = token_sum / float(norm_length or per_token.shape[-1])
+        per_sequence = token_sum / float(norm_length or counts.width)
     else:
         valid = ", ".join(LOSS_AGG_MODES)
         raise ValueError(f"unknown loss_agg_mode {mode!r}; valid modes: {valid}")

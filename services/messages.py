@@ -33,8 +33,24 @@ class Response:
     # distribution includes temperature/top-p/top-k is stated by the backend's `logprobs_mode`.
     behaviour_logprobs: list[float]
     finish_reason: FinishReason
-    policy_version: int  # version of the weights that produced it
+    # Version of the weights that sampled its first token: the oldest of its tokens, which is
+    # what its staleness is judged by.
+    policy_version: int
     text: str  # decoded response, for the verifier
+    # With in-flight weight updates, the version that sampled each response token (one per
+    # token, never decreasing); empty when every token was sampled by `policy_version`.
+    token_versions: list[int] = field(default_factory=list)
+
+    def versions(self) -> list[int]:
+        """The policy version that sampled each response token."""
+        if self.token_versions:
+            return list(self.token_versions)
+        return [self.policy_version] * len(self.response_token_ids)
+
+    @property
+    def version_span(self) -> int:
+        """How many policy versions sampled its tokens (1: a single version)."""
+        return len(set(self.token_versions)) if self.token_versions else 1
 
 
 @dataclass(frozen=True)

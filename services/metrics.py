@@ -387,6 +387,20 @@ STALENESS = Group(
             "Largest staleness in the trained batch, in versions.",
             plot="staleness (versions)",
         ),
+        _record(
+            "version_span_mean",
+            "versions",
+            "Policy versions that sampled the tokens of one trained response, mean.",
+            _D,
+            note="1 = every response was sampled by a single version; above 1 only with "
+            "pipeline.in_flight_updates.",
+        ),
+        _record(
+            "version_span_max",
+            "versions",
+            "Policy versions that sampled the tokens of one trained response, largest.",
+            _D,
+        ),
         _counter(
             "rollouts_dropped_stale",
             "kpo_rollouts_dropped_stale_total",
@@ -474,14 +488,12 @@ THROUGHPUT = Group(
             "generation_batch_seconds",
             Kind.HISTOGRAM,
             "seconds",
-            "Duration of generation batches.",
+            "Seconds from handing a group to a generation worker to its G responses ending.",
             _D,
             "kpo_generation_batch_seconds",
-            note="Mean of the generate calls finished since the previous step (0 if none did).",
+            note="Mean of the groups that ended since the previous step (0 if none did).",
         ),
-        _record(
-            "generation_batches", "batches", "Generate calls finished since the previous step.", _D
-        ),
+        _record("generation_batches", "groups", "Groups that ended since the previous step.", _D),
     ),
 )
 LEARNER_GROUP = Group(

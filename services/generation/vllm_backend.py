@@ -1,52 +1,95 @@
-"""The `vllm` generation backend: vLLM's offline `LLM` engine behind `GenerationBackend`.
+"""The `vllm` generation backend: vLLM's `LLM` engine behind `GenerationBackend`.
 
+Prompts and log-probs:
 - Prompts go in as token ids (`TokensPrompt`), tokenized here with the model's Hugging Face
   tokenizer exactly as the `hf` backend does, so both backends see the same prompt ids.
 - Behaviour log-probs come from the engine itself with `logprobs_mode="processed_logprobs"`:
   the log-prob of each sampled token under the distribution it was sampled from, i.e. after
   temperature, top-k and top-p (`SamplingParams(logprobs=0)` asks for the sampled token only).
-- Weights are swapped in place in the running engine, with no restart and nothing written to
-  disk: the state dict is serialised in memory, sent to every worker with
-  `LLM.collective_rpc`, and loaded there by vLLM's own in-place reload
-  (`Worker.reload_weights(weights_iterator=...)`, which runs the model's `load_weights` and
-  its post-load processing). The worker side is `WeightSyncExtension`, which vLLM mixes into
-  its worker class (`worker_extension_cls`). Bytes cross vLLM's process boundaries as they
-  are, so this works with the engine core in its own process (vLLM's default) and in-process
-  (`VLLM_ENABLE_V1_MULTIPROCESSING=0`); with tensor parallelism every worker receives the
-  whole state dict and its model's `load_weights` keeps its own shard. The payload is one
-  extra host copy of the weights per update.
 - Temperature 0 is greedy decoding: one sample per prompt (vLLM refuses `n > 1` for it)
   repeated across the group, with log-probs 0.0 (a point mass), as in the `hf` backend.
-- vLLM is imported lazily: this module imports without it, and constructing the backend
-  without it fails with an install hint.
 
-Nothing here is specific to a device: the CPU build of vLLM and the regular GPU build take the
-same code; device-dependent choices (dtype, eager mode, KV-cache size) are constructor options.
+Streaming: `submit` adds one vLLM request per group, with `n = G` (`LLM.enqueue`). vLLM fans
+it out into G sequences that share the prompt's KV blocks, and with `RequestOutputKind.
+FINAL_ONLY` it reports the parent request once, when its last sequence ends: exactly "a group
+comes back when its G responses have ended", without regrouping G independent requests here.
+`step` is one `LLMEngine.step` (one batch of engine-core outputs, i.e. one decoding step) and
+returns the groups that ended in it. With the engine core in its own process (vLLM's default)
+it runs ahead on its own and `step` takes its outputs in order; the version bookkeeping below
+does not depend on how far ahead it is.
+
+Weights (`load_weights`, `load_weight_buckets`, the collective methods) are loaded in place in
+the running engine, bucket by bucket, by `vllm_worker_extension` inside every vLLM worker; the
+buckets travel as described in `vllm_transfer` (shared memory, or the learner's process group),
+never as one payload proportional to the model.
+
+Which version sampled each token (in-flight updates): vLLM's engine core stamps every batch of
+outputs with its current weight version (`set_weight_version`) and the output processor turns
+the stamps into per-sequence spans (`CompletionOutput.weight_versions`). The stamp is exact if
+the weights and the label change together between two engine steps, so every load runs with
+the scheduler paused keeping its requests (`sleep(level=0, mode="keep")`: the pause completes
+once the engine core is idle, so every step already executed, the batches queued by async
+scheduling included, produced its outputs under the old weights and the old label), then loads,
+sets the label, and resumes. Tokens sampled before the pause carry the old version, the ones
+after it the new one, whatever the engine core's lead over `step`; and each token's log-prob is
+computed by the sampler from the logits of the weights that sampled it.
+
+KV cache across an in-flight load (`recompute_kv`): False keeps the KV blocks of the requests
+in flight (computed by the old weights) and the prefix cache is reset only where no request
+holds a block; new requests are salted with the version they were submitted under
+(`cache_salt`), so they never reuse prefix blocks computed before that version was loaded
+(requests queued before the load may: the same bias as kept KV). True preempts every running
+request after the load (`reset_prefix_cache(reset_running_requests=True)`): vLLM recomputes
+their prompt and generated tokens under the new weights before they continue, at the cost of a
+prefill.
+
+vLLM is imported lazily: this module imports without it, and constructing the backend without
+it fails with an install hint. Nothing here is specific to a device: the CPU build of vLLM and
+the GPU build take the same code; device-dependent choices (dtype, eager mode, KV-cache size)
+are constructor options. Relies on vLLM >= 0.32 (weight-version spans, pausing that keeps
+requests).
 """
 
 from __future__ import annotations
 
-import io
-import json
+import contextlib
+import ipaddress
 import os
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from services.generation.base import (
     GenerationBackend,
+    GroupRequest,
     SamplingSettings,
     StateDictMismatchError,
     encode_prompts,
     validate_sampling,
 )
+from services.generation.vllm_checkpoint import (
+    check_state_dict,
+    checkpoint_shapes,
+    manifest_expectation,
+    state_dict_buckets,
+    ties_embeddings,
+)
+from services.generation.vllm_transfer import (
+    group_to_wire,
+    manifest_to_wire,
+    shared_bucket,
+)
+from services.generation.vllm_worker_extension import WeightLoadingExtension
 from services.messages import FinishReason, Prompt, Response
+from services.weights.base import WeightGroup, WeightsManifest
+from services.weights.buckets import bucket_tensors
+from services.weights.loading import check_manifest
 
 if TYPE_CHECKING:
     from vllm import LLM, SamplingParams
-    from vllm.outputs import CompletionOutput
+    from vllm.outputs import CompletionOutput, RequestOutput
 
 INSTALL_HINT = "pip install 'kpo-rl[vllm]'"
 
@@ -58,8 +101,10 @@ VLLM_LOGPROBS_MODE = "processed_logprobs"
 # vLLM decodes greedily below this temperature (`vllm.sampling_params._SAMPLING_EPS`).
 GREEDY_TEMPERATURE = 1e-5
 
-# Name of the worker method below, called through `LLM.collective_rpc`.
-_LOAD_METHOD = "kpo_load_serialized_state_dict"
+# Buckets of a state dict handed to `load_weights` (the publishing paths bring their own).
+STATE_DICT_BUCKET_BYTES = 256 * 2**20
+
+_EXTENSION_QUALNAME = f"{WeightLoadingExtension.__module__}.{WeightLoadingExtension.__qualname__}"
 
 
 def _import_vllm() -> Any:
@@ -72,114 +117,41 @@ def _import_vllm() -> Any:
     return vllm
 
 
-def serialize_state_dict(state_dict: Mapping[str, torch.Tensor]) -> bytes:
-    """Serialise tensors to bytes in memory (CPU copies; shared storage such as tied
-    embeddings is kept shared). The result crosses vLLM's process boundary as plain bytes."""
-    buffer = io.BytesIO()
-    torch.save({name: t.detach().cpu() for name, t in state_dict.items()}, buffer)
-    return buffer.getvalue()
-
-
-def deserialize_state_dict(payload: bytes) -> dict[str, torch.Tensor]:
-    """Inverse of `serialize_state_dict`; only tensors are accepted (`weights_only`)."""
-    loaded = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
-    if not isinstance(loaded, dict):
-        raise TypeError(f"expected a state dict, got {type(loaded).__name__}")
-    return loaded
-
-
-class WeightSyncExtension:
-    """Methods vLLM adds to its worker class (`worker_extension_cls`) for in-place updates.
-
-    `self` is the vLLM worker; `reload_weights` is its in-place reload of a running model.
-    """
-
-    def kpo_load_serialized_state_dict(self, payload: bytes) -> int:
-        """Load a serialised state dict into the running model; return the tensor count."""
-        weights = deserialize_state_dict(payload)
-        self.reload_weights(  # type: ignore[attr-defined]
-            weights_iterator=iter(weights.items()), is_checkpoint_format=True
-        )
-        return len(weights)
-
-
-_EXTENSION_QUALNAME = f"{__name__}.{WeightSyncExtension.__qualname__}"
-
-
-def checkpoint_shapes(model_path: str | os.PathLike[str]) -> dict[str, tuple[int, ...]] | None:
-    """Tensor names and shapes of a local safetensors checkpoint, from the file headers only.
-
-    None when `model_path` is not a local directory with safetensors files (e.g. a hub name):
-    state dicts are then not checked before loading.
-    """
-    directory = Path(model_path)
-    files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
-    if not files:
-        return None
-    from safetensors import safe_open
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                shapes[name] = tuple(handle.get_slice(name).get_shape())
-    return shapes
-
-
-def _ties_embeddings(model_path: str | os.PathLike[str]) -> bool:
-    config = Path(model_path) / "config.json"
-    if not config.is_file():
-        return False
-    return bool(json.loads(config.read_text()).get("tie_word_embeddings", False))
-
-
-def check_state_dict(
-    expected: Mapping[str, tuple[int, ...]],
-    state_dict: Mapping[str, torch.Tensor],
-    tied_embeddings: bool,
-) -> None:
-    """Raise StateDictMismatchError naming missing, unexpected and wrongly shaped keys.
-
-    `expected` holds the checkpoint's names (Hugging Face names, which the learner's state dict
-    uses too). With tied embeddings a checkpoint omits `lm_head.weight` while a state dict may
-    carry it; vLLM ignores it then. Rotary `inv_freq` buffers of older checkpoints are ignored.
-    """
-    ignorable = {"lm_head.weight"} if tied_embeddings else set()
-    missing = sorted(set(expected) - set(state_dict))
-    unexpected = sorted(
-        key
-        for key in set(state_dict) - set(expected) - ignorable
-        if not key.endswith("rotary_emb.inv_freq")
-    )
-    wrong_shape = [
-        f"{key}: got {tuple(state_dict[key].shape)}, model has {shape}"
-        for key, shape in expected.items()
-        if key in state_dict and tuple(state_dict[key].shape) != shape
-    ]
-    if missing or unexpected or wrong_shape:
-        raise StateDictMismatchError(
-            "state dict does not match the model: "
-            f"missing keys {missing}; unexpected keys {unexpected}; wrong shapes {wrong_shape}"
-        )
-
-
 def _finish_reason(output: CompletionOutput) -> FinishReason:
     # vLLM reports "stop" (EOS / stop token), "length" (max_tokens or model length) or
     # "abort"; an aborted request did not run out of budget, so it counts as stopped.
     return "length" if output.finish_reason == "length" else "stop"
 
 
-class VLLMBackend(GenerationBackend):
-    """Generates with a vLLM `LLM` engine and swaps its weights in place.
+def _receiver_host(group: WeightGroup) -> str:
+    """The address a worker's end of `group` binds to: loopback for a group served on loopback
+    (it cannot span nodes), else this node's address (vLLM's workers share the backend's node)."""
+    host = group.address.rpartition(":")[0].strip("[]")
+    with contextlib.suppress(ValueError):
+        if ipaddress.ip_address(host).is_loopback:
+            return host
+    from services.weights.collective import node_address
 
-    Behaviour log-probs (`logprobs_mode = "processed"`): each is the log-prob of the sampled
-    token under the distribution it was drawn from, after temperature, top-k and top-p, as
-    vLLM's sampler computes it (`logprobs_mode="processed_logprobs"`). With temperature 0
-    decoding is greedy and every log-prob is 0.0 (a point mass), as in the `hf` backend.
+    return node_address()
+
+
+@dataclass(frozen=True)
+class _Group:
+    """A submitted group: what its responses are built from once vLLM reports it ended."""
+
+    request: GroupRequest
+    prompt_ids: list[int]
+    greedy: bool  # sampled once, repeated G times
+    version: int  # the version loaded when it was submitted
+
+
+class VLLMBackend(GenerationBackend):
+    """Generates with a vLLM `LLM` engine, streams groups as they end, and loads weights in
+    place between steps (see the module docstring for how versions and KV are kept exact).
 
     Args:
         model_path: a Hugging Face checkpoint directory (or a hub name, where one is reachable;
-            state dicts are then loaded without a prior key check).
+            weights are then loaded without a prior key check).
         tokenizer: tokenizer path; defaults to `model_path`.
         dtype: weight/activation dtype ("auto", "bfloat16", "float32", ...).
         seed: engine seed (used for requests whose sampling settings have no seed).
@@ -190,9 +162,10 @@ class VLLMBackend(GenerationBackend):
             build: fraction of host memory).
         kv_cache_memory_bytes: explicit KV-cache size; overrides `gpu_memory_utilization`.
             Small values suit tiny models and shared CPU machines.
-        tensor_parallel_size: devices one engine spans.
-        enable_prefix_caching: vLLM's default when None. The cache is reset after every
-            weight update, so cached KV never outlives the weights that produced it.
+        tensor_parallel_size: devices one engine spans (each a worker that loads its shard and
+            joins a collective weight group).
+        enable_prefix_caching: vLLM's default when None. Cached blocks never outlive the
+            weights that computed them for new requests (see the module docstring).
         engine_kwargs: further `vllm.LLM` / `EngineArgs` options, passed through unchanged.
     """
 
@@ -219,7 +192,7 @@ class VLLMBackend(GenerationBackend):
         tokenizer_path = os.fspath(tokenizer) if tokenizer is not None else model
         self._tokenizer: Any = AutoTokenizer.from_pretrained(tokenizer_path)
         self._expected_shapes = checkpoint_shapes(model)
-        self._tied_embeddings = _ties_embeddings(model)
+        self._tied_embeddings = ties_embeddings(model)
         options: dict[str, Any] = {
             "tokenizer": tokenizer_path,
             "dtype": dtype,
@@ -237,7 +210,11 @@ class VLLMBackend(GenerationBackend):
         options.update(engine_kwargs or {})
         self._llm: LLM = vllm.LLM(model=model, **options)
         self._version = 0
-        self._set_engine_version(0)
+        self._llm.update_weight_version("0")  # the label every output is stamped with
+        self._groups: dict[str, _Group] = {}  # vLLM request id -> group in flight
+        self._torn_version: int | None = None  # a version only partly loaded
+        self._weight_group: WeightGroup | None = None
+        self._staged_version: int | None = None
 
     @property
     def policy_version(self) -> int:
@@ -258,60 +235,286 @@ class VLLMBackend(GenerationBackend):
         """Token ids of each prompt text: the tokenizer's default encoding, as in `hf`."""
         return encode_prompts(self._tokenizer, prompts)
 
-    def generate(
-        self, prompts: list[Prompt], group_size: int, sampling: SamplingSettings
-    ) -> list[list[Response]]:
-        """Return `group_size` responses for each prompt, in prompt order, in one batch.
+    # --- streaming ------------------------------------------------------------------------------
 
-        With `sampling.seed` set, the same prompts, group size and settings give the same
-        responses.
+    def submit(self, requests: Sequence[GroupRequest]) -> None:
+        """Add one vLLM request per group (`n = G`); the engine admits them as room allows.
+
+        Every request is validated and encoded first, so a bad one adds nothing.
         """
-        validate_sampling(sampling, group_size)
-        if not prompts:
-            return []
+        for request in requests:
+            try:
+                validate_sampling(request.sampling, request.group_size)
+            except ValueError as error:
+                raise ValueError(
+                    f"request for prompt {request.prompt.prompt_id!r}: {error}"
+                ) from None
+        if not requests:
+            return
         from vllm import TokensPrompt
 
-        prompt_ids = self.encode(prompts)
-        requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids]
-        # Greedy decoding gives one answer per prompt (and vLLM refuses n > 1 for it): sample
-        # once and repeat it across the group.
-        greedy = sampling.temperature < GREEDY_TEMPERATURE
-        n = 1 if greedy else group_size
-        params = [self._sampling_params(sampling, n, i) for i in range(len(prompts))]
-        version = self._version
-        outputs = self._llm.generate(requests, params, use_tqdm=False)
+        prompt_ids = self.encode([request.prompt for request in requests])
+        salt = f"kpo-v{self._version}"
+        prompts = [TokensPrompt(prompt_token_ids=ids, cache_salt=salt) for ids in prompt_ids]
+        greedy = [r.sampling.temperature < GREEDY_TEMPERATURE for r in requests]
+        params = [
+            # Greedy decoding gives one answer per prompt (and vLLM refuses n > 1 for it):
+            # sample once and repeat it across the group.
+            self._sampling_params(r.sampling, 1 if g else r.group_size)
+            for r, g in zip(requests, greedy, strict=True)
+        ]
+        request_ids = self._llm.enqueue(prompts, params, use_tqdm=False)
+        for request_id, request, ids, g in zip(
+            request_ids, requests, prompt_ids, greedy, strict=True
+        ):
+            self._groups[_external_id(request_id)] = _Group(request, ids, g, self._version)
 
-        groups: list[list[Response]] = []
-        for prompt, ids, request_output in zip(prompts, prompt_ids, outputs, strict=True):
-            completions = sorted(request_output.outputs, key=lambda c: c.index)
-            if len(completions) != n:
-                raise RuntimeError(
-                    f"vLLM returned {len(completions)} completions for prompt "
-                    f"{prompt.prompt_id!r}, expected {n}"
-                )
-            repeated = completions * (group_size // n)
-            groups.append([self._response(prompt, ids, c, version, greedy) for c in repeated])
-        return groups
+    def step(self) -> list[list[Response]]:
+        """Take one engine step's outputs; return the groups that ended in it (each its G
+        responses, in sample order). Refuses to run on partly loaded weights."""
+        if self._torn_version is not None:
+            raise RuntimeError(
+                f"weights of version {self._torn_version} were only partly loaded; load a "
+                "complete version before generating"
+            )
+        if not self._groups:
+            return []
+        ended: list[list[Response]] = []
+        for output in self._llm.llm_engine.step():
+            if not output.finished:
+                continue
+            group = self._groups.pop(output.request_id, None)
+            if group is None:
+                raise RuntimeError(f"vLLM returned request {output.request_id!r}, never submitted")
+            ended.append(self._group_responses(group, output))
+        return ended
+
+    @property
+    def in_flight(self) -> int:
+        """Groups submitted and not yet returned by `step`."""
+        return len(self._groups)
+
+    def _group_responses(self, group: _Group, output: RequestOutput) -> list[Response]:
+        n = 1 if group.greedy else group.request.group_size
+        completions = sorted(output.outputs, key=lambda c: c.index)
+        if len(completions) != n:
+            raise RuntimeError(
+                f"vLLM returned {len(completions)} completions for prompt "
+                f"{group.request.prompt.prompt_id!r}, expected {n}"
+            )
+        repeated = completions * (group.request.group_size // n)
+        return [self._response(group, completion) for completion in repeated]
+
+    def _response(self, group: _Group, output: CompletionOutput) -> Response:
+        token_ids = [int(t) for t in output.token_ids]
+        versions = _token_versions(output, len(token_ids), group.version)
+        logprobs = [0.0] * len(token_ids) if group.greedy else _sampled_logprobs(output, token_ids)
+        return Response(
+            prompt_id=group.request.prompt.prompt_id,
+            prompt_token_ids=list(group.prompt_ids),
+            response_token_ids=token_ids,
+            behaviour_logprobs=logprobs,
+            finish_reason=_finish_reason(output),
+            policy_version=versions[0] if versions else group.version,
+            text=self._tokenizer.decode(token_ids, skip_special_tokens=True),
+            token_versions=versions if len(set(versions)) > 1 else [],
+        )
+
+    def _sampling_params(self, sampling: SamplingSettings, n: int) -> SamplingParams:
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,  # 0 disables top-k in vLLM, as in SamplingSettings
+            max_tokens=sampling.max_new_tokens,
+            # vLLM seeds the n samples of one request `seed + j`.
+            seed=sampling.seed,
+            logprobs=0,  # the sampled token's log-prob only
+            detokenize=False,  # text is decoded with the Hugging Face tokenizer
+        )
+
+    # --- weights --------------------------------------------------------------------------------
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Load `state_dict` (Hugging Face names) into the running engine and set the version.
 
         Keys and shapes are checked against the checkpoint first (StateDictMismatchError), so a
         bad state dict leaves the engine and its version untouched. Tensors may be on any
-        device or dtype: they are copied into the engine's parameters, which keep theirs.
+        device or dtype: they are copied into the engine's parameters, which keep theirs. Sent
+        in buckets of `STATE_DICT_BUCKET_BYTES`, like a publish.
         """
         if self._expected_shapes is not None:
             check_state_dict(self._expected_shapes, state_dict, self._tied_embeddings)
         elif not state_dict:
             raise StateDictMismatchError("empty state dict")
-        payload = serialize_state_dict(state_dict)
-        loaded = self._llm.collective_rpc(_LOAD_METHOD, args=(payload,))
-        if any(count != len(state_dict) for count in loaded):
-            raise RuntimeError(f"workers loaded {loaded} tensors, expected {len(state_dict)}")
-        # KV blocks cached for a prefix were computed with the old weights.
-        self._llm.reset_prefix_cache()
+        manifest, buckets = state_dict_buckets(state_dict, version, STATE_DICT_BUCKET_BYTES)
+        self._load_buckets(buckets, manifest)
+
+    def load_weight_buckets(
+        self, buckets: Iterable[Mapping[str, torch.Tensor]], manifest: WeightsManifest
+    ) -> None:
+        """Load a published version bucket by bucket, in place, and set its version; may run
+        between two `step`s with groups in flight (their next tokens are the new version's).
+
+        The manifest is checked first, so a mismatched one changes nothing. A failure after
+        that (a bucket that cannot be fetched, one bucket short) leaves the model part old,
+        part new: the backend then refuses to step until a complete version is loaded.
+        """
+        self.check_weights_manifest(manifest)
+        self._load_buckets(buckets, manifest)
+
+    def check_weights_manifest(self, manifest: WeightsManifest) -> None:
+        """StateDictMismatchError unless `manifest` covers exactly the checkpoint's tensors
+        (plus names vLLM skips: a tied model's `lm_head.weight`, rotary `inv_freq`)."""
+        if not manifest.buckets:
+            raise StateDictMismatchError(f"weights of version {manifest.version}: no tensors")
+        if self._expected_shapes is not None:
+            check_manifest(
+                manifest,
+                manifest_expectation(self._expected_shapes, manifest, self._tied_embeddings),
+            )
+
+    def _load_buckets(
+        self, buckets: Iterable[Mapping[str, torch.Tensor]], manifest: WeightsManifest
+    ) -> None:
+        """Pause, load every bucket through shared memory, label, resume (manifest checked)."""
+        with self._generation_paused():
+            self._torn_version = manifest.version
+            self._rpc("kpo_begin_weight_update")
+            try:
+                self._send_buckets(buckets, manifest)
+            except BaseException:
+                # Closed even after a failure: the workers' model must not stay mid-reload (a
+                # failure of this call too is secondary to the one being raised).
+                with contextlib.suppress(Exception):
+                    self._rpc("kpo_finish_weight_update")
+                raise
+            self._rpc("kpo_finish_weight_update")
+            self._loaded(manifest.version)
+
+    def _send_buckets(
+        self, buckets: Iterable[Mapping[str, torch.Tensor]], manifest: WeightsManifest
+    ) -> None:
+        """Hand every bucket to the workers through a shared file, one bucket at a time."""
+        loaded = 0
+        remaining = iter(manifest.buckets)
+        for bucket in buckets:
+            specs = next(remaining, None)
+            if specs is None:
+                raise ValueError(
+                    f"weights of version {manifest.version}: more buckets than the "
+                    f"manifest's {len(manifest.buckets)}"
+                )
+            tensors = bucket_tensors(bucket, specs)
+            names = {spec.name for spec in specs}
+            aliases = {a: n for a, n in manifest.aliases.items() if n in names}
+            with shared_bucket(tensors, specs) as shared:
+                self._rpc("kpo_load_shared_bucket", shared.to_wire(), aliases)
+            loaded += 1
+            del tensors, bucket  # one bucket held at a time
+        if loaded != len(manifest.buckets):
+            raise ValueError(
+                f"weights of version {manifest.version}: got {loaded} of "
+                f"{len(manifest.buckets)} buckets"
+            )
+
+    def _loaded(self, version: int) -> None:
+        """The new weights are in (called paused): label them, settle the KV cache."""
+        self._llm.update_weight_version(str(version))
+        if self.recompute_kv:
+            # Preempts every running request: vLLM recomputes its prompt and generated tokens
+            # under the new weights when it is scheduled again; the whole cache is cleared.
+            self._llm.reset_prefix_cache(reset_running_requests=True)
+        else:
+            # Clears the cache only where no running request holds a block (returns False
+            # otherwise); the version salt keeps new requests off what stays.
+            self._llm.reset_prefix_cache()
         self._version = int(version)
-        self._set_engine_version(self._version)
+        self._torn_version = None
+
+    @contextlib.contextmanager
+    def _generation_paused(self) -> Iterator[None]:
+        """Stop the engine core between two steps, keeping its requests and their KV; resume.
+
+        `sleep(level=0, mode="keep")` returns once the engine core is idle (every executed step
+        has put out its outputs); requests added meanwhile would queue.
+        """
+        self._llm.sleep(level=0, mode="keep")
+        try:
+            yield
+        finally:
+            self._llm.wake_up(tags=["scheduling"])
+
+    def _rpc(self, method: str, *args: Any) -> list[Any]:
+        """Call `method` of the worker extension on every vLLM worker (control messages only)."""
+        results: list[Any] = self._llm.collective_rpc(method, args=args)
+        return results
+
+    # --- the collective transport ---------------------------------------------------------------
+
+    def weight_receivers(self) -> int:
+        """vLLM's workers: one per tensor-parallel rank of each pipeline stage."""
+        return int(self._llm.get_world_size(include_dp=False))
+
+    def join_weight_group(self, group: WeightGroup, first_rank: int) -> None:
+        """Every vLLM worker joins `group`, worker w as rank `first_rank + w` (blocks until every
+        rank joined). Leaves a group joined before."""
+        self.close_weight_group()
+        self._rpc("kpo_join_weight_group", group_to_wire(group), first_rank, _receiver_host(group))
+        self._weight_group = group
+
+    def close_weight_group(self) -> None:
+        """Every worker leaves the group, if one was joined."""
+        if self._weight_group is not None:
+            self._weight_group = None
+            self._rpc("kpo_leave_weight_group")
+
+    def receive_weights(self, manifest: WeightsManifest, apply: bool) -> None:
+        """Every worker receives every bucket of `manifest` from the group now.
+
+        apply=True loads them into the live model as they arrive (generation paused meanwhile)
+        and sets the version; apply=False keeps them on each worker's CPU for `apply_staged`.
+        Either way decoding waits for the broadcast: vLLM's engine core runs a
+        `collective_rpc` between two steps, so apply=False only defers the load (each worker
+        then holds a host copy of the full tensors, its shard is cut at `apply_staged`).
+        A manifest that does not fit the model is still received (the sender and the other
+        receivers must not be left waiting), then the mismatch raised.
+        """
+        if self._weight_group is None:
+            raise RuntimeError("receive_weights before join_weight_group: no weight group joined")
+        wire = manifest_to_wire(manifest)
+        try:
+            self.check_weights_manifest(manifest)
+        except StateDictMismatchError:
+            self._rpc("kpo_receive_weights", wire, "drain")
+            raise
+        if not apply:
+            self._rpc("kpo_receive_weights", wire, "stage")
+            self._staged_version = manifest.version
+            return
+        with self._generation_paused():
+            self._torn_version = manifest.version
+            self._rpc("kpo_receive_weights", wire, "apply")
+            self._loaded(manifest.version)
+        self._staged_version = None  # the workers dropped it: older than what is loaded
+
+    @property
+    def staged_version(self) -> int | None:
+        """Version of the weights received with apply=False and not yet applied, if any."""
+        return self._staged_version
+
+    def apply_staged(self) -> None:
+        """Load the weights the workers staged (`receive_weights(apply=False)`), set the version."""
+        version = self._staged_version
+        if version is None:
+            raise RuntimeError("apply_staged: no weights were staged by receive_weights")
+        with self._generation_paused():
+            self._torn_version = version
+            self._rpc("kpo_apply_staged", version)
+            self._loaded(version)
+        self._staged_version = None
 
     def close(self) -> None:
         """Shut the engine down, its processes included; the backend is unusable afterwards."""
@@ -321,51 +524,32 @@ class VLLMBackend(GenerationBackend):
             if engine_core is not None:
                 engine_core.shutdown()
 
-    def _set_engine_version(self, version: int) -> None:
-        # vLLM's own record of the weight version (`LLM.update_weight_version`, which stamps
-        # outputs with it); older releases lack it.
-        update = getattr(self._llm, "update_weight_version", None)
-        if update is not None:
-            update(str(version))
 
-    def _sampling_params(
-        self, sampling: SamplingSettings, group_size: int, prompt_index: int
-    ) -> SamplingParams:
-        from vllm import SamplingParams
+def _external_id(request_id: str) -> str:
+    """The id outputs carry for a request `LLM.enqueue` added as `request_id`.
 
-        # vLLM seeds the n samples of one request `seed + j`; spacing prompts `group_size`
-        # apart gives every sample of the batch its own stream, deterministic in `seed`.
-        seed = None if sampling.seed is None else sampling.seed + prompt_index * group_size
-        return SamplingParams(
-            n=group_size,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,  # 0 disables top-k in vLLM, as in SamplingSettings
-            max_tokens=sampling.max_new_tokens,
-            seed=seed,
-            logprobs=0,  # the sampled token's log-prob only
-            detokenize=False,  # text is decoded below with the Hugging Face tokenizer
-        )
+    `enqueue` names requests with a counter ("17") and returns vLLM's internal id, which is
+    that name plus "-" and a random suffix ("17-3fa9c2d1"), or the name alone where vLLM's id
+    randomisation is turned off; outputs carry the name.
+    """
+    return request_id.partition("-")[0]
 
-    def _response(
-        self,
-        prompt: Prompt,
-        prompt_ids: list[int],
-        output: CompletionOutput,
-        version: int,
-        greedy: bool,
-    ) -> Response:
-        token_ids = [int(t) for t in output.token_ids]
-        logprobs = [0.0] * len(token_ids) if greedy else _sampled_logprobs(output, token_ids)
-        return Response(
-            prompt_id=prompt.prompt_id,
-            prompt_token_ids=list(prompt_ids),
-            response_token_ids=token_ids,
-            behaviour_logprobs=logprobs,
-            finish_reason=_finish_reason(output),
-            policy_version=version,
-            text=self._tokenizer.decode(token_ids, skip_special_tokens=True),
-        )
+
+def _token_versions(output: CompletionOutput, count: int, submitted: int) -> list[int]:
+    """The version that sampled each of `count` tokens, from vLLM's weight-version spans."""
+    spans = output.weight_versions
+    if not spans:
+        if count:
+            raise RuntimeError("vLLM reported no weight version for sampled tokens")
+        return []
+    versions: list[int] = []
+    for span in spans:
+        versions.extend([int(span.version)] * (span.end - span.start))
+    if len(versions) != count:
+        raise RuntimeError(f"vLLM's weight-version spans cover {len(versions)} of {count} tokens")
+    if versions[0] < submitted:
+        raise RuntimeError(f"token sampled by version {versions[0]}, submitted under {submitted}")
+    return versions
 
 
 def _sampled_logprobs(output: CompletionOutput, token_ids: Sequence[int]) -> list[float]:

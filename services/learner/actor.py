@@ -2,30 +2,47 @@
 
 It joins its group's process group, builds its core, and then receives the same calls as every
 other rank of the group (`services.learner.group.LearnerGroup` fans them out). Call `step` with
-`.options(num_returns=2)`: the metrics and the state dict then come back as two refs, and the
-driver can offer rank 0's weights ref to every generation worker without fetching it (it is put
-into the object store once, owned by the caller of `step`). Ranks other than 0 return an empty
-record and no weights.
+`.options(num_returns=2)`: the metrics and the weights offer then come back as two refs. Ranks
+other than 0 return an empty record and no offer.
+
+Publishing a version (`pipeline.weight_transport`, services/weights): every rank walks the
+same bucket plan, gathering FSDP2 shards tensor by tensor, and rank 0 hands each bucket on
+before gathering the next (services.learner.publish).
+
+- `object_store`: rank 0 puts each bucket into Ray's object store as it is gathered, and the
+  offer carries the refs. Rank 0 owns those objects, so they die with it; that costs nothing,
+  since a dead learner fails the step's attempt and the restarted one publishes its weights
+  again.
+- `collective`: the offer is the manifest alone. Rank 0 serves the weight group
+  (`open_weight_group`), waits for the receivers (`connect_weight_group`), and `send_weights`
+  (called on every rank) broadcasts the current version bucket by bucket.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 import ray
 import torch
-from torch import Tensor
 
 from kpo_core.config import AlgorithmConfig, LearnerConfig
 from services.learner.distributed import RankGroup, rendezvous_address
 from services.learner.export import export_model
+from services.learner.publish import MiB, drain
 from services.learner.step import LearnerCore
 from services.messages import ScoredGroup
+from services.weights import collective
+from services.weights.base import WeightGroup, WeightsOffer, WeightTransportName
+from services.weights.object_store import put_buckets
 
 # A rank that waits this long for the others in a collective gives up (the driver notices a
 # dead rank at once and stops the group; this bounds what a lost network would cost).
 COLLECTIVE_TIMEOUT_S = 1800.0
+# A weight-group collective (joining included) that waits this long raises: a receiver that
+# died or never joined fails the publish instead of holding the learner forever.
+WEIGHT_GROUP_TIMEOUT_S = 600.0
 
 
 class LearnerImpl:
@@ -40,12 +57,28 @@ class LearnerImpl:
         seed: int,
         rank: int = 0,
         ratio_dir: str | None = None,
+        *,
+        weight_transport: WeightTransportName = "object_store",
+        weight_bucket_mb: int = 256,
     ) -> None:
-        """Remember the settings; `setup` joins the group and loads the model."""
+        """Remember the settings; `setup` joins the group and loads the model.
+
+        `weight_transport` and `weight_bucket_mb` are the run's `pipeline` settings of the same
+        names (how each version reaches generation).
+        """
+        if weight_transport not in ("object_store", "collective"):
+            raise ValueError(f"unknown weight_transport {weight_transport!r}")
+        if weight_bucket_mb < 1:
+            raise ValueError(f"weight_bucket_mb must be >= 1, got {weight_bucket_mb}")
         torch.manual_seed(seed)
         self._args = (model_path, learner, algorithm, temperature, seed, ratio_dir)
         self._group = RankGroup(rank, learner.world_size)
         self._core: LearnerCore | None = None
+        self._transport: WeightTransportName = weight_transport
+        self._bucket_bytes = weight_bucket_mb * MiB
+        self._channel: collective.WeightChannel | None = None
+        self._weight_group: WeightGroup | None = None
+        self._weight_timeout_s = WEIGHT_GROUP_TIMEOUT_S
 
     def rendezvous_address(self) -> str:
         """Where the group meets (asked of rank 0)."""
@@ -76,17 +109,94 @@ class LearnerImpl:
         """Process id of the actor (for tests and for killing a stuck learner)."""
         return os.getpid()
 
-    def initial_weights(self) -> dict[str, Tensor]:
-        """The weights before any step (version 0, or the version loaded from a checkpoint)."""
+    def initial_weights(self) -> WeightsOffer | None:
+        """The offer of the weights before any step (version 0, or the version loaded from a
+        checkpoint); rank 0's, None elsewhere. Every rank takes part."""
+        return self._publish()
+
+    def step(self, groups: list[ScoredGroup]) -> tuple[dict[str, float], WeightsOffer | None]:
+        """One learner step: (metrics record, offer of the new version); rank 0's only."""
+        metrics = self.core.train_step(groups)
+        offer = self._publish()
+        if self._group.rank != 0:
+            return {}, None
+        return metrics, offer
+
+    def _publish(self) -> WeightsOffer | None:
+        """The current version's offer (module doc). object_store: every rank gathers, rank 0
+        puts; collective: no gathering until `send_weights`."""
+        manifest = self.core.weights_manifest(self._bucket_bytes)
+        if self._transport == "collective":
+            return WeightsOffer("collective", manifest) if self._group.rank == 0 else None
+        buckets = self.core.weight_buckets(manifest, "cpu")
+        if self._group.rank != 0:
+            drain(buckets)
+            return None
+        return put_buckets(manifest, buckets)
+
+    def _rank_zero(self, what: str) -> None:
+        if self._group.rank != 0:
+            raise RuntimeError(f"{what} runs on learner rank 0, not rank {self._group.rank}")
+
+    def _weight_device(self) -> torch.device:
+        """Where the buckets of a collective publish are assembled: the GPU under NCCL."""
+        return self.core.device if self.core.device.type == "cuda" else torch.device("cpu")
+
+    def open_weight_group(
+        self, world_size: int, generation: int, timeout_s: float = WEIGHT_GROUP_TIMEOUT_S
+    ) -> WeightGroup:
+        """Serve a new weight group of `world_size` ranks (this rank and every receiving
+        process), replacing any earlier one; return at once with where it meets (rank 0)."""
+        self._rank_zero("open_weight_group")
+        self._close_weight_group()
+        backend: Literal["nccl", "gloo"] = (
+            "nccl" if self._weight_device().type == "cuda" else "gloo"
+        )
+        self._weight_group = collective.open_weight_group(
+            world_size, backend, generation, timeout_s=timeout_s
+        )
+        self._weight_timeout_s = timeout_s
+        return self._weight_group
+
+    def connect_weight_group(self, group: WeightGroup) -> None:
+        """Join `group` as its rank 0; blocks until every receiver has joined (rank 0)."""
+        self._rank_zero("connect_weight_group")
+        if group != self._weight_group:
+            raise ValueError(f"weight group {group} is not the one this learner opened last")
+        self._channel = collective.connect(group, 0, timeout_s=self._weight_timeout_s)
+
+    def send_weights(self) -> None:
+        """Broadcast the current version to the weight group (every rank gathers, rank 0
+        sends). The receivers must be receiving the manifest of this version's offer."""
+        manifest = self.core.weights_manifest(self._bucket_bytes)
+        buckets = self.core.weight_buckets(manifest, self._weight_device())
+        if self._channel is None:
+            drain(buckets)  # rank 0 too: the other ranks' gathers need it
+            if self._group.rank == 0:
+                raise RuntimeError("send_weights before connect_weight_group: no weight group")
+            return
+        try:
+            self._channel.send(manifest, buckets)
+        except collective.WeightGroupError:
+            # A receiver died or hung: this group is done, but the learner is not. Finishing
+            # the walk keeps the other ranks' gathers in step, so the driver can form a new
+            # group and send again.
+            self._close_weight_group()
+            drain(buckets)
+            raise
+
+    def published_state_dict(self) -> dict[str, torch.Tensor]:
+        """The current version's whole published state dict (rank 0's; every rank takes part).
+        For checks: publishing streams buckets instead."""
         return self.core.state_dict_for_publish()
 
-    def step(self, groups: list[ScoredGroup]) -> tuple[dict[str, float], dict[str, Tensor]]:
-        """One learner step: (metrics record, weights of the new version); rank 0's only."""
-        metrics = self.core.train_step(groups)
-        weights = self.core.state_dict_for_publish()
-        if self._group.rank != 0:
-            return {}, {}
-        return metrics, weights
+    def _close_weight_group(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        if self._weight_group is not None:
+            collective.stop_serving(self._weight_group)
+        self._channel = None
+        self._weight_group = None
 
     def save_checkpoint(self, path: str) -> str:
         """Write this rank's part of the checkpoint directory at `path`; return its path."""

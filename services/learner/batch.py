@@ -72,6 +72,13 @@ class TrainingBatch:
         """P, the padded prompt length."""
         return int(self.input_ids.shape[1]) - self.response_width
 
+    @property
+    def longest_response(self) -> int:
+        """The longest response among the rows, in tokens (at least 1)."""
+        if not self.num_rows:
+            return 1
+        return max(1, int(self.attention_mask[:, self.prompt_width :].sum(-1).max()))
+
     def cropped(self) -> TrainingBatch:
         """The batch without the pad columns all its rows share: P and T shrink to the longest
         prompt and response among its rows (at least one response column). A micro-batch of
@@ -79,7 +86,7 @@ class TrainingBatch:
         width_p = self.prompt_width
         real = self.attention_mask.bool()
         prompt = int(real[:, :width_p].sum(-1).max()) if self.num_rows else 0
-        response = max(1, int(real[:, width_p:].sum(-1).max())) if self.num_rows else 1
+        response = self.longest_response
         keep = slice(width_p - prompt, width_p + response)
         return replace(
             self,

@@ -8,6 +8,11 @@ the ranks still alive would wait in a collective for it, so the driver treats an
 the learner's death and stops the whole group.
 
 A `single` learner is a group of one rank without a placement group.
+
+Weights (`spec.pipeline.weight_transport`, see services.learner.actor): every step's second ref
+is rank 0's `WeightsOffer` (None from the other ranks). With `collective`, the driver also forms
+the weight group through rank 0 (`open_weight_group`, `connect_weight_group`) and has every
+rank `send_weights` while the generation workers receive.
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ def wait_all(refs: list[Any]) -> list[Any]:
 
 @dataclass(frozen=True)
 class StepRefs:
-    """Refs of one learner step: rank 0's record and weights, and the other ranks' results."""
+    """Refs of one learner step: rank 0's record and WeightsOffer (an object_store offer
+    carries its bucket refs; a collective one the manifest alone), and the other ranks'
+    results (an empty record and None each)."""
 
     metrics: Any
     weights: Any
@@ -70,7 +77,15 @@ class LearnerGroup:
                     self.placement, placement_group_bundle_index=rank
                 )
             args = (model_path, learner, spec.algorithm, spec.generation.temperature, spec.seed)
-            self.ranks.append(Learner.options(**options).remote(*args, rank, ratio_dir))
+            self.ranks.append(
+                Learner.options(**options).remote(
+                    *args,
+                    rank,
+                    ratio_dir,
+                    weight_transport=spec.pipeline.weight_transport,
+                    weight_bucket_mb=spec.pipeline.weight_bucket_mb,
+                )
+            )
 
     def setup(self) -> list[Any]:
         """Refs of every rank joining the group and loading the model (wait for them)."""
@@ -93,8 +108,26 @@ class LearnerGroup:
         return StepRefs(pairs[0][0], pairs[0][1], [ref for pair in pairs[1:] for ref in pair])
 
     def initial_weights(self) -> Any:
-        """Rank 0's ref of the current weights (every rank takes part in gathering them)."""
+        """Rank 0's ref of the current version's WeightsOffer (every rank takes part in
+        gathering the weights)."""
         return self._all("initial_weights")[0]
+
+    def open_weight_group(self, world_size: int, generation: int) -> Any:
+        """Ref of the WeightGroup rank 0 serves for `world_size` ranks (itself and every
+        receiving process); returns at once, any earlier group is closed."""
+        return self.ranks[0].open_weight_group.remote(world_size, generation)
+
+    def connect_weight_group(self, group: Any) -> Any:
+        """Ref that resolves once rank 0 and every receiver have joined `group` (the receivers
+        join at the same time, or this waits until the group's timeout and fails)."""
+        return self.ranks[0].connect_weight_group.remote(group)
+
+    def send_weights(self) -> list[Any]:
+        """Refs (rank order) of every rank sending the current version to the weight group;
+        wait for them all (`wait_all`) while the workers receive. If a receiver died, rank 0's
+        fails (WeightGroupError) once every rank is done: the learner stays usable, and the
+        group is closed (open a new one)."""
+        return self._all("send_weights")
 
     def save_checkpoint(self, path: str) -> None:
         self.call("save_checkpoint", path)

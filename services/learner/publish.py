@@ -1,19 +1,35 @@
-"""The weights a learner publishes to generation: full tensors, in the compute dtype, on CPU.
+"""The weights a learner publishes to generation: full tensors in the compute dtype, in buckets.
 
-Under FSDP2 every rank takes part in gathering the full state dict; rank 0 receives it (moved to
-CPU tensor by tensor, so the device never holds more than one full tensor beyond its shard) and
-the other ranks return an empty dict. Tied parameters (the input embedding and the head of most
-small models) are published once, as one tensor under each of their names.
+Every rank builds the same manifest from its model alone (the names of the Hugging Face model,
+each tensor's full shape, the compute dtype for floating tensors; tied aliases are sent once and
+named in `aliases`), with no communication: a DTensor knows its global shape. Then every rank
+walks the same plan, tensor by tensor (`iter_buckets`): a DTensor (an FSDP2 shard) is gathered
+with `full_tensor()`, a collective over the learner's ranks, so all ranks must walk it together.
+Rank 0 copies each gathered tensor into its slot of the current bucket (one flat buffer, cast
+to the compute dtype on the way) and drops the gathered tensor; it yields the bucket when full
+and lets go of it before filling the next. So rank 0 holds, beyond its own shard, one bucket
+plus the tensor being gathered; the other ranks hold only that transient tensor and yield
+nothing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from services.learner.distributed import RankGroup
+from services.weights.base import TensorSpec, WeightsManifest
+from services.weights.buckets import bucket_nbytes, plan_buckets, unpack_bucket
+
+MiB = 2**20
+# What `full_weights` gathers with when no bucket size is given: any size works, the result is
+# the whole state dict anyway.
+DEFAULT_BUCKET_BYTES = 256 * MiB
+
+Gather = Callable[[Tensor], Tensor]
 
 
 def tied_names(model: nn.Module) -> dict[str, str]:
@@ -29,25 +45,97 @@ def tied_names(model: nn.Module) -> dict[str, str]:
     return aliases
 
 
-def full_state_dict(model: nn.Module, dtype: torch.dtype, group: RankGroup) -> dict[str, Tensor]:
-    """Detached CPU copies of `model`'s full state dict in `dtype` (floating tensors only; on
-    rank 0, empty elsewhere)."""
+def _sources(model: nn.Module) -> dict[str, Tensor]:
+    """The tensors to send, by name (the state dict's live tensors, aliases left out)."""
     aliases = tied_names(model)
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    if dist.is_initialized():  # sharded (FSDP2): gathered from every rank
-        state = get_model_state_dict(model, options=options)
-    else:
-        state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
-    if group.rank != 0:
-        return {}
+    state = model.state_dict(keep_vars=True)
+    return {name: tensor for name, tensor in state.items() if name not in aliases}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def weights_manifest(
+    model: nn.Module, dtype: torch.dtype, version: int, bucket_bytes: int
+) -> WeightsManifest:
+    """The manifest of `model`'s weights as published: floating tensors in `dtype`, in state
+    dict order, grouped into buckets of at most `bucket_bytes` (a larger tensor alone)."""
+    specs = [
+        TensorSpec(
+            name,
+            tuple(tensor.shape),  # a DTensor's is the full shape
+            _dtype_name(dtype if tensor.is_floating_point() else tensor.dtype),
+        )
+        for name, tensor in _sources(model).items()
+    ]
+    aliases = {alias: name for alias, name in tied_names(model).items()}
+    return WeightsManifest(version, plan_buckets(specs, bucket_bytes), aliases)
+
+
+def full_tensor(tensor: Tensor) -> Tensor:
+    """The whole of `tensor`: a DTensor is gathered from every rank (a collective), anything
+    else is itself."""
+    if isinstance(tensor, DTensor):
+        return tensor.full_tensor()
+    return tensor
+
+
+def iter_buckets(
+    model: nn.Module,
+    manifest: WeightsManifest,
+    group: RankGroup,
+    device: torch.device | str = "cpu",
+    gather: Gather = full_tensor,
+) -> Iterator[dict[str, Tensor]]:
+    """Walk `manifest`'s plan over `model` (module doc); on rank 0 yield each bucket, on
+    `device`, as name -> tensor (views of one flat buffer, which `pack_bucket` hands on without
+    a copy). Every rank must exhaust it together. `gather` is how a tensor is made whole
+    (tests wrap it to see what is held)."""
+    sources = _sources(model)
+    for specs in manifest.buckets:
+        bucket: dict[str, Tensor] = {}
+        if group.rank == 0:
+            flat = torch.empty(bucket_nbytes(specs), dtype=torch.uint8, device=device)
+            bucket = unpack_bucket(flat, specs)
+            del flat  # the views keep it alive for as long as the bucket is
+        for spec in specs:
+            source = sources.get(spec.name)
+            if source is None or tuple(source.shape) != spec.shape:
+                found = "no such tensor" if source is None else f"shape {tuple(source.shape)}"
+                raise ValueError(
+                    f"tensor {spec.name!r} of the manifest has shape {spec.shape}, "
+                    f"the model: {found}"
+                )
+            # Not torch.no_grad() on the whole generator: its wrapper keeps the bucket it last
+            # yielded alive while this one is filled (two buckets held).
+            with torch.no_grad():
+                whole = gather(source.detach())
+                if group.rank == 0:
+                    bucket[spec.name].copy_(whole)  # casts to the compute dtype and moves
+            del whole
+        if group.rank == 0:
+            yield bucket
+        del bucket
+
+
+def full_weights(
+    model: nn.Module, dtype: torch.dtype, group: RankGroup, version: int = 0
+) -> dict[str, Tensor]:
+    """The whole published state dict on CPU (rank 0; empty elsewhere; every rank takes part),
+    tied aliases as the same tensor under each name. For checks and tests: a publish streams
+    buckets instead of holding this."""
+    manifest = weights_manifest(model, dtype, version, DEFAULT_BUCKET_BYTES)
     out: dict[str, Tensor] = {}
-    for name, value in state.items():
-        if name in aliases:
-            continue
-        tensor = value if isinstance(value, Tensor) else torch.as_tensor(value)
-        cast = tensor.to(dtype) if tensor.is_floating_point() else tensor
-        out[name] = cast.to("cpu", copy=True)
-    for alias, name in aliases.items():
+    for bucket in iter_buckets(model, manifest, group):
+        out.update(bucket)
+    for alias, name in manifest.aliases.items():
         if name in out:
             out[alias] = out[name]
     return out
+
+
+def drain(buckets: Iterator[dict[str, Tensor]]) -> None:
+    """Walk the plan to its end without keeping anything (ranks other than 0)."""
+    for _ in buckets:
+        pass

@@ -15,7 +15,7 @@ One step (`LearnerCore.train_step`), as in DESIGN.md's data flow:
    and one AdamW step. A minibatch whose loss or gradient norm is not finite is skipped (no
    update) and counted;
 5. the learning-rate schedule advances once, the version increments, and one metrics record is
-   returned (by rank 0); the caller publishes `state_dict_for_publish()`.
+   returned (by rank 0); the caller publishes `weight_buckets(weights_manifest(...))`.
 
 Every rank of a learner group runs this same code on the same batch (the plan tells each its
 rows); a `single` learner is a group of one. Dropout stays off (the model is kept in eval
@@ -30,7 +30,7 @@ metrics record. The policy, case by case, is docs/numerics.md.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -64,9 +64,10 @@ from services.learner.metrics import (
     reduce_minibatches,
 )
 from services.learner.micro_batches import MicroBatch, plan_minibatch
-from services.learner.publish import full_state_dict
+from services.learner.publish import full_weights, iter_buckets, weights_manifest
 from services.learner.sharding import build_policy, compute_context, compute_dtype
 from services.messages import ScoredGroup
+from services.weights.base import WeightsManifest
 
 
 def linear_warmup(warmup_steps: int) -> Callable[[int], float]:
@@ -385,7 +386,8 @@ class LearnerCore:
         had tokens (all NaN/inf), else as empty_minibatches (nothing to train).
         """
         self.optimizer.zero_grad(set_to_none=True)
-        normaliser = LossNormaliser.of(minibatch.valid())
+        # The minibatch's own padded width, as its unsplit forward would be padded.
+        normaliser = LossNormaliser.of(minibatch.valid(), minibatch.batch.longest_response)
         plan = self._plan(minibatch.batch)
         parts: list[MicroBatchRecord] = []
         loss_sum = 0.0
@@ -473,11 +475,27 @@ class LearnerCore:
         full = getattr(norm, "full_tensor", None)  # a DTensor under FSDP2
         return float(full() if full is not None else norm)
 
+    def weights_manifest(self, bucket_bytes: int) -> WeightsManifest:
+        """The manifest of the current version's published weights (the same on every rank,
+        no communication): compute dtype, buckets of at most `bucket_bytes`."""
+        policy = self.model.policy
+        return weights_manifest(policy, compute_dtype(self.learner), self._version, bucket_bytes)
+
+    def weight_buckets(
+        self, manifest: WeightsManifest, device: torch.device | str = "cpu"
+    ) -> Iterator[dict[str, Tensor]]:
+        """The buckets of `manifest` gathered from the model (services.learner.publish): every
+        rank must walk them together; rank 0 gets them, on `device`, the others nothing."""
+        return iter_buckets(self.model.policy, manifest, self.group, device)
+
     def state_dict_for_publish(self) -> dict[str, Tensor]:
-        """The full weights in the compute dtype on CPU, for generation workers' `load_weights`
-        (every rank takes part; rank 0 gets them, the others an empty dict). Tied tensors
-        (e.g. input embedding and lm_head) are one shared tensor."""
-        return full_state_dict(self.model.policy, compute_dtype(self.learner), self.group)
+        """The full weights in the compute dtype on CPU, as a generation worker ends up with
+        them (every rank takes part; rank 0 gets them, the others an empty dict). Tied tensors
+        (e.g. input embedding and lm_head) are one shared tensor. Publishing streams
+        `weight_buckets` instead; this whole dict is for checks."""
+        return full_weights(
+            self.model.policy, compute_dtype(self.learner), self.group, self._version
+        )
 
     def _training_state(self) -> checkpoint.TrainingState:
         return checkpoint.TrainingState(self.optimizer, self.scheduler, self.generator)

@@ -7,6 +7,7 @@ reservation, which is what keeps actors sharing a small machine from fighting ov
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
@@ -126,11 +127,63 @@ class RunActors:
         self.learner.kill()
 
 
+# Keyword arguments of a generation worker that `generation.options` may not set: the worker's
+# own (from `pipeline`) and the one `generation.engine` becomes.
+_RESERVED_OPTIONS = ("in_flight_updates", "recompute_kv", "engine_kwargs")
+
+
+@dataclass(frozen=True)
+class GenerationWorkerArgs:
+    """What one generation actor is started with: Ray's actor options, then the constructor's
+    arguments (`GenerationWorker(backend, model_path, **worker_options)`)."""
+
+    actor_options: dict[str, Any]
+    backend: str
+    model_path: str
+    worker_options: dict[str, Any]
+
+
+def generation_worker_args(spec: RunSpec, model_dir: Path) -> GenerationWorkerArgs:
+    """The arguments of a generation actor for `spec`.
+
+    `generation.options` become the backend's keyword arguments; `generation.engine` (vLLM
+    engine arguments, nested mappings included) goes to the vLLM backend whole, as its
+    `engine_kwargs`, which it hands to the engine unchanged: only scalars fit the backend's own
+    keyword arguments, and anything else there was a TypeError at start-up.
+    """
+    gen = spec.generation
+    for key in _RESERVED_OPTIONS:
+        if key in gen.options:
+            raise ValueError(
+                f"generation.options.{key} is not a backend option: set "
+                + ("generation.engine" if key == "engine_kwargs" else f"pipeline.{key}")
+            )
+    backend_options: dict[str, Any] = dict(gen.options)
+    if gen.engine:
+        # A copy: the actor gets its own, whatever the engine does with the mapping.
+        backend_options["engine_kwargs"] = copy.deepcopy(gen.engine)
+    return GenerationWorkerArgs(
+        actor_options={
+            "num_cpus": gen.num_cpus,
+            "num_gpus": gen.num_gpus,
+            "resources": dict(gen.resources),
+        },
+        backend=gen.backend,
+        model_path=str(model_dir),
+        worker_options={
+            "in_flight_updates": spec.pipeline.in_flight_updates,
+            "recompute_kv": spec.pipeline.recompute_kv,
+            **backend_options,
+        },
+    )
+
+
 def start_generation_worker(spec: RunSpec, model_dir: Path) -> Any:
     """One generation actor (not waited for: its first call waits for the constructor)."""
-    gen = spec.generation
-    options = {"num_cpus": gen.num_cpus, "num_gpus": gen.num_gpus, "resources": gen.resources}
-    return GenerationWorker.options(**options).remote(gen.backend, str(model_dir), **gen.options)
+    args = generation_worker_args(spec, model_dir)
+    return GenerationWorker.options(**args.actor_options).remote(
+        args.backend, args.model_path, **args.worker_options
+    )
 
 
 def start_verifier(spec: RunSpec) -> Any:

@@ -1,36 +1,41 @@
 """The run driver: one event loop over the Ray calls of a run.
 
-    prompts -> generation actors -> verifier actors -> rollout buffer -> learner -> new weights
-                     ^                                                                |
-                     +------------------- offered between batches --------------------+
+    prompts -> generation streams -> verifier actors -> rollout buffer -> learner -> new weights
+                     ^                                                                  |
+                     +------------- object store offer, or collective broadcast ---------+
 
 Every call in flight is a Ray object ref in `_pending`; the loop waits for whichever finishes
-first and reacts to it, so generation, scoring and training overlap (asynchronous mode). In
-synchronous mode generation is only asked for while the learner is idle and only for the one
-batch it will train on next, which is on-policy training: the baseline every async figure is
-compared with.
+first and reacts to it, so generation, scoring and training overlap (asynchronous mode). Each
+generation worker holds up to `generation.prompts_per_batch` groups and hands back every group
+as soon as its G responses end (`next_groups`), so the loop scores and buffers groups one poll at
+a time, never waiting for the longest response of a batch. In synchronous mode generation is
+only asked for while the learner is idle and only for the one batch it will train on next: the
+on-policy baseline every async figure is compared with.
 
-The learner is a group of ranks (`services.learner.group`) that answers as one learner. Weights
-go from it to the generation actors through the object store: rank 0's `step` returns them as a
-second return value, stored once and owned by this process; every generation actor is offered
-the ref and fetches it when its current batch is done. At the end of a run (or a cancel) the
-final checkpoint is exported as a Hugging Face model to `RUN_DIR/model/`.
+The learner is a group of ranks (`services.learner.group`) that answers as one learner. After a
+step, its weights reach generation through `pipeline.weight_transport`: `object_store` (rank 0
+puts them into the object store bucket by bucket, every worker is offered the buckets and loads
+them when its swap policy allows) or `collective` (rank 0 broadcasts them bucket by bucket over
+a torch.distributed group that every worker's receiving processes joined). With
+`pipeline.in_flight_updates` a worker loads them between decoding steps, without waiting for
+its responses in flight. At the end of a run (or a cancel) the final checkpoint is exported as a
+Hugging Face model to `RUN_DIR/model/`. Checkpoints are written beside the loop
+(`CheckpointWriter`): generation and scoring go on meanwhile.
 
-Faults (docs/reliability.md): a generation actor that dies is replaced and its prompts are
-issued again; a verifier actor that dies, or hangs past `reward.call_timeout_s`, is replaced and
-its batch is scored again (twice failed: its responses are marked unverified, reward 0). Both
-draw on `pipeline.actor_replacements`. A learner rank that dies takes the attempt with it:
-every actor is stopped and the run resumes from its last checkpoint, up to
-`pipeline.learner_restarts` times. Nothing is trained twice: results of the lost attempt are
-dropped with it.
+Faults (docs/reliability.md), handled by the `ActorSupervisor`: a generation actor that dies,
+raises, or returns nothing past its stall deadline is replaced and its prompts are issued again
+(a prompt whose generation failed twice fails the run, naming the actor and the error); a
+verifier actor that dies, raises or hangs past `reward.call_timeout_s` is replaced and its groups
+are scored again (twice failed: its responses are marked unverified, reward 0). Both draw on
+`pipeline.actor_replacements`. A learner rank that dies takes the attempt with it: every actor
+is stopped and the run resumes from its last checkpoint, up to `pipeline.learner_restarts`
+times. Nothing is trained twice: results of the lost attempt are dropped with it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
-import os
 import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
@@ -40,27 +45,16 @@ from types import FrameType
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 from kpo_core.config import RunSpec
-from services.generation.base import SamplingSettings
+from services.generation.base import GroupRequest, SamplingSettings
 from services.messages import Prompt, Response, ScoredGroup, ScoredResponse
 from services.metrics import FAULT_COUNTERS, LEARNER_TOTALS
-from services.pipeline.actors import (
-    RunActors,
-    check_cluster_resources,
-    start_actors,
-    start_generation_worker,
-    start_verifier,
-)
+from services.pipeline.actors import RunActors, check_cluster_resources, start_actors
 from services.pipeline.buffer import RolloutBuffer
-from services.pipeline.checkpoints import (
-    LEARNER_DIR,
-    latest_checkpoint,
-    prune_checkpoints,
-    read_driver_state,
-    write_checkpoint,
-)
+from services.pipeline.checkpoint_writer import CheckpointWriter
+from services.pipeline.checkpoints import LEARNER_DIR, latest_checkpoint, read_driver_state
 from services.pipeline.outputs import MetricsRecord, RunDirectory, RunObserver, RunState
 from services.pipeline.plots import PLOTTED_KEYS, plot_curves
 from services.pipeline.prompts import PromptStream
@@ -71,15 +65,22 @@ from services.pipeline.records import (
     prompt_to_json,
 )
 from services.pipeline.signals import on_stop_signals
+from services.pipeline.streams import WorkerStream
+from services.pipeline.supervisor import ActorSupervisor, FaultBudgetExhausted
+from services.pipeline.weight_sync import WeightSync
 from services.tasks.models import resolve_model
 
 log = logging.getLogger(__name__)
 
 RATIO_DIR = "ratios"  # the learner's log-ratio files (learner.record_ratios_every)
 WAIT_SECONDS = 0.5  # longest the loop sleeps without news (it then checks for a cancel)
-ROLE_KEYS = {"generation": "generation", "verifier": "verifiers"}  # role -> status.json key
+CHECKPOINT_POLL_SECONDS = 0.05  # how often the loop looks at a checkpoint being written
+POLL_SECONDS = 5.0  # longest a worker's next_groups waits before answering with nothing
 SCORING_ATTEMPTS = 2  # a batch whose verifier actor failed this often is marked unverified
+GENERATION_ATTEMPTS = 2  # a prompt whose generation failed this often fails the run
 VERIFIER_LOST = "verifier actor lost"  # the `failure` of a response no actor could score
+
+__all__ = ["FaultBudgetExhausted", "RunDriver"]
 
 
 @dataclass
@@ -87,7 +88,7 @@ class Counters:
     """Run totals that a checkpoint carries over into a resumed run."""
 
     step: int = 0  # learner steps done = the learner's policy version
-    generation_calls: int = 0  # also numbers the sampling seeds, so a resumed run draws anew
+    generation_calls: int = 0  # groups asked for; also numbers their sampling seeds
     groups_issued: int = 0  # asked of generation (prompts handed back are not counted)
     tokens_generated_total: int = 0
     tokens_trained_total: int = 0
@@ -111,11 +112,19 @@ class Counters:
 
 
 @dataclass(frozen=True)
-class GenerationCall:
+class SubmitCall:
+    """Prompts handed to a worker's stream: watched so that a failure to take them is seen."""
+
     worker: int
-    actor: Any  # the handle called: a replacement may sit at `worker` by the time this fails
-    prompts: list[Prompt]
-    started: float
+    actor: Any
+
+
+@dataclass(frozen=True)
+class PollCall:
+    """A worker's `next_groups`: one is always pending per worker."""
+
+    worker: int
+    actor: Any
 
 
 @dataclass(frozen=True)
@@ -130,36 +139,37 @@ class ScoringCall:
 
 @dataclass(frozen=True)
 class LearnerCall:
-    weights_ref: Any
+    offer_ref: Any  # the ref of the step's WeightsOffer (None in tests that drive no learner)
     started: float
+    version_spans: list[int] = field(default_factory=list)  # of the batch's responses
 
 
 @dataclass(frozen=True)
 class LearnerPeerCall:
-    """A step's result on a rank other than 0: watched only so that its death is noticed."""
+    """A learner call's result on a rank other than 0: watched so that its death is noticed."""
 
 
-PendingCall = GenerationCall | ScoringCall | LearnerCall | LearnerPeerCall
+PendingCall = SubmitCall | PollCall | ScoringCall | LearnerCall | LearnerPeerCall
 
 
 @dataclass
 class _Throughput:
-    """Generation between two learner steps: tokens, and the seconds of each generate call."""
+    """Generation between two learner steps: tokens, and the seconds each group took."""
 
     tokens: int = 0
-    batch_seconds: list[float] = field(default_factory=list)
+    group_seconds: list[float] = field(default_factory=list)
     since: float = field(default_factory=time.perf_counter)
 
     def record_and_reset(self) -> dict[str, float]:
         now = time.perf_counter()
-        batches = self.batch_seconds
+        seconds = self.group_seconds
         record = {
             "generation_tokens_per_s": self.tokens / max(now - self.since, 1e-9),
-            # Mean over the calls that finished since the last step (0 if none did).
-            "generation_batch_seconds": sum(batches) / len(batches) if batches else 0.0,
-            "generation_batches": float(len(batches)),
+            # Mean over the groups that ended since the last step (0 if none did).
+            "generation_batch_seconds": sum(seconds) / len(seconds) if seconds else 0.0,
+            "generation_batches": float(len(seconds)),
         }
-        self.tokens, self.batch_seconds, self.since = 0, [], now
+        self.tokens, self.group_seconds, self.since = 0, [], now
         return record
 
 
@@ -167,12 +177,16 @@ class CancelRequested(Exception):
     """Raised by the signal handler on a second Ctrl-C: stop without waiting."""
 
 
-class FaultBudgetExhausted(RuntimeError):
-    """More actors died than the run's spec allows it to survive."""
+class GenerationFailed(RuntimeError):
+    """A prompt's generation failed on GENERATION_ATTEMPTS actors: the run cannot go on."""
+
+
+class ScoringFailed(RuntimeError):
+    """Verifier actors raised on the same groups SCORING_ATTEMPTS times."""
 
 
 def sampling_seed(run_seed: int, call: int) -> int:
-    """A distinct, reproducible sampling seed for every generation call of a run."""
+    """A distinct, reproducible sampling seed for every group a run asks for."""
     digest = hashlib.sha256(f"{run_seed}/{call}".encode()).digest()
     return int.from_bytes(digest[:4], "big")
 
@@ -187,17 +201,22 @@ class RunDriver:
         self.run_dir = run_dir
         self.observers = [run_dir, *observers]
         self._pending: dict[Any, PendingCall] = {}
-        self._idle_workers: list[int] = []
+        self._streams: list[WorkerStream] = []
+        self._failed_generations: dict[str, int] = {}  # prompt_id -> generation attempts failed
         self._next_verifier = 0
-        self._weights_ref: Any = None  # newest published weights, kept alive while offered
-        self._weights_version = 0
-        self._hung: list[Any] = []  # verifier handles killed as hung (each is killed once)
-        self._actor_pids: dict[str, list[int]] = {}
-        self._new_pids: list[tuple[str, int, Any]] = []  # (role key, index, pid ref)
         self._throughput = _Throughput()
         self._started = time.perf_counter()
         self._cancel = False
         self._model_dir: Path | None = None
+        self._checkpoints = CheckpointWriter()
+        self._held_record: MetricsRecord | None = None  # waits for its step's checkpoint
+        self.supervisor = ActorSupervisor(
+            spec,
+            lambda: self.counters,
+            lambda: self._model_dir,
+            lambda pids: self.run_dir.update_details(actors=pids),
+        )
+        self.weights = WeightSync(spec.pipeline.weight_transport)
         self._start_from_scratch()
 
     # --- lifecycle --------------------------------------------------------------------------
@@ -248,7 +267,9 @@ class RunDriver:
                 self._model_dir = resolve_model(self.spec.model)
                 check_cluster_resources(self.spec)
                 actors = self._start_actors()
-                self._report_status("running", actors=self._actor_pids, resumed_from=resumed_step)
+                self._report_status(
+                    "running", actors=self.supervisor.pids, resumed_from=resumed_step
+                )
                 while True:
                     try:
                         self._start(actors, resumed_step)
@@ -256,6 +277,7 @@ class RunDriver:
                         self._finish(actors)
                         break
                     except RayActorError as error:  # the learner's: the others are handled
+                        self._checkpoints.abandon()
                         if self._cancel:  # being stopped anyway: its last checkpoint stands
                             log.warning("the learner died during the cancel: %s", error)
                             break
@@ -273,6 +295,7 @@ class RunDriver:
             )
             raise
         finally:
+            self._checkpoints.close()
             if actors is not None:
                 actors.kill()
             self._plot()
@@ -280,10 +303,13 @@ class RunDriver:
     def _start_actors(self) -> RunActors:
         assert self._model_dir is not None
         actors = start_actors(self.spec, self._model_dir, self.run_dir.path / RATIO_DIR)
-        self._actor_pids, self._new_pids = actors.pids(), []
+        self.supervisor.pids = actors.pids()
         return actors
 
     def _start(self, actors: RunActors, resumed_step: int | None) -> None:
+        self._pending.clear()
+        self._streams = [WorkerStream(actor) for actor in actors.generation]
+        self.weights.connect(actors, self._streams)
         if resumed_step is not None and self._resume_path is not None:
             learner_dir = str(self._resume_path / LEARNER_DIR)
             version = actors.learner.load_checkpoint(learner_dir)
@@ -292,8 +318,11 @@ class RunDriver:
                     f"checkpoint {self._resume_path} holds learner version {version}, "
                     f"expected {resumed_step}"
                 )
-            self._offer_weights(actors, version, actors.learner.initial_weights())
-        self._idle_workers = list(range(len(actors.generation)))
+            for stream in self._streams:  # they hold the weights on disk until then
+                stream.ready = False
+            self._publish(actors, version, actors.learner.initial_weights())
+        for index in range(len(self._streams)):
+            self._poll(actors, index)
         self._throughput = _Throughput()
 
     def _restart_from_checkpoint(
@@ -317,7 +346,8 @@ class RunDriver:
         elapsed = self._elapsed()
         actors.kill()
         self._pending.clear()
-        self._weights_ref, self._weights_version = None, 0
+        self._held_record = None
+        self.weights.reset()
         resumed_step = self.restore()
         if resumed_step is None:
             self._start_from_scratch()
@@ -336,7 +366,7 @@ class RunDriver:
         actors = self._start_actors()
         self._report_status(
             "running",
-            actors=self._actor_pids,
+            actors=self.supervisor.pids,
             resumed_from=resumed_step if resumed_step is not None else 0,
             learner_restarts=faults["learner_restarts"],
         )
@@ -360,24 +390,38 @@ class RunDriver:
     # --- the loop ---------------------------------------------------------------------------
 
     def _learner_busy(self) -> bool:
-        return any(isinstance(call, LearnerCall) for call in self._pending.values())
+        """The learner is stepping, sending weights, or its checkpoint is being written."""
+        return (
+            self._checkpoints.busy
+            or self.weights.sending
+            or any(isinstance(call, LearnerCall) for call in self._pending.values())
+        )
 
     def _loop(self, actors: RunActors) -> None:
         total = self.spec.pipeline.steps
-        while self.counters.step < total:
+        while self.counters.step < total or self._learner_busy():
+            if self._checkpoints.done:
+                self._on_checkpointed()
+                continue
             if self._cancel:
                 if not self._learner_busy():
                     return
-            else:
+            elif self.counters.step < total:
+                self.weights.regroup_if_needed(actors, self._learner_busy(), self._streams)
                 self._dispatch_generation(actors)
                 self._dispatch_learner(actors)
-            if not self._pending:
+            refs = list(self._pending) + self.weights.pending_refs()
+            if not refs and not self._checkpoints.busy:
                 raise RuntimeError("the pipeline stalled: nothing in flight and no batch ready")
-            ready, _ = ray.wait(list(self._pending), num_returns=1, timeout=WAIT_SECONDS)
+            timeout = CHECKPOINT_POLL_SECONDS if self._checkpoints.busy else WAIT_SECONDS
+            ready, _ = ray.wait(refs, num_returns=1, timeout=timeout) if refs else ([], [])
             for ref in ready:
-                self._complete(actors, ref, self._pending.pop(ref))
-            self._stop_hung_verifiers()
-            self._record_pids()
+                if ref in self._pending:
+                    self._complete(actors, ref, self._pending.pop(ref))
+                else:
+                    self.weights.complete(actors, ref, self._on_worker_failed)
+            self._stop_hung(actors)
+            self.supervisor.record_pids()
 
     def _generation_room(self) -> int:
         """How many more groups generation may be asked for now."""
@@ -395,30 +439,38 @@ class RunDriver:
         admitted = self.counters.groups_issued - self.buffer.dropped_groups
         return min(self.buffer.free(), budget - admitted)
 
+    def _sampling(self) -> SamplingSettings:
+        gen = self.spec.generation
+        seed = sampling_seed(self.spec.seed, self.counters.generation_calls)
+        self.counters.generation_calls += 1
+        return SamplingSettings(
+            temperature=gen.temperature,
+            top_p=gen.top_p,
+            top_k=gen.top_k,
+            max_new_tokens=gen.max_new_tokens,
+            seed=seed,
+        )
+
     def _dispatch_generation(self, actors: RunActors) -> None:
         gen = self.spec.generation
-        while self._idle_workers:
-            n = min(gen.prompts_per_batch, self._generation_room())
+        for index, stream in enumerate(self._streams):
+            n = min(stream.room(gen.prompts_per_batch, gen.streaming), self._generation_room())
             if n <= 0:
-                return
+                continue
             prompts = self.prompts.take(n)
             self.buffer.reserve(len(prompts))
             self.counters.groups_issued += len(prompts)
-            worker = self._idle_workers.pop(0)
-            sampling = SamplingSettings(
-                temperature=gen.temperature,
-                top_p=gen.top_p,
-                top_k=gen.top_k,
-                max_new_tokens=gen.max_new_tokens,
-                seed=sampling_seed(self.spec.seed, self.counters.generation_calls),
-            )
-            self.counters.generation_calls += 1
-            actor = actors.generation[worker]
-            ref = actor.generate.remote(prompts, gen.group_size, sampling)
-            self._pending[ref] = GenerationCall(worker, actor, prompts, time.perf_counter())
+            requests = [GroupRequest(p, gen.group_size, self._sampling()) for p in prompts]
+            stream.submitted(prompts)
+            ref = stream.actor.submit.remote(requests)
+            self._pending[ref] = SubmitCall(index, stream.actor)
+
+    def _poll(self, actors: RunActors, index: int) -> None:
+        actor = self._streams[index].actor
+        self._pending[actor.next_groups.remote(POLL_SECONDS)] = PollCall(index, actor)
 
     def _dispatch_learner(self, actors: RunActors) -> None:
-        if self._learner_busy():
+        if self._learner_busy() or self.counters.step >= self.spec.pipeline.steps:
             return
         pipe = self.spec.pipeline
         self.buffer.evict_stale(self.counters.step)
@@ -427,23 +479,26 @@ class RunDriver:
         batch = self.buffer.take_batch(pipe.batch_groups, self.counters.step)
         if batch is None:
             return
+        spans = [r.response.version_span for group in batch for r in group.responses]
         refs = actors.learner.step(batch)
-        self._pending[refs.metrics] = LearnerCall(refs.weights, time.perf_counter())
+        self._pending[refs.metrics] = LearnerCall(refs.weights, time.perf_counter(), spans)
         for ref in refs.peers:
             self._pending[ref] = LearnerPeerCall()
 
     def _complete(self, actors: RunActors, ref: Any, call: PendingCall) -> None:
         try:
             result = ray.get(ref)
-        except RayActorError as error:
-            if isinstance(call, GenerationCall):
-                self._on_generation_lost(actors, call, error)
+        except (RayActorError, RayTaskError) as error:
+            if isinstance(call, SubmitCall | PollCall):
+                self._on_worker_failed(actors, call.worker, call.actor, error)
+            elif isinstance(call, ScoringCall) and isinstance(error, RayTaskError):
+                self._on_scoring_raised(actors, call, error)
             elif isinstance(call, ScoringCall):
                 self._on_scoring_lost(actors, call, error)
             else:
-                raise
+                raise  # the learner's: its death ends the attempt (see run), its error the run
             return
-        if isinstance(call, GenerationCall):
+        if isinstance(call, PollCall):
             self._on_generated(actors, call, result)
         elif isinstance(call, ScoringCall):
             self.buffer.add(result, reserved=len(call.prompts))
@@ -451,16 +506,26 @@ class RunDriver:
             self._on_trained(actors, call, result)
 
     def _on_generated(
-        self, actors: RunActors, call: GenerationCall, groups: list[list[Response]]
+        self, actors: RunActors, call: PollCall, groups: list[list[Response]]
     ) -> None:
-        self._idle_workers.append(call.worker)
+        stream = self._streams[call.worker]
+        if stream.actor is not call.actor:
+            return  # the answer of an actor replaced meanwhile
+        self._poll(actors, call.worker)
+        if not groups:
+            return
+        submitted = {pid: at for pid, (_, at) in stream.outstanding.items()}
+        now = time.perf_counter()
+        prompts = stream.returned(groups)
         tokens = sum(len(r.response_token_ids) for group in groups for r in group)
         self.counters.tokens_generated_total += tokens
         self._throughput.tokens += tokens
-        self._throughput.batch_seconds.append(time.perf_counter() - call.started)
+        self._throughput.group_seconds.extend(now - submitted[p.prompt_id] for p in prompts)
+        for prompt in prompts:
+            self._failed_generations.pop(prompt.prompt_id, None)
         verifier = self._next_verifier % len(actors.verifiers)
         self._next_verifier += 1
-        self._score(actors, verifier, call.prompts, groups)
+        self._score(actors, verifier, prompts, groups)
 
     def _score(
         self,
@@ -478,19 +543,41 @@ class RunDriver:
 
     # --- faults of generation and verifier actors ---------------------------------------------
 
-    def _on_generation_lost(
-        self, actors: RunActors, call: GenerationCall, error: RayActorError
+    def _on_worker_failed(
+        self, actors: RunActors, index: int, actor: Any, error: BaseException
     ) -> None:
-        """Replace the dead worker and issue its prompts again (nothing of them was kept)."""
-        self._replace(actors, "generation", call.worker, call.actor, error)
-        self.prompts.give_back(call.prompts)
-        self.buffer.release(len(call.prompts))
-        self.counters.groups_issued -= len(call.prompts)
-        self._idle_workers.append(call.worker)
+        """A worker died, raised or hung: replace it and issue its prompts again elsewhere."""
+        stream = self._streams[index]
+        if stream.actor is not actor:
+            return  # this actor was replaced at an earlier failed call
+        prompts = stream.take_all()
+        if isinstance(error, RayTaskError):
+            # The worker raised (its engine failed), which may be the prompts' doing: retried
+            # once on another actor, then the run fails naming the actor and the error.
+            for prompt in prompts:
+                failed = self._failed_generations.get(prompt.prompt_id, 0) + 1
+                self._failed_generations[prompt.prompt_id] = failed
+                if failed >= GENERATION_ATTEMPTS:
+                    raise GenerationFailed(
+                        f"generation of prompt {prompt.prompt_id!r} failed on "
+                        f"{failed} actors; the last, generation worker {index}, raised: "
+                        f"{getattr(error, 'cause', error)!r}"
+                    ) from error
+        replacement = self.supervisor.replace(actors, "generation", index, actor, error)
+        self.prompts.give_back(prompts)
+        self.buffer.release(len(prompts))
+        self.counters.groups_issued -= len(prompts)
+        if replacement is None:
+            return
+        self._streams[index] = WorkerStream(replacement, ready=False)
+        self.weights.on_replaced(actors, index, self._streams[index])
+        self._poll(actors, index)
 
-    def _on_scoring_lost(self, actors: RunActors, call: ScoringCall, error: RayActorError) -> None:
-        """Replace the dead (or hung) verifier and score the batch again, or give up on it."""
-        self._replace(actors, "verifier", call.verifier, call.actor, error)
+    def _on_scoring_lost(
+        self, actors: RunActors, call: ScoringCall, error: RayActorError | RayTaskError
+    ) -> None:
+        """Replace the failed (or hung) verifier and score the batch again, or give up on it."""
+        self.supervisor.replace(actors, "verifier", call.verifier, call.actor, error)
         if call.attempt >= SCORING_ATTEMPTS:
             # The batch itself may be what kills verifiers: it must not take the run with it.
             log.warning(
@@ -504,86 +591,46 @@ class RunDriver:
         self.counters.rescored_groups += len(call.groups)
         self._score(actors, call.verifier, call.prompts, call.groups, call.attempt + 1)
 
-    def _replace(
-        self, actors: RunActors, role: str, index: int, dead: Any, error: RayActorError
-    ) -> None:
-        """Put a new actor at `actors.<role>[index]`, unless `dead` was replaced already."""
-        pool = actors.generation if role == "generation" else actors.verifiers
-        if pool[index] is not dead:
-            return  # several calls failed with the same actor; it was replaced at the first
-        c = self.counters
-        used = c.generation_replacements + c.verifier_replacements
-        allowed = self.spec.pipeline.actor_replacements
-        if used >= allowed:
-            raise FaultBudgetExhausted(
-                f"a {role} actor died after {used} actors were replaced already "
-                f"(pipeline.actor_replacements = {allowed}): {type(error).__name__}: {error}"
+    def _on_scoring_raised(self, actors: RunActors, call: ScoringCall, error: RayTaskError) -> None:
+        """A verifier raised (it is alive): score the groups once more on another verifier
+        actor; a second error fails the run, naming the actor and the error."""
+        if call.attempt >= SCORING_ATTEMPTS:
+            raise ScoringFailed(
+                f"scoring {len(call.groups)} groups failed {call.attempt} times; the last, "
+                f"verifier actor {call.verifier}, raised: {getattr(error, 'cause', error)!r}"
             ) from error
-        log.warning("%s actor %d died (%s): replacing it", role, index, type(error).__name__)
-        try:
-            ray.kill(dead, no_restart=True)
-        except Exception as kill_error:  # already gone, which is what we want
-            log.debug("kill %s: %s", dead, kill_error)
-        if role == "generation":
-            assert self._model_dir is not None
-            pool[index] = start_generation_worker(self.spec, self._model_dir)
-            c.generation_replacements += 1
-            if self._weights_ref is not None:
-                pool[index].offer_weights.remote(self._weights_version, [self._weights_ref])
-        else:
-            pool[index] = start_verifier(self.spec)
-            c.verifier_replacements += 1
-        # Asked now, read once the actor is up (a vLLM engine takes minutes): see _record_pids.
-        pid_ref = pool[index].__ray_call__.remote(lambda _self: os.getpid())
-        self._new_pids.append((ROLE_KEYS[role], index, pid_ref))
+        log.warning("verifier actor %d raised %r: scoring again", call.verifier, error)
+        self.counters.rescored_groups += len(call.groups)
+        other = (call.verifier + 1) % len(actors.verifiers)
+        self._score(actors, other, call.prompts, call.groups, call.attempt + 1)
 
-    def _record_pids(self) -> None:
-        """Put the pids of replacement actors that are up into status.json, for operators."""
-        if not self._new_pids:
-            return
-        refs = [ref for _, _, ref in self._new_pids]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        if not ready:
-            return
-        waiting = []
-        for key, index, ref in self._new_pids:
-            if ref not in ready:
-                waiting.append((key, index, ref))
-                continue
-            # One that died while starting is replaced again when its first call fails.
-            with contextlib.suppress(RayActorError):
-                self._actor_pids[key][index] = ray.get(ref)
-        self._new_pids = waiting
-        self.run_dir.update_details(actors=self._actor_pids)
-
-    def _stop_hung_verifiers(self) -> None:
-        """Kill a verifier actor whose call has run past `reward.call_timeout_s`.
-
-        Its calls then fail like those of a dead actor, which replaces it. Checks inside an
-        actor have their own timeout (reward.timeout_s); this catches the actor itself stuck.
-        """
-        limit = self.spec.reward.call_timeout_s
+    def _stop_hung(self, actors: RunActors) -> None:
+        scoring = [
+            (call.actor, call.verifier, call.started)
+            for call in self._pending.values()
+            if isinstance(call, ScoringCall)
+        ]
+        self.supervisor.stop_hung_verifiers(scoring)
+        gen = self.spec.generation
         now = time.perf_counter()
-        for call in list(self._pending.values()):
-            if not isinstance(call, ScoringCall) or now - call.started <= limit:
-                continue
-            if any(call.actor is hung for hung in self._hung):
-                continue
-            self._hung.append(call.actor)
-            log.warning(
-                "verifier actor %d has not answered in %.0f s (reward.call_timeout_s): "
-                "taking it for hung",
-                call.verifier,
-                now - call.started,
-            )
-            ray.kill(call.actor, no_restart=True)
+        for index, stream in enumerate(self._streams):
+            if stream.stalled(now, gen.max_new_tokens, gen.first_group_timeout_s):
+                deadline = stream.stall_deadline(gen.max_new_tokens, gen.first_group_timeout_s)
+                self.supervisor.kill_as_hung(
+                    stream.actor,
+                    f"generation worker {index} returned no group in {deadline:.0f} s "
+                    f"holding {len(stream.outstanding)}",
+                )
+
+    # --- learner steps, weights, checkpoints ---------------------------------------------------
 
     def _on_trained(
         self, actors: RunActors, call: LearnerCall, learner_metrics: dict[str, float]
     ) -> None:
         step_seconds = time.perf_counter() - call.started
         self.counters.step += 1
-        self._offer_weights(actors, self.counters.step, call.weights_ref)
+        if call.offer_ref is not None:
+            self._publish(actors, self.counters.step, call.offer_ref)
         self.buffer.evict_stale(self.counters.step)
         self.counters.rollouts_dropped_stale = self.buffer.dropped_responses
         self.counters.groups_dropped_stale = self.buffer.dropped_groups
@@ -593,6 +640,7 @@ class RunDriver:
             total = getattr(self.counters, f"{key}_total") + learner_metrics.get(key, 0.0)
             setattr(self.counters, f"{key}_total", total)
             totals[f"{key}_total"] = total
+        spans = call.version_spans or [1]
         record: MetricsRecord = {
             "step": self.counters.step,
             "time": time.time(),
@@ -600,6 +648,8 @@ class RunDriver:
             **learner_metrics,
             "step_seconds": step_seconds,
             **self._throughput.record_and_reset(),
+            "version_span_mean": sum(spans) / len(spans),
+            "version_span_max": float(max(spans)),
             "tokens_generated_total": self.counters.tokens_generated_total,
             "tokens_trained_total": self.counters.tokens_trained_total,
             "rollouts_dropped_stale": self.counters.rollouts_dropped_stale,
@@ -609,42 +659,41 @@ class RunDriver:
             **self.counters.faults(),
         }
         every = self.spec.pipeline.checkpoint_every
-        checkpointed = bool(every) and self.counters.step % every == 0
-        if checkpointed:
-            # Before the record: a step recorded at a checkpoint boundary is never lost, even
-            # when the learner dies while it is written and the run is then cancelled.
-            self._checkpoint(actors)
+        if every and self.counters.step % every == 0:
+            # The record waits for the checkpoint: a step recorded at a checkpoint boundary is
+            # never lost, even when the learner dies while it is written and the run is then
+            # cancelled.
+            self._held_record = record
+            self._start_checkpoint(actors)
+        else:
+            self._emit(record)
+
+    def _emit(self, record: MetricsRecord) -> None:
         for observer in self.observers:
             observer.on_metrics(record)
-        if checkpointed:  # the curves are redrawn as often as the run is checkpointed
-            self._plot()
 
-    def _offer_weights(self, actors: RunActors, version: int, weights_ref: Any) -> None:
-        # Wrapped in a list so Ray hands the worker the ref, not the fetched weights: a busy
-        # worker then fetches only the newest version, when its current batch is done.
-        for worker in actors.generation:
-            worker.offer_weights.remote(version, [weights_ref])
-        self._weights_ref, self._weights_version = weights_ref, version
-
-    # --- checkpoints, end of run ------------------------------------------------------------
+    def _publish(self, actors: RunActors, version: int, offer_ref: Any) -> None:
+        """Hand weights of `version` to every worker through the run's transport."""
+        self.weights.publish(actors, version, offer_ref)
 
     def _elapsed(self) -> float:
         return self.counters.elapsed_seconds + time.perf_counter() - self._started
 
     def _in_flight_prompts(self) -> list[Prompt]:
         prompts: list[Prompt] = []
+        for stream in self._streams:
+            prompts.extend(prompt for prompt, _ in stream.outstanding.values())
         for call in self._pending.values():
-            if isinstance(call, GenerationCall | ScoringCall):
+            if isinstance(call, ScoringCall):
                 prompts.extend(call.prompts)
         return prompts
 
-    def _checkpoint(self, actors: RunActors) -> None:
-        """Checkpoint at the current step; the learner must be idle (it is, between steps)."""
+    def _driver_state(self) -> dict[str, Any]:
         in_flight = self._in_flight_prompts()
         counters = Counters(**asdict(self.counters))
         counters.elapsed_seconds = self._elapsed()
         counters.groups_issued -= len(in_flight)  # counted again when they are re-issued
-        state = {
+        return {
             "counters": asdict(counters),
             "prompt_position": self.prompts.position,
             # Prompts still being generated or scored are re-issued by a resumed run.
@@ -652,19 +701,39 @@ class RunDriver:
             "buffer": [group_to_json(g) for g in self.buffer.groups],
         }
 
+    def _start_checkpoint(self, actors: RunActors) -> None:
+        """Checkpoint the current step beside the loop (the learner is idle between steps)."""
+
         def write_learner(path: Path) -> None:
             actors.learner.save_checkpoint(str(path))
 
-        root = self.run_dir.checkpoints
-        write_checkpoint(root, self.counters.step, state, write_learner)
-        prune_checkpoints(root, self.spec.pipeline.keep_checkpoints)
-        self._last_checkpoint_step = self.counters.step
+        self._checkpoints.start(
+            self.run_dir.checkpoints,
+            self.counters.step,
+            self._driver_state(),
+            write_learner,
+            self.spec.pipeline.keep_checkpoints,
+        )
+
+    def _on_checkpointed(self) -> None:
+        """The checkpoint in flight is written: emit the record that waited for it."""
+        self._last_checkpoint_step = self._checkpoints.result()
+        if self._held_record is not None:
+            record, self._held_record = self._held_record, None
+            self._emit(record)
+        self._plot()  # the curves are redrawn as often as the run is checkpointed
+
+    def _checkpoint_now(self, actors: RunActors) -> None:
+        if self._checkpoints.busy:
+            self._on_checkpointed()
+        if self.counters.step > self._last_checkpoint_step:
+            self._start_checkpoint(actors)
+            self._on_checkpointed()
 
     def _finish(self, actors: RunActors) -> None:
         """Final checkpoint (the last step, or where a cancel stopped the run), exported as a
         Hugging Face model to `RUN_DIR/model/`."""
-        if self.counters.step > self._last_checkpoint_step:
-            self._checkpoint(actors)
+        self._checkpoint_now(actors)
         found = latest_checkpoint(self.run_dir.checkpoints)
         if found is not None:
             out = actors.learner.export(str(found[1] / LEARNER_DIR), str(self.run_dir.model))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from kpo_core.config import ArithTask, JsonlTask, TaskConfig
 from services.messages import Prompt
-from services.tasks import iter_prompts, load_jsonl_prompts
+from services.tasks import iter_mixed_prompts, iter_prompts, load_jsonl_prompts
 
 
 def _jsonl_epochs(prompts: Sequence[Prompt], shuffle: bool, seed: int) -> Iterator[Prompt]:
@@ -31,6 +31,8 @@ def _jsonl_epochs(prompts: Sequence[Prompt], shuffle: bool, seed: int) -> Iterat
 
 def _endless(task: TaskConfig, seed: int) -> Iterator[Prompt]:
     if isinstance(task, ArithTask):
+        if task.difficulty_max is not None:
+            return iter_mixed_prompts(seed, task.difficulty, task.difficulty_max, "train")
         return iter_prompts(seed, task.difficulty, "train")
     if isinstance(task, JsonlTask):
         return _jsonl_epochs(load_jsonl_prompts(Path(task.path)), task.shuffle, seed)

@@ -5,7 +5,12 @@ does not import torch and transformers.
 """
 
 from services.tasks.answers import ANSWER_MARKER, extract_final_answer, is_correct
-from services.tasks.arith import generate_prompts, iter_prompts, reference_solution
+from services.tasks.arith import (
+    generate_prompts,
+    iter_mixed_prompts,
+    iter_prompts,
+    reference_solution,
+)
 from services.tasks.jsonl import PromptFileError, load_jsonl_prompts
 from services.tasks.registry import Task, get_task, task_names
 
@@ -17,6 +22,7 @@ __all__ = [
     "generate_prompts",
     "get_task",
     "is_correct",
+    "iter_mixed_prompts",
     "iter_prompts",
     "load_jsonl_prompts",
     "reference_solution",

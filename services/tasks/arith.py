@@ -223,6 +223,16 @@ def iter_prompts(
         index += 1
 
 
+def iter_mixed_prompts(seed: int, low: int, high: int, split: Split = "train") -> Iterator[Prompt]:
+    """An endless, deterministic stream whose every prompt has a difficulty drawn uniformly
+    from low..high: each level's own stream, interleaved by a seeded choice."""
+    streams = {level: iter_prompts(seed, level, split) for level in range(low, high + 1)}
+    rng = random.Random(_stream_seed(seed, low * 10 + high, split) ^ 0x5EED)
+    levels = list(streams)
+    while True:
+        yield next(streams[rng.choice(levels)])
+
+
 def generate_prompts(
     n: int, seed: int = 0, difficulty: int = DEFAULT_DIFFICULTY, split: Split = "train"
 ) -> list[Prompt]:

@@ -23,6 +23,7 @@ import httpx
 import yaml
 
 from services.api.app import create_app
+from services.api.ray_head import free_port
 from services.api.settings import ApiSettings
 from services.pipeline.launch import execute_run
 from services.pipeline.outputs import RunDirectory
@@ -30,7 +31,7 @@ from services.pipeline.specs import load_run_spec
 from services.store import LocalStore
 from tests.deploy.manifests import REPO
 from tests.services.api.launchers import RecordingLauncher
-from tests.services.api.server import free_port, serve
+from tests.services.api.server import serve
 
 RULES = REPO / "deploy" / "prometheus" / "rules.yaml"
 SCRAPE_JOB = "kpo-control-plane"  # the job name the rules and the dashboard expect

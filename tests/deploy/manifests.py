@@ -181,3 +181,14 @@ def containers(pod_spec: Manifest) -> list[Manifest]:
 def env_of(container: Manifest) -> dict[str, Manifest]:
     """A container's env entries by name."""
     return {entry["name"]: entry for entry in container.get("env", [])}
+
+
+def models_mount_path(manifests: Sequence[Manifest]) -> str:
+    """Where the Ray containers of the release's RayCluster mount the model directory (the
+    `models` volume); empty without a RayCluster."""
+    for manifest in manifests:
+        for _, template in pod_templates(manifest):
+            for mount in template["spec"]["containers"][0].get("volumeMounts", []):
+                if mount["name"] == "models":
+                    return str(mount["mountPath"])
+    return ""

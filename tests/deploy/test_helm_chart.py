@@ -38,6 +38,7 @@ from tests.deploy.manifests import (
     containers,
     env_of,
     helm_template,
+    models_mount_path,
     named,
     one,
     pod_templates,
@@ -83,6 +84,7 @@ def test_ci_values_cover_the_main_combinations() -> None:
         "gpu-sizes-values.yaml",
         "external-ray-values.yaml",
         "placement-values.yaml",
+        "models-values.yaml",
     } <= set(CI_NAMES)
 
 
@@ -316,12 +318,15 @@ def test_worker_groups_advertise_their_ray_resources(rendered: dict[str, list[Ma
     cluster = one(rendered["placement-values.yaml"], "RayCluster", RAY_CLUSTER)
     groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
     assert set(groups) == {"learner", "generation"}
+    # The object store: 75% (ray.objectStoreShmPercent) of each group's /dev/shm, 64Gi and 8Gi.
     assert groups["learner"]["rayStartParams"] == {
         "metrics-export-port": "8080",
+        "object-store-memory": str(48 * GIB),
         "resources": """'{"learner_gpu":8}'""",
     }
     assert groups["generation"]["rayStartParams"] == {
         "metrics-export-port": "8080",
+        "object-store-memory": str(6 * GIB),
         "resources": """'{"generation_gpu":1}'""",
     }
     learner = groups["learner"]["template"]["spec"]["containers"][0]["resources"]
@@ -506,7 +511,14 @@ def references(spec: Manifest) -> Iterator[tuple[str, str]]:
 def test_references_resolve(rendered: dict[str, list[Manifest]]) -> None:
     """Every Secret, ConfigMap, claim and ServiceAccount a pod names is rendered, or is one the
     ci values name as existing (or `default`, which every namespace has)."""
-    existing = {"kpo-api-token", "kpo-redis-credentials", "kpo-runs", "regcred", "default"}
+    existing = {
+        "kpo-api-token",
+        "kpo-redis-credentials",
+        "kpo-runs",
+        "regcred",
+        "hf-token",
+        "default",
+    }
     for values, manifests in rendered.items():
         have = {(m["kind"], m["metadata"]["name"]) for m in manifests}
         for where, _, spec in pod_specs(manifests):
@@ -678,7 +690,7 @@ def test_images_run_as_the_user_and_home_the_chart_expects(
 
 def volume_sources(manifests: list[Manifest]) -> dict[str, dict[str, Manifest]]:
     """The volumes each pod can mount, by pod: its own and its StatefulSet's claim templates."""
-    claims = {
+    claims: dict[str, dict[str, Manifest]] = {
         f"StatefulSet/{m['metadata']['name']}": {
             c["metadata"]["name"]: {"persistentVolumeClaim": {}}
             for c in m["spec"].get("volumeClaimTemplates", [])
@@ -709,12 +721,14 @@ def test_every_directory_written_is_a_volume(
         "autoscaler": {"/tmp", IMAGE_HOME},  # KubeRay adds the head's /tmp/ray itself
         "redis": {"/data"},
         "test": set(),  # a Python script that only makes HTTP requests
+        # `hf download` into the model directory, its cache under /tmp (HF_HOME).
+        "prefetch": {"/tmp", IMAGE_HOME, models_mount_path(manifests)},
     }
     sources = volume_sources(manifests)
     for where, spec, container in every_container(manifests):
         volumes = sources.get(where.rsplit(" ", 1)[0], {v["name"]: v for v in spec["volumes"]})
         mounts = {m["mountPath"]: m for m in container.get("volumeMounts", [])}
-        for path in needs[container["name"]]:
+        for path in needs[re.sub(r"-\d+$", "", container["name"])]:
             assert path in mounts, f"{where}: nothing writable at {path}"
             mount = mounts[path]
             assert not mount.get("readOnly"), f"{where}: {path} is read-only"
@@ -822,9 +836,12 @@ def test_no_value_takes_a_secret_in_plain_text() -> None:
             "controlPlane.ingress.tlsSecretName",
             "redis.auth.existingSecret",
             "redis.auth.secretKey",
+            "ray.models.hfToken",
+            "ray.models.hfToken.existingSecret",
+            "ray.models.hfToken.secretKey",
         ]
     )
-    for key in ("apiToken", "redis.auth"):
+    for key in ("apiToken", "redis.auth", "ray.models.hfToken"):
         node = values
         for part in key.split("."):
             node = node[part]
@@ -1145,6 +1162,42 @@ REFUSED = {
     "typo in a NetworkPolicy peer": (
         ["networkPolicy.ingressController.podSelector.matchLabel.app=x"],
         "Additional property matchLabel is not allowed",
+    ),
+    "/dev/shm as large as the memory limit": (
+        ["ray.workerGroups.gpu.shmSize=64Gi"],
+        "ray.workerGroups.gpu: /dev/shm (64Gi) must be smaller than the memory limit (64Gi)",
+    ),
+    "/dev/shm of the head above its memory": (
+        ["ray.head.shmSize=9Gi"],
+        "ray.head: /dev/shm (9Gi) must be smaller than the memory limit (8Gi)",
+    ),
+    "a fractional /dev/shm": (
+        ["ray.workerGroups.gpu.shmSize=1.5Gi"],
+        "ray.workerGroups.gpu.shmSize",
+    ),
+    "typo in the per-GPU sizes": (
+        ["ray.workerDefaults.perGpu.memory=64"],
+        "Additional property memory is not allowed",
+    ),
+    "an object store taking all of /dev/shm": (
+        ["ray.objectStoreShmPercent=100"],
+        "ray.objectStoreShmPercent: Must be less than or equal to 95",
+    ),
+    "an unknown kind of model volume": (
+        ["ray.models.volume=hostPath"],
+        "ray.models.volume: ray.models.volume must be one of the following",
+    ),
+    "a model repo that leaves the model directory": (
+        ["ray.models.prefetch[0].repo=../etc"],
+        "ray.models.prefetch.0.repo: Does not match pattern",
+    ),
+    "a model revision that is an option": (
+        ["ray.models.prefetch[0].repo=Qwen/Qwen2.5-0.5B", "ray.models.prefetch[0].revision=--help"],
+        "ray.models.prefetch.0.revision: Does not match pattern",
+    ),
+    "a relative model mount path": (
+        ["ray.models.mountPath=models"],
+        "ray.models.mountPath: Does not match pattern",
     ),
 }
 

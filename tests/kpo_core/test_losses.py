@@ -107,3 +107,18 @@ def test_parts_normalised_by_the_whole_add_up_to_the_whole(mode: LossAggMode) ->
     if mode != "token-sum":
         unnormalised = sum(aggregate_loss(per_token[rows], mask[rows], mode, 12) for rows in parts)
         assert not torch.isclose(unnormalised, whole)
+
+
+def test_parts_cropped_to_their_own_width_still_divide_by_the_whole_width() -> None:
+    """seq-mean-token-sum-norm without norm_length divides by the padded width: a micro-batch
+    of short rows, cropped to its own width, must still divide by the minibatch's."""
+    per_token = torch.arange(1.0, 13.0, dtype=torch.float64).reshape(3, 4)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    mode: LossAggMode = "seq-mean-token-sum-norm"
+    whole = aggregate_loss(per_token, mask, mode)
+    normaliser = LossNormaliser.of(mask)
+    assert normaliser.width == 4
+    short_rows = aggregate_loss(per_token[1:, :2], mask[1:, :2], mode, None, normaliser)
+    long_row = aggregate_loss(per_token[:1], mask[:1], mode, None, normaliser)
+    torch.testing.assert_close(short_rows + long_row, whole, rtol=1e-12, atol=0.0)
+    assert LossNormaliser.of(mask, width=7).width == 7

@@ -170,6 +170,73 @@ Kubernetes' $(VAR) expansion, so it is read from the Secret and never written in
 {{- .Values.ray.runsVolume.existingClaim | default (include "kpo.componentName" (dict "ctx" . "component" "runs")) }}
 {{- end }}
 
+{{/* The claim of ray.models (volume: claim): an existing one, or the chart's. */}}
+{{- define "kpo.modelsClaimName" -}}
+{{- .Values.ray.models.existingClaim | default (include "kpo.componentName" (dict "ctx" . "component" "models")) }}
+{{- end }}
+
+{{/*
+Where every Ray pod mounts the model directory: ray.models.mountPath, or `<dataDir>/inputs/models`
+(the API reads the paths of specs sent over HTTP from `<dataDir>/inputs`,
+services/api/spec_paths.py).
+*/}}
+{{- define "kpo.modelsPath" -}}
+{{- .Values.ray.models.mountPath | default (printf "%s/inputs/models" (trimSuffix "/" .Values.dataDir)) }}
+{{- end }}
+
+{{/*
+Bytes of a Kubernetes quantity that is a whole number with an optional unit (16Gi, 500M, 1073741824);
+empty for any other form (1.5Ti, 5e9), which callers then leave alone.
+*/}}
+{{- define "kpo.quantityBytes" -}}
+{{- $quantity := toString . }}
+{{- if regexMatch "^[0-9]+(k|Ki|M|Mi|G|Gi|T|Ti)?$" $quantity }}
+{{- $units := dict "" 1 "k" 1000 "Ki" 1024 "M" 1000000 "Mi" 1048576 "G" 1000000000 "Gi" 1073741824 "T" 1000000000000 "Ti" 1099511627776 }}
+{{- mul (regexReplaceAll "[^0-9].*$" $quantity "" | int64) (get $units (regexReplaceAll "^[0-9]+" $quantity "")) }}
+{{- end }}
+{{- end }}
+
+{{/*
+Fills in a merged worker group's sizes from its `perGpu` where `resources` and `shmSize` leave them
+unset, so that a group of N GPUs gets N times one GPU's CPU, memory and /dev/shm (a group without
+GPUs, one GPU's worth). Changes the group in place; renders nothing.
+*/}}
+{{- define "kpo.sizeWorkerGroup" -}}
+{{- $n := max 1 (int .gpus) }}
+{{- $per := .perGpu }}
+{{- $resources := deepCopy (.resources | default dict) }}
+{{- $requests := get $resources "requests" | default dict }}
+{{- $limits := get $resources "limits" | default dict }}
+{{- $memory := get $limits "memory" | default (printf "%dGi" (mul $n (int $per.memoryGi))) }}
+{{- $_ := set $limits "memory" $memory }}
+{{- if not (hasKey $requests "memory") }}{{ $_ := set $requests "memory" $memory }}{{ end }}
+{{- if not (hasKey $requests "cpu") }}{{ $_ := set $requests "cpu" (toString (mul $n (int $per.cpu))) }}{{ end }}
+{{- $_ := set $resources "requests" $requests }}
+{{- $_ := set $resources "limits" $limits }}
+{{- $_ := set . "resources" $resources }}
+{{- if not .shmSize }}{{ $_ := set . "shmSize" (printf "%dGi" (mul $n (int $per.shmGi))) }}{{ end }}
+{{- end }}
+
+{{/*
+Caps Ray's object store at ray.objectStoreShmPercent of a Ray pod's /dev/shm, by setting
+`object-store-memory` in its `ray start` parameters (in place), unless they set it themselves. Ray's
+default takes up to 95% of /dev/shm, and NCCL and vLLM's tensor-parallel workers, which need some
+of it too, then fail. Fails when /dev/shm would not fit in the pod's memory limit (it is memory of
+the pod). Renders nothing.
+(dict "params" <rayStartParams, changed> "shmSize" <quantity> "memory" <the memory limit>
+      "where" <the values' key, for the message> "percent" <ray.objectStoreShmPercent>)
+*/}}
+{{- define "kpo.capObjectStore" -}}
+{{- $shm := include "kpo.quantityBytes" .shmSize }}
+{{- $memory := include "kpo.quantityBytes" (.memory | default "") }}
+{{- if and $shm $memory (ge (int64 $shm) (int64 $memory)) }}
+{{- fail (printf "%s: /dev/shm (%s) must be smaller than the memory limit (%s): a memory-backed /dev/shm counts against it" .where .shmSize .memory) }}
+{{- end }}
+{{- if and $shm (not (hasKey .params "object-store-memory")) }}
+{{- $_ := set .params "object-store-memory" (toString (div (mul (int64 $shm) (int64 .percent)) 100)) }}
+{{- end }}
+{{- end }}
+
 {{/*
 The writable directories of a container whose root filesystem is read-only: /tmp, and the home
 directory of the images' user `kpo` (deploy/docker/Dockerfile), where Python libraries keep their
@@ -195,12 +262,14 @@ caches (torch, Triton, vLLM, matplotlib). `kpo.writableVolumes` are the pod's vo
 
 {{/*
 A Ray pod template's spec, for the head and for every worker group alike.
-(dict "ctx" $ "group" <head or merged worker group> "container" "ray-head"|"ray-worker"
+(dict "ctx" $ "group" <head or sized worker group> "container" "ray-head"|"ray-worker"
       "gpus" <nvidia.com/gpu per pod> "ports" <list of ContainerPort>
-      "kubeApi" <whether the pod talks to the Kubernetes API: the head, for the autoscaler>)
+      "kubeApi" <whether the pod talks to the Kubernetes API: the head, for the autoscaler>
+      "fillsModels" <whether this pod's init containers download ray.models.prefetch>)
 */}}
 {{- define "kpo.rayPodSpec" -}}
 {{- $ray := .ctx.Values.ray }}
+{{- $modelsPath := include "kpo.modelsPath" .ctx }}
 {{- $resources := deepCopy (.group.resources | default dict) }}
 {{- if gt (int .gpus) 0 }}
 {{- range $kind := list "requests" "limits" }}
@@ -211,6 +280,45 @@ A Ray pod template's spec, for the head and for every worker group alike.
 {{- if not .kubeApi }}
 # Nothing in this pod calls the Kubernetes API.
 automountServiceAccountToken: false
+{{- end }}
+{{- if and .fillsModels $ray.models.prefetch }}
+# The models of ray.models.prefetch, one init container each, before Ray starts: the same files
+# at the same path in every pod that reads them.
+initContainers:
+  {{- range $index, $model := $ray.models.prefetch }}
+  - name: prefetch-{{ $index }}
+    image: {{ include "kpo.image" (dict "image" $ray.image "ctx" $.ctx) }}
+    imagePullPolicy: {{ $ray.image.pullPolicy }}
+    # Exec form, no shell: the values are arguments, never parsed as a command line.
+    command: ["hf"]
+    args:
+      - download
+      - {{ $model.repo | quote }}
+      - --revision
+      - {{ $model.revision | default "main" | quote }}
+      - --local-dir
+      - {{ printf "%s/%s" $modelsPath $model.repo | quote }}
+    env:
+      - name: HF_HOME
+        value: /tmp/huggingface
+      - name: HF_HUB_DISABLE_TELEMETRY
+        value: "1"
+      {{- with $ray.models.hfToken.existingSecret }}
+      - name: HF_TOKEN
+        valueFrom:
+          secretKeyRef:
+            name: {{ . }}
+            key: {{ $ray.models.hfToken.secretKey }}
+      {{- end }}
+    resources:
+      {{- toYaml $ray.models.prefetchResources | nindent 6 }}
+    securityContext:
+      {{- toYaml $ray.securityContext | nindent 6 }}
+    volumeMounts:
+      {{- include "kpo.writableMounts" $.ctx | nindent 6 }}
+      - name: models
+        mountPath: {{ $modelsPath }}
+  {{- end }}
 {{- end }}
 containers:
   - name: {{ .container }}
@@ -242,6 +350,10 @@ containers:
         mountPath: /dev/shm
       - name: data
         mountPath: {{ .ctx.Values.dataDir }}
+      # Read-only for Ray's processes: only the prefetch init containers write models.
+      - name: models
+        mountPath: {{ $modelsPath }}
+        readOnly: true
 volumes:
   {{- include "kpo.writableVolumes" . | nindent 2 }}
   - name: ray-logs
@@ -256,6 +368,14 @@ volumes:
       claimName: {{ include "kpo.runsClaimName" .ctx }}
     {{- else }}
     emptyDir: {}
+    {{- end }}
+  - name: models
+    {{- if eq $ray.models.volume "claim" }}
+    persistentVolumeClaim:
+      claimName: {{ include "kpo.modelsClaimName" .ctx }}
+    {{- else }}
+    emptyDir:
+      sizeLimit: {{ $ray.models.size }}
     {{- end }}
 {{- end }}
 
@@ -317,6 +437,10 @@ Empty without rayResources. Takes the merged worker group (rayResources, gpus).
 {{- define "kpo.rayStartParams" -}}
 {{- $params := dict }}
 {{- range $key, $value := merge (dict) .params .defaults }}
+{{- /* Helm reads numbers of values files as floats: 1000000000 would print as 1e+09. */}}
+{{- if and (kindIs "float64" $value) (eq $value (float64 (int64 $value))) }}
+{{- $value = int64 $value }}
+{{- end }}
 {{- $_ := set $params $key (toString $value) }}
 {{- end }}
 {{- toYaml $params }}

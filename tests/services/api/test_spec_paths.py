@@ -148,3 +148,18 @@ def test_local_run_files_keep_any_path() -> None:
     spec = parse_run_spec(spec_with(model="/opt/models/x", task=jsonl_task("/tmp/p.jsonl")), "f")
     assert isinstance(spec.task, JsonlTask)
     assert spec.model == "/opt/models/x" and spec.task.path == "/tmp/p.jsonl"
+
+
+@pytest.mark.parametrize("value", ["/etc/passwd", "../x", "~/x", "a\\b"])
+def test_no_string_nested_in_engine_arguments_may_leave_the_folder(api: Api, value: str) -> None:
+    engine = {"speculative_config": {"model": value, "num_speculative_tokens": 2}}
+    body = spec_with(generation={"backend": "vllm", "group_size": 4, "engine": engine})
+    response = api.client.post("/v1/runs", json=body)
+    assert response.status_code == 422
+    field = response.json()["error"]["fields"][0]
+    assert field["field"] == "generation.engine.speculative_config.model"
+    assert field["message"].startswith("an engine argument may not be absolute")
+    fine = {"compilation_config": {"level": 0}, "kv_cache_dtype": "auto", "tags": ["a", "b"]}
+    ok = spec_with(generation={"backend": "vllm", "group_size": 4, "engine": fine})
+    assert api.client.post("/v1/runs", json=ok).status_code == 201
+    assert api.launcher.submitted[-1]

@@ -1,7 +1,9 @@
 """Contract checks every `GenerationBackend` must pass, reusable for any backend.
 
 Each check takes a `ContractSubject` (a backend plus what a test must know about its model) and
-raises AssertionError on a violation. A backend's test file runs all of them:
+raises AssertionError on a violation. The first checks are of the blocking `generate`, the
+streaming ones (`STREAMING_CHECKS`, part of `CHECKS`) of `submit` / `step` / `in_flight` and of
+weights loaded between two steps. A backend's test file runs all of them:
 
     @pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.__name__)
     def test_contract(check, subject):
@@ -11,12 +13,18 @@ raises AssertionError on a violation. A backend's test file runs all of them:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import pytest
+import torch
 
-from services.generation.base import GenerationBackend, SamplingSettings
+from services.generation.base import (
+    GenerationBackend,
+    GroupRequest,
+    SamplingSettings,
+    group_requests,
+)
 from services.messages import Prompt, Response
 
 
@@ -30,6 +38,9 @@ class ContractSubject:
     prompts: list[Prompt]  # at least two, of different token lengths
     # Settings under which a batch of 16 groups of 4 shows both EOS stops and length cut-offs.
     mixed_finish_sampling: SamplingSettings
+    # The weights the backend holds (as `load_weights` takes them), for the in-flight check;
+    # None skips it.
+    weights: Callable[[], Mapping[str, torch.Tensor]] | None = None
 
 
 def _flat(groups: list[list[Response]]) -> list[Response]:
@@ -139,6 +150,133 @@ def check_rejects_bad_settings(subject: ContractSubject) -> None:
     assert subject.backend.generate([], 2, SamplingSettings()) == []
 
 
+def _drain(backend: GenerationBackend) -> list[list[Response]]:
+    """Step until nothing is in flight; every group that ended, in the order they ended."""
+    groups: list[list[Response]] = []
+    for _ in range(10_000):
+        if not backend.in_flight:
+            return groups
+        groups.extend(backend.step())
+    raise AssertionError(f"{backend.in_flight} groups still in flight after 10000 steps")
+
+
+def check_idle_backend_steps_to_nothing(subject: ContractSubject) -> None:
+    """With nothing submitted, `step` returns no groups and nothing is in flight."""
+    assert subject.backend.in_flight == 0
+    assert subject.backend.step() == []
+    subject.backend.submit([])
+    assert subject.backend.in_flight == 0
+
+
+def check_short_group_streams_back_first(subject: ContractSubject) -> None:
+    """A group of one-token responses comes back, alone, while a longer group of the same
+    submit still decodes. (The long group ends at its first token only if all 4 of its rows
+    sample EOS first: a chance below 1e-4 on these models.)"""
+    backend = subject.backend
+    long, short = subject.prompts[0], subject.prompts[1]
+    backend.submit(
+        [
+            GroupRequest(long, 4, SamplingSettings(max_new_tokens=12, seed=31)),
+            GroupRequest(short, 2, SamplingSettings(max_new_tokens=1, seed=32)),
+        ]
+    )
+    assert backend.in_flight == 2
+    first: list[list[Response]] = []
+    while not first:
+        first = backend.step()
+    assert [group[0].prompt_id for group in first] == [short.prompt_id]
+    assert [len(r.response_token_ids) for r in first[0]] == [1, 1]
+    assert backend.in_flight == 1
+    rest = _drain(backend)
+    assert [group[0].prompt_id for group in rest] == [long.prompt_id]
+    assert len(rest[0]) == 4 and max(len(r.response_token_ids) for r in rest[0]) > 1
+
+
+def check_streamed_groups_equal_generate(subject: ContractSubject) -> None:
+    """`generate` is `submit` + `step`: the seeded requests of `group_requests` give the same
+    responses either way."""
+    sampling = SamplingSettings(temperature=0.9, max_new_tokens=8, seed=41)
+    blocking = subject.backend.generate(subject.prompts, 3, sampling)
+    subject.backend.submit(group_requests(subject.prompts, 3, sampling))
+    streamed = {group[0].prompt_id: group for group in _drain(subject.backend)}
+    for group in blocking:
+        assert [r.response_token_ids for r in streamed[group[0].prompt_id]] == [
+            r.response_token_ids for r in group
+        ]
+
+
+def check_groups_join_a_running_batch(subject: ContractSubject) -> None:
+    """Groups submitted while others decode are admitted and come back whole and valid."""
+    backend = subject.backend
+    first, *others = subject.prompts
+    backend.submit([GroupRequest(first, 3, SamplingSettings(max_new_tokens=16, seed=51))])
+    groups = backend.step() + backend.step()
+    later = [
+        GroupRequest(p, 2, SamplingSettings(temperature=0.7, top_k=5, max_new_tokens=10, seed=i))
+        for i, p in enumerate(others)
+    ]
+    backend.submit(later)
+    groups += _drain(backend)
+    sizes = {group[0].prompt_id: len(group) for group in groups}
+    assert sizes == {first.prompt_id: 3, **{p.prompt_id: 2 for p in others}}
+    for group in groups:
+        limit = 16 if group[0].prompt_id == first.prompt_id else 10
+        for response in group:
+            assert 1 <= len(response.response_token_ids) <= limit
+            assert len(response.behaviour_logprobs) == len(response.response_token_ids)
+            assert all(math.isfinite(lp) and lp <= 1e-6 for lp in response.behaviour_logprobs)
+            assert response.text == subject.decode(response.response_token_ids)
+
+
+def check_submit_refuses_bad_requests_whole(subject: ContractSubject) -> None:
+    """A bad request raises ValueError naming its prompt and queues nothing of its submit."""
+    good = GroupRequest(subject.prompts[0], 2, SamplingSettings(max_new_tokens=2))
+    bad_prompt = replace(subject.prompts[1], prompt_id="the-bad-one")
+    bad = GroupRequest(bad_prompt, 2, SamplingSettings(top_k=-1))
+    with pytest.raises(ValueError, match="the-bad-one"):
+        subject.backend.submit([good, bad])
+    assert subject.backend.in_flight == 0
+
+
+def check_weights_loaded_mid_flight_tag_tokens(subject: ContractSubject) -> None:
+    """Weights loaded between two steps with groups in flight: the following tokens carry the
+    new version; a response keeps the version of its first token and lists every token's
+    version when it spans two."""
+    if subject.weights is None:
+        pytest.skip("the subject gives no weights to load")
+    backend = subject.backend
+    old = backend.policy_version
+    weights = subject.weights()
+    sampling = SamplingSettings(max_new_tokens=16, seed=61)
+    backend.submit([GroupRequest(p, 4, sampling) for p in subject.prompts])
+    groups = backend.step() + backend.step()
+    backend.load_weights(weights, old + 1)
+    assert backend.policy_version == old + 1
+    groups += _drain(backend)
+    spanning = 0
+    for response in (r for group in groups for r in group):
+        versions = response.versions()
+        assert len(versions) == len(response.response_token_ids)
+        assert response.policy_version == versions[0] == old
+        assert versions == sorted(versions) and set(versions) <= {old, old + 1}
+        if len(set(versions)) == 2:
+            spanning += 1
+            assert response.token_versions == versions and response.version_span == 2
+        else:
+            assert response.token_versions == [] and response.version_span == 1
+    assert spanning > 0, "no response was in flight across the load"
+
+
+STREAMING_CHECKS: list[Callable[[ContractSubject], None]] = [
+    check_idle_backend_steps_to_nothing,
+    check_short_group_streams_back_first,
+    check_streamed_groups_equal_generate,
+    check_groups_join_a_running_batch,
+    check_submit_refuses_bad_requests_whole,
+    check_weights_loaded_mid_flight_tag_tokens,
+]
+
+
 CHECKS: list[Callable[[ContractSubject], None]] = [
     check_groups_in_prompt_order,
     check_response_fields,
@@ -148,4 +286,5 @@ CHECKS: list[Callable[[ContractSubject], None]] = [
     check_prompt_token_ids,
     check_greedy,
     check_rejects_bad_settings,
+    *STREAMING_CHECKS,
 ]

@@ -27,6 +27,8 @@ def hf_subject(backend: HFBackend) -> ContractSubject:
         decode=lambda ids: backend.tokenizer.decode(list(ids), skip_special_tokens=True),
         prompts=TINY_PROMPTS,
         mixed_finish_sampling=SamplingSettings(max_new_tokens=16, seed=3),
+        # The weights it holds: loading them again changes the version, not the outputs.
+        weights=lambda: {k: v.clone() for k, v in backend.model.state_dict().items()},
     )
 
 

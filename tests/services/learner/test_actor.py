@@ -16,6 +16,7 @@ from services.generation.base import SamplingSettings
 from services.generation.hf_backend import HFBackend
 from services.learner.group import LearnerGroup, wait_all
 from services.messages import ScoredGroup
+from services.weights.object_store import fetch_buckets
 from tests.services.learner.conftest import PROMPTS
 
 pytestmark = pytest.mark.usefixtures("ray_instance")
@@ -38,21 +39,22 @@ def test_a_step_returns_metrics_and_weights_a_generation_backend_loads(
     pids = learner.pids()
     assert len(set(pids)) == len(learner.ranks) and os.getpid() not in pids
     assert learner.call("version") == 0
-    initial = ray.get(learner.initial_weights())
+    initial = learner.call("published_state_dict")
 
     refs = learner.step(groups)
     metrics = ray.get(refs.metrics)
     assert metrics["policy_version"] == 1.0 and metrics["grad_norm"] > 0
     assert metrics["learner_world_size"] == len(learner.ranks)
-    assert wait_all(refs.peers) == [{}, {}] * (len(learner.ranks) - 1)
+    assert wait_all(refs.peers) == [{}, None] * (len(learner.ranks) - 1)
     assert learner.call("version") == 1
-    weights_ref = refs.weights
 
     backend = HFBackend(tiny_model_dir)
     for name, tensor in backend.model.state_dict().items():
         assert torch.equal(tensor, initial[name]), name
-    weights = ray.get(weights_ref)
-    backend.load_weights(weights, version=1)
+    offer = ray.get(refs.weights)  # names and bucket refs; the buckets are fetched one by one
+    assert offer.manifest.version == 1
+    backend.load_weight_buckets(fetch_buckets(offer), offer.manifest)
+    weights = learner.call("published_state_dict")
     changed = [n for n, t in backend.model.state_dict().items() if not torch.equal(t, initial[n])]
     assert changed and all(
         torch.equal(t, weights[n]) for n, t in backend.model.state_dict().items()

@@ -22,6 +22,7 @@ from services.learner.batch import collate
 from services.learner.step import LearnerCore
 from services.messages import ScoredGroup
 from tests.services.learner.conftest import make_core
+from tests.services.learner.test_group_equivalence import assert_same_parameters
 from tests.services.learner.test_step import (
     METRICS,
     parameters,
@@ -45,6 +46,10 @@ def assert_healthy(core: LearnerCore, metrics: dict[str, float]) -> None:
     assert not bad, bad
     missing = (METRICS - {"grad_norm", "entropy"}) - metrics.keys()
     assert not missing, sorted(missing)
+
+
+def named_weights(core: LearnerCore) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach() for name, tensor in core.model.named_parameters()}
 
 
 def rewarded(groups: list[ScoredGroup], rewards: dict[int, float]) -> list[ScoredGroup]:
@@ -128,10 +133,8 @@ def test_a_nonfinite_reward_drops_its_response(
     assert metrics["skipped_minibatches"] == 0.0
     clean = make_core(tiny_model_dir, reference=reference)
     clean.train_step(without_rows(groups, {1, 6}))
-    for (name, trained), expected in zip(
-        core.model.named_parameters(), clean.model.parameters(), strict=True
-    ):
-        torch.testing.assert_close(trained, expected, rtol=0, atol=1e-6, msg=name)
+    # Dropping rows changes the summation order: AdamW may amplify round-off (see there).
+    assert_same_parameters(named_weights(core), named_weights(clean), lr=1e-3)
 
 
 def test_nonfinite_raise_refuses_a_nan_reward_before_any_update(

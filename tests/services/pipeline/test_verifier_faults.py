@@ -13,9 +13,9 @@ import pytest
 import ray
 
 from services.messages import Response
-from services.pipeline import driver as driver_module
+from services.pipeline import supervisor as supervisor_module
 from services.pipeline.actors import RunActors, start_verifier
-from services.pipeline.driver import VERIFIER_LOST, FaultBudgetExhausted, RunDriver
+from services.pipeline.driver import VERIFIER_LOST, FaultBudgetExhausted, RunDriver, ScoringFailed
 from services.pipeline.outputs import RunDirectory
 from tests.services.pipeline.conftest import tiny_spec
 
@@ -55,7 +55,7 @@ def test_a_batch_that_kills_its_verifier_twice_is_marked_unverified(
         started.append(DyingVerifier.remote())
         return started[-1]
 
-    monkeypatch.setattr(driver_module, "start_verifier", start_dying)
+    monkeypatch.setattr(supervisor_module, "start_verifier", start_dying)
     driver = RunDriver(tiny_spec(), RunDirectory(tmp_path / "out"), [])
     actors = RunActors(generation=[], verifiers=[DyingVerifier.remote()], learner=None)
     drive_scoring(driver, actors, started)
@@ -74,7 +74,7 @@ def test_a_batch_whose_verifier_dies_once_is_scored_by_the_replacement(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spec = tiny_spec()
-    monkeypatch.setattr(driver_module, "start_verifier", start_verifier)
+    monkeypatch.setattr(supervisor_module, "start_verifier", start_verifier)
     driver = RunDriver(spec, RunDirectory(tmp_path / "out"), [])
     actors = RunActors(generation=[], verifiers=[DyingVerifier.remote()], learner=None)
     drive_scoring(driver, actors, [])
@@ -90,4 +90,36 @@ def test_no_replacement_left_fails_with_the_setting_named(tmp_path: Path) -> Non
     )
     actors = RunActors(generation=[], verifiers=[DyingVerifier.remote()], learner=None)
     with pytest.raises(FaultBudgetExhausted, match=r"pipeline.actor_replacements = 0"):
+        drive_scoring(driver, actors, [])
+
+
+@ray.remote(num_cpus=0)
+class RaisingVerifier:
+    """A verifier that is alive but raises on every batch (a bug, or a batch it cannot take)."""
+
+    def score(self, groups: object) -> None:
+        raise ValueError("verifier bug on this batch")
+
+
+def test_a_batch_a_verifier_raises_on_is_scored_by_another_actor(tmp_path: Path) -> None:
+    driver = RunDriver(tiny_spec(), RunDirectory(tmp_path / "out"), [])
+    verifiers = [RaisingVerifier.remote(), start_verifier(tiny_spec())]
+    actors = RunActors(generation=[], verifiers=verifiers, learner=None)
+    drive_scoring(driver, actors, [])
+    c = driver.counters
+    # Nothing died: no replacement, the groups scored by the other actor.
+    assert (c.verifier_replacements, c.rescored_groups, c.unverified_groups) == (0, 2, 0)
+    assert actors.verifiers == verifiers
+    responses = [r for group in driver.buffer.groups for r in group.responses]
+    assert len(responses) == 4 and all(r.verified for r in responses)
+
+
+def test_a_batch_verifiers_raise_on_twice_fails_the_run_naming_actor_and_error(
+    tmp_path: Path,
+) -> None:
+    driver = RunDriver(tiny_spec(), RunDirectory(tmp_path / "out"), [])
+    actors = RunActors(generation=[], verifiers=[RaisingVerifier.remote()], learner=None)
+    with pytest.raises(
+        ScoringFailed, match=r"verifier actor 0, raised: ValueError..verifier bug on this"
+    ):
         drive_scoring(driver, actors, [])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import itertools
 import json
 import os
 import re
@@ -186,3 +187,27 @@ def test_registry() -> None:
     assert task.reference_solution(prompts[0]) == arith.reference_solution(prompts[0])
     with pytest.raises(ValueError, match="valid tasks: arith"):
         get_task("gsm8k")
+
+
+def test_a_mixed_stream_draws_every_level_in_its_range_reproducibly() -> None:
+    from services.tasks import iter_mixed_prompts
+
+    first = list(itertools.islice(iter_mixed_prompts(3, 1, 5), 200))
+    again = list(itertools.islice(iter_mixed_prompts(3, 1, 5), 200))
+    assert first == again
+    levels = [int(p.meta["difficulty"]) for p in first]
+    assert set(levels) == {1, 2, 3, 4, 5}
+    assert min(levels.count(level) for level in range(1, 6)) > 20  # roughly uniform
+    assert len({p.prompt_id for p in first}) == 200
+    # Each level's prompts are that level's own stream: the same texts as drawn alone.
+    alone = arith.generate_prompts(levels.count(4), seed=3, difficulty=4)
+    assert [p.text for p in first if p.meta["difficulty"] == "4"] == [p.text for p in alone]
+
+
+def test_difficulty_max_below_difficulty_is_refused() -> None:
+    from pydantic import ValidationError
+
+    from kpo_core.config import ArithTask
+
+    with pytest.raises(ValidationError, match="difficulty_max"):
+        ArithTask(difficulty=3, difficulty_max=2)

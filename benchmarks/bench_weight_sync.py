@@ -1,0 +1,360 @@
+"""Weight sync: from the end of a learner step to every generation worker holding the new weights.
+
+A random-initialised Qwen2 model (default: Qwen2.5-0.5B's and Qwen2.5-1.5B's shapes, tied
+embeddings; `--quick`: a small one) is saved once with the tiny model's tokenizer. On a local
+Ray instance one learner rank (the real `LearnerImpl`, float32 master weights, publishing in
+`--compute-dtype`) and `--receivers` generation workers' backends (`HFBackend` in the compute
+dtype, in Ray actors of their own) then time each transport, `--repeats` times:
+
+- `object_store`: the learner gathers the weights bucket by bucket and puts each bucket into
+  Ray's object store (what `step` does after training); the driver hands the offer to every
+  worker, which fetches one bucket at a time and loads it (`load_weight_buckets`);
+- `collective`: the learner returns the manifest; every worker receives the broadcast buckets
+  and loads them (`receive_weights(apply=True)`) while the learner sends them (`send_weights`)
+  over a gloo group formed once beforehand (its set-up time is printed, not counted).
+
+Before each publish the learner's weights are negated in place (a new version, cheaper than a
+training step, whose cost does not depend on the transport), and after the last one every
+worker's weights are checked against the learner's (sha256 of every tensor's bytes): the
+benchmark fails if any differs.
+
+Seconds: the best of the repeats, from the publish call to every worker done. Extra host
+memory: per process, peak RSS during the publish minus RSS before it (VmHWM reset first;
+allocations of 128 KiB and more are mmapped, so RSS follows the live tensors); the maximum
+over the repeats, and over the workers. With object_store the learner's RSS includes the
+object-store pages it wrote (shared memory, `object_store_bytes` in all, freed when the offer
+is dropped) and a worker's the pages of the bucket it reads. Ratios are against object_store
+in the same run. Linux only (reads /proc/self/status). On CPU and gloo: NCCL and CUDA copies
+are what a GPU run measures (scripts/gpu_check.sh).
+
+Usage: python benchmarks/bench_weight_sync.py [--quick] [--bucket-mb 256] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from transformers.utils import logging as hf_logging
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import print_table
+from bench_learner import (
+    QWEN25_05B,
+    SIZING_SHAPES,
+    ModelShape,
+    mmap_large_allocations,
+    param_counts,
+    peak_rss_bytes,
+    reset_peak_rss,
+    rss_bytes,
+    run_forked,
+    save_model,
+)
+
+from kpo_core.config import AlgorithmConfig, LearnerConfig
+from services.generation.hf_backend import HFBackend
+from services.learner.actor import LearnerImpl
+from services.weights.base import WeightGroup, WeightsManifest, WeightsOffer, WeightTransportName
+from services.weights.object_store import fetch_buckets
+
+ROOT = Path(__file__).resolve().parents[1]
+MiB = 2**20
+TRANSPORTS: tuple[WeightTransportName, ...] = ("object_store", "collective")
+QUICK = ModelShape("quick", 256, 4, 4, 2, 1024, 32000, tied=True)
+QWEN25_15B = SIZING_SHAPES[0]
+QUICK_BUCKET_MB = 4
+
+
+def fingerprint(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """name -> sha256 of the tensor's bytes (exact, any dtype)."""
+    return {
+        name: hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().data).hexdigest()
+        for name, t in state.items()
+    }
+
+
+class Memory:
+    """Peak RSS of this process above where a measurement started."""
+
+    def start_measure(self) -> None:
+        reset_peak_rss()
+        self._base = rss_bytes()
+
+    def extra_peak(self) -> int:
+        return peak_rss_bytes() - self._base
+
+
+class SyncLearner(LearnerImpl, Memory):
+    """The learner rank, plus what the benchmark needs: a transport switch (both transports
+    from one loaded model), a new version without training, and its memory."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        mmap_large_allocations()
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+        super().__init__(*args, **kwargs)
+
+    def use_transport(self, transport: WeightTransportName) -> None:
+        self._transport = transport
+
+    @torch.no_grad()
+    def new_version(self) -> None:
+        for parameter in self.core.model.parameters():
+            parameter.neg_()
+
+    def fingerprint(self) -> dict[str, str]:
+        return fingerprint(self.published_state_dict())
+
+
+class SyncReceiver(Memory):
+    """A generation worker's backend in its own process, loading what is published."""
+
+    def __init__(self, model_dir: str, dtype: str, threads: int) -> None:
+        mmap_large_allocations()
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+        torch.set_num_threads(threads)
+        self.backend = HFBackend(model_dir, dtype=dtype)
+
+    def fetch(self, wrapped: list[WeightsOffer]) -> int:
+        offer = wrapped[0]
+        self.backend.load_weight_buckets(fetch_buckets(offer), offer.manifest)
+        return self.backend.policy_version
+
+    def join(self, group: WeightGroup, rank: int) -> None:
+        self.backend.join_weight_group(group, rank)
+
+    def receive(self, manifest: WeightsManifest) -> int:
+        self.backend.receive_weights(manifest, apply=True)
+        return self.backend.policy_version
+
+    def fingerprint(self) -> dict[str, str]:
+        return fingerprint(dict(self.backend.model.state_dict()))
+
+
+def measure_transport(
+    args: argparse.Namespace,
+    learner: Any,
+    receivers: list[Any],
+    transport: WeightTransportName,
+) -> dict[str, Any]:
+    """`args.repeats` publishes over `transport`: best seconds, peak extra memory."""
+    timeout = args.timeout_s
+    ray.get(learner.use_transport.remote(transport), timeout=timeout)
+    setup_s = 0.0
+    if transport == "collective":
+        start = time.perf_counter()
+        group = ray.get(learner.open_weight_group.remote(1 + len(receivers), 1))
+        joins = [r.join.remote(group, rank) for rank, r in enumerate(receivers, start=1)]
+        ray.get([learner.connect_weight_group.remote(group), *joins], timeout=timeout)
+        setup_s = time.perf_counter() - start
+    seconds: list[float] = []
+    learner_extra, receiver_extra = 0, 0
+    stored = 0
+    everyone = [learner, *receivers]
+    for _ in range(args.repeats):
+        ray.get(learner.new_version.remote(), timeout=timeout)
+        ray.get([actor.start_measure.remote() for actor in everyone], timeout=timeout)
+        start = time.perf_counter()
+        offer: WeightsOffer = ray.get(learner.initial_weights.remote(), timeout=timeout)
+        if transport == "object_store":
+            # In a list, as the driver does: each worker gets the refs, not the buckets.
+            ray.get([r.fetch.remote([offer]) for r in receivers], timeout=timeout)
+            stored = offer.manifest.nbytes
+        else:
+            loads = [r.receive.remote(offer.manifest) for r in receivers]
+            ray.get([learner.send_weights.remote(), *loads], timeout=timeout)
+        seconds.append(time.perf_counter() - start)
+        del offer  # the object store frees the buckets
+        extras = ray.get([actor.extra_peak.remote() for actor in everyone], timeout=timeout)
+        learner_extra = max(learner_extra, extras[0])
+        receiver_extra = max(receiver_extra, *extras[1:])
+    want = ray.get(learner.fingerprint.remote(), timeout=timeout)
+    for index, got in enumerate(ray.get([r.fingerprint.remote() for r in receivers])):
+        differing = sorted(name for name in want if got.get(name) != want[name])
+        if differing or got.keys() != want.keys():
+            raise RuntimeError(
+                f"{transport}: worker {index} does not hold the learner's weights: {differing[:5]}"
+            )
+    return {
+        "transport": transport,
+        "seconds": min(seconds),
+        "seconds_mean": sum(seconds) / len(seconds),
+        "learner_extra_peak_bytes": learner_extra,
+        "receiver_extra_peak_bytes": receiver_extra,
+        "object_store_bytes": stored,
+        "group_setup_seconds": setup_s,
+    }
+
+
+def measure_shape(args: argparse.Namespace, shape: ModelShape) -> dict[str, Any]:
+    """Save a model of `shape`, start the learner and the workers, measure both transports."""
+    with tempfile.TemporaryDirectory(prefix="bench-weight-sync-") as model_dir:
+        start = time.perf_counter()
+        [saved] = run_forked(save_model, 1, args.threads, args.timeout_s, shape, model_dir, 0)
+        learner_config = LearnerConfig(
+            lr=1e-6, num_cpus=args.threads, compute_dtype=args.compute_dtype
+        )
+        # No CPUs reserved: the processes share the machine's cores, as a run's would.
+        learner: Any = ray.remote(SyncLearner).options(num_cpus=0)
+        learner = learner.remote(
+            model_dir, learner_config, AlgorithmConfig(), 1.0, 0, weight_bucket_mb=args.bucket_mb
+        )
+        receiver: Any = ray.remote(SyncReceiver).options(num_cpus=0)
+        receivers = [
+            receiver.remote(model_dir, args.compute_dtype, args.threads)
+            for _ in range(args.receivers)
+        ]
+        ray.get(
+            [learner.setup.remote(""), *[r.start_measure.remote() for r in receivers]],
+            timeout=args.timeout_s,
+        )
+        print(
+            f"[{shape.name}] {saved['params'] / 1e6:.1f}M parameters, learner and "
+            f"{len(receivers)} workers up ({time.perf_counter() - start:.0f} s)",
+            flush=True,
+        )
+        results = []
+        try:
+            for transport in TRANSPORTS:
+                start = time.perf_counter()
+                result = measure_transport(args, learner, receivers, transport)
+                results.append(result)
+                print(
+                    f"[{shape.name}] {transport}: {result['seconds']:.2f} s, learner +"
+                    f"{result['learner_extra_peak_bytes'] / MiB:.0f} MiB, worker +"
+                    f"{result['receiver_extra_peak_bytes'] / MiB:.0f} MiB "
+                    f"({time.perf_counter() - start:.0f} s)",
+                    flush=True,
+                )
+        finally:
+            for actor in (learner, *receivers):
+                ray.kill(actor)
+    base = results[0]
+    for result in results:
+        result["vs_object_store"] = {
+            key: ratio(result[key], base[key])
+            for key in ("seconds", "learner_extra_peak_bytes", "receiver_extra_peak_bytes")
+        }
+    publish_bytes = param_counts(shape).total * (2 if args.compute_dtype == "bfloat16" else 4)
+    return {
+        "model": {**asdict(shape), "params": saved["params"], "publish_bytes": publish_bytes},
+        "transports": results,
+    }
+
+
+def ratio(value: float, baseline: float) -> float:
+    return value / baseline if baseline > 0 else float("nan")
+
+
+def print_report(shapes: list[dict[str, Any]]) -> None:
+    rows = []
+    for measured in shapes:
+        for result in measured["transports"]:
+            vs = result["vs_object_store"]
+            rows.append(
+                [
+                    measured["model"]["name"],
+                    result["transport"],
+                    f"{result['seconds']:.2f}",
+                    f"{vs['seconds']:.2f}x",
+                    f"{result['learner_extra_peak_bytes'] / MiB:.1f}",
+                    f"{vs['learner_extra_peak_bytes']:.2f}x",
+                    f"{result['receiver_extra_peak_bytes'] / MiB:.1f}",
+                    f"{vs['receiver_extra_peak_bytes']:.2f}x",
+                    f"{result['object_store_bytes'] / MiB:.1f}",
+                ]
+            )
+    headers = [
+        "model", "transport", "seconds", "vs obj", "learner +MiB", "vs obj", "worker +MiB",
+        "vs obj", "object store MiB",
+    ]  # fmt: skip
+    print()
+    print_table(headers, rows)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help=f"one small model ({QUICK.name}) instead"
+    )
+    model = parser.add_argument_group("one model of this shape instead (all six needed)")
+    for flag in ("layers", "hidden", "heads", "kv-heads", "intermediate", "vocab"):
+        model.add_argument(f"--{flag}", type=int)
+    parser.add_argument("--bucket-mb", type=int, help="pipeline.weight_bucket_mb (256; quick: 4)")
+    parser.add_argument("--receivers", type=int, default=2, help="generation workers")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--timeout-s", type=float, default=1800.0, help="per call")
+    parser.add_argument("--json", type=Path, help="write every figure here")
+    args = parser.parse_args(argv)
+    flags = [args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate, args.vocab]
+    if any(flag is not None for flag in flags) and not all(flag is not None for flag in flags):
+        parser.error("a custom shape needs all of --layers --hidden --heads --kv-heads "
+                     "--intermediate --vocab")  # fmt: skip
+    if args.bucket_mb is None:
+        args.bucket_mb = QUICK_BUCKET_MB if args.quick else 256
+    if args.receivers < 1 or args.repeats < 1:
+        parser.error("--receivers and --repeats must be at least 1")
+    return args
+
+
+def shapes_of(args: argparse.Namespace) -> list[ModelShape]:
+    if args.layers is not None:
+        name = f"Qwen2 {args.layers}L/{args.hidden}H/V{args.vocab}"
+        dims = (args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate, args.vocab)
+        return [ModelShape(name, *dims, tied=True)]
+    if args.quick:
+        return [QUICK]
+    return [QWEN25_05B, QWEN25_15B]
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        python_path = os.pathsep.join(
+            p for p in (str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")) if p
+        )
+        env = {
+            "PYTHONPATH": python_path,
+            "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        }
+        ray.init(
+            num_cpus=os.cpu_count() or 1,
+            include_dashboard=False,
+            runtime_env={"env_vars": {**env, "TRANSFORMERS_VERBOSITY": "error"}},
+        )
+    try:
+        measured = [measure_shape(args, shape) for shape in shapes_of(args)]
+    finally:
+        if started_ray:
+            ray.shutdown()
+    result = {
+        "settings": {key: value for key, value in vars(args).items() if key != "json"},
+        "shapes": measured,
+    }
+    print_report(measured)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

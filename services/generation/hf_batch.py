@@ -1,0 +1,129 @@
+"""The rows being decoded by the `hf` backend: their KV cache and attention mask, in one batch.
+
+Rows of different lengths share one left-padded layout: every row's real tokens end at the
+right edge, padding (attention mask 0, keys and values 0) fills the left. Continuous batching
+needs three operations on it, all here: merge the cache of newly prefilled rows into the
+running batch (left-padding whichever is shorter), drop rows that ended, and cut padding
+columns that no remaining row needs. Positions are counted from each row's first real token
+(`position_ids_for`), so padding never shifts them.
+
+Only full-attention caches (transformers' `DynamicLayer`) can be merged this way; a sliding
+window or linear-attention layer is refused by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+
+def left_pad(
+    rows: Sequence[Sequence[int]], pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token id rows into (input_ids, attention_mask), both (B, max_len) int64."""
+    width = max(len(row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for index, row in enumerate(rows):
+        if row:
+            input_ids[index, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+            attention_mask[index, width - len(row) :] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counted from each row's first real token, so left padding does not shift them.
+
+    Padding slots get position 0; they are masked out, so their value never matters. (Rotary
+    models only see position differences within a row, but the prefill and every decode step
+    must agree on them, and models with absolute positions see the values themselves.)
+    """
+    return (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
+
+
+def _full_attention_layers(cache: DynamicCache) -> list[DynamicLayer]:
+    layers: list[DynamicLayer] = []
+    for index, layer in enumerate(cache.layers):
+        if type(layer) is not DynamicLayer:
+            raise NotImplementedError(
+                "continuous batching merges full-attention KV caches only; "
+                f"layer {index} is {type(layer).__name__}"
+            )
+        assert isinstance(layer, DynamicLayer)  # for mypy: `type(...) is` does not narrow
+        if layer.keys is None or layer.values is None:
+            raise ValueError(f"layer {index} of the KV cache was never filled by a forward")
+        layers.append(layer)
+    return layers
+
+
+def _pad_left(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """`tensor` left-padded with zeros to `width` along `dim` (counted from the end)."""
+    missing = width - tensor.shape[dim]
+    if missing == 0:
+        return tensor
+    pad = [0, 0] * (-dim - 1) + [missing, 0]
+    return F.pad(tensor, pad)
+
+
+class RunningBatch:
+    """KV cache (each layer's keys/values (B, H, L, D)) and attention mask (B, L) of B rows.
+
+    Invariant: the cache holds L columns for every row, and `mask[b]` is 1 exactly over row
+    b's real tokens (right-aligned). The next token fed to row b sits at position
+    `mask[b].sum()`.
+    """
+
+    def __init__(self, cache: DynamicCache, mask: torch.Tensor) -> None:
+        self.cache = cache
+        self.mask = mask
+
+    @property
+    def rows(self) -> int:
+        return int(self.mask.shape[0])
+
+    def next_positions(self) -> torch.Tensor:
+        """(B, 1) position of the token each row is fed next."""
+        return self.mask.sum(dim=-1, keepdim=True)
+
+    def mask_with_next(self) -> torch.Tensor:
+        """The mask for a decode step: this batch's columns plus one real column for the fed
+        token. After the forward, `fed_one` makes it the batch's mask."""
+        return F.pad(self.mask, (0, 1), value=1)
+
+    def fed_one(self) -> None:
+        """Record that one token per row was fed (its keys and values are now cached)."""
+        self.mask = self.mask_with_next()
+
+    def merge(self, other: RunningBatch) -> None:
+        """Append `other`'s rows after this batch's, left-padding the shorter of the two."""
+        width = max(self.mask.shape[-1], other.mask.shape[-1])
+        for mine, theirs in zip(
+            _full_attention_layers(self.cache), _full_attention_layers(other.cache), strict=True
+        ):
+            assert mine.keys is not None and mine.values is not None
+            assert theirs.keys is not None and theirs.values is not None
+            mine.keys = torch.cat(
+                [_pad_left(mine.keys, width, -2), _pad_left(theirs.keys, width, -2)]
+            )
+            mine.values = torch.cat(
+                [_pad_left(mine.values, width, -2), _pad_left(theirs.values, width, -2)]
+            )
+        self.mask = torch.cat([_pad_left(self.mask, width, -1), _pad_left(other.mask, width, -1)])
+
+    def select(self, keep: torch.Tensor) -> None:
+        """Keep the rows `keep` (indices, in the new order) and cut padding columns that no
+        kept row uses, so a long row that ended stops costing attention width."""
+        self.cache.batch_select_indices(keep)
+        self.mask = self.mask[keep]
+        used = self.mask.any(dim=0).nonzero()
+        first = int(used[0, 0]) if used.numel() else self.mask.shape[-1]
+        if first > 0:
+            for layer in _full_attention_layers(self.cache):
+                assert layer.keys is not None and layer.values is not None
+                layer.keys = layer.keys[..., first:, :]
+                layer.values = layer.values[..., first:, :]
+            self.mask = self.mask[:, first:]

@@ -1,0 +1,105 @@
+"""What the vLLM backend checks weights against: the checkpoint it started from.
+
+vLLM's model holds fused, sharded parameters under its own names; the learner sends Hugging
+Face names. So a publish is checked against the checkpoint's tensor names and shapes (read from
+the safetensors headers, no tensor loaded), before anything reaches the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+from services.generation.base import StateDictMismatchError
+from services.weights.base import TensorSpec, WeightsManifest
+from services.weights.buckets import plan_buckets
+
+
+def checkpoint_shapes(model_path: str | os.PathLike[str]) -> dict[str, tuple[int, ...]] | None:
+    """Tensor names and shapes of a local safetensors checkpoint, from the file headers only.
+
+    None when `model_path` is not a local directory with safetensors files (e.g. a hub name):
+    weights are then not checked before loading.
+    """
+    directory = Path(model_path)
+    files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes
+
+
+def ties_embeddings(model_path: str | os.PathLike[str]) -> bool:
+    config = Path(model_path) / "config.json"
+    if not config.is_file():
+        return False
+    return bool(json.loads(config.read_text()).get("tie_word_embeddings", False))
+
+
+def _ignorable(name: str, tied_embeddings: bool) -> bool:
+    """Names a sender may include that a checkpoint omits and vLLM skips: the output head of a
+    tied model, and the rotary `inv_freq` buffers of older transformers versions."""
+    return (tied_embeddings and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
+
+
+def check_state_dict(
+    expected: Mapping[str, tuple[int, ...]],
+    state_dict: Mapping[str, torch.Tensor],
+    tied_embeddings: bool,
+) -> None:
+    """Raise StateDictMismatchError naming missing, unexpected and wrongly shaped keys.
+
+    `expected` holds the checkpoint's names (Hugging Face names, which the learner's state dict
+    uses too). A state dict may also carry the names `_ignorable` lets through.
+    """
+    missing = sorted(set(expected) - set(state_dict))
+    unexpected = sorted(
+        key for key in set(state_dict) - set(expected) if not _ignorable(key, tied_embeddings)
+    )
+    wrong_shape = [
+        f"{key}: got {tuple(state_dict[key].shape)}, model has {shape}"
+        for key, shape in expected.items()
+        if key in state_dict and tuple(state_dict[key].shape) != shape
+    ]
+    if missing or unexpected or wrong_shape:
+        raise StateDictMismatchError(
+            "state dict does not match the model: "
+            f"missing keys {missing}; unexpected keys {unexpected}; wrong shapes {wrong_shape}"
+        )
+
+
+def manifest_expectation(
+    expected: Mapping[str, tuple[int, ...]], manifest: WeightsManifest, tied_embeddings: bool
+) -> dict[str, tuple[int, ...]]:
+    """The checkpoint's names and shapes, plus the names `_ignorable` lets through that
+    `manifest` sends (sent tensors or aliases), as `check_manifest` is to expect them."""
+    out = dict(expected)
+    shapes = {spec.name: spec.shape for bucket in manifest.buckets for spec in bucket}
+    sent = {**shapes, **{a: shapes[n] for a, n in manifest.aliases.items() if n in shapes}}
+    for name, shape in sent.items():
+        if name not in out and _ignorable(name, tied_embeddings):
+            out[name] = shape
+    return out
+
+
+def state_dict_buckets(
+    state_dict: Mapping[str, torch.Tensor], version: int, bucket_bytes: int
+) -> tuple[WeightsManifest, Iterator[dict[str, torch.Tensor]]]:
+    """A manifest of `state_dict` in buckets of about `bucket_bytes`, and its buckets (views)."""
+    specs = [
+        TensorSpec(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+        for name, t in state_dict.items()
+    ]
+    manifest = WeightsManifest(version=int(version), buckets=plan_buckets(specs, bucket_bytes))
+    buckets = ({spec.name: state_dict[spec.name] for spec in b} for b in manifest.buckets)
+    return manifest, buckets

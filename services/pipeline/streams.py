@@ -1,0 +1,81 @@
+"""What the driver knows of each generation worker's stream: the groups it holds, whether it may
+take more, and how fast it returns them (for the stall deadline).
+
+A worker holds at most `generation.prompts_per_batch` groups at once (submitted, not returned).
+Its groups come back one poll at a time, each as soon as its G responses end, so the driver never
+waits for the longest response of a batch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.messages import Prompt, Response
+
+# A worker with groups in flight that returns none for STALL_FACTOR times the time its longest
+# possible response takes at its measured speed (plus STALL_MARGIN_S) is taken for hung.
+STALL_FACTOR = 4.0
+STALL_MARGIN_S = 30.0
+
+
+@dataclass
+class WorkerStream:
+    """One generation worker as the driver sees it."""
+
+    actor: Any
+    # prompt_id -> (prompt, when it was submitted): the groups the worker holds.
+    outstanding: dict[str, tuple[Prompt, float]] = field(default_factory=dict)
+    # False until the worker holds the run's current weights (a replacement, or a worker whose
+    # collective receive is pending): no prompt is submitted to it meanwhile.
+    ready: bool = True
+    last_progress: float = field(default_factory=time.perf_counter)
+    tokens: int = 0  # response tokens returned
+    row_seconds: float = 0.0  # seconds each returned response was in flight, summed
+
+    def room(self, limit: int, streaming: bool = True) -> int:
+        """Groups it may be handed now: up to `limit` held at once; without streaming, only
+        when it holds none (a batch at a time)."""
+        if not self.ready or (self.outstanding and not streaming):
+            return 0
+        return max(0, limit - len(self.outstanding))
+
+    def submitted(self, prompts: list[Prompt]) -> None:
+        now = time.perf_counter()
+        if not self.outstanding:
+            self.last_progress = now  # an idle worker is not late
+        for prompt in prompts:
+            self.outstanding[prompt.prompt_id] = (prompt, now)
+
+    def returned(self, groups: list[list[Response]]) -> list[Prompt]:
+        """Record groups that came back; their prompts, in the order of `groups`."""
+        now = time.perf_counter()
+        prompts = []
+        for group in groups:
+            prompt, submitted = self.outstanding.pop(group[0].prompt_id)
+            prompts.append(prompt)
+            self.tokens += sum(len(r.response_token_ids) for r in group)
+            self.row_seconds += (now - submitted) * len(group)
+        if groups:
+            self.last_progress = now
+        return prompts
+
+    def take_all(self) -> list[Prompt]:
+        """Every prompt the worker held (it died or was taken for hung), oldest first."""
+        prompts = [prompt for prompt, _ in self.outstanding.values()]
+        self.outstanding.clear()
+        return prompts
+
+    def stall_deadline(self, max_new_tokens: int, first_group_timeout_s: float) -> float:
+        """Seconds without a returned group after which the worker is taken for hung."""
+        if self.tokens == 0:  # nothing measured yet: its engine may still be starting
+            return first_group_timeout_s
+        tokens_per_row_second = self.tokens / max(self.row_seconds, 1e-9)
+        return STALL_FACTOR * max_new_tokens / tokens_per_row_second + STALL_MARGIN_S
+
+    def stalled(self, now: float, max_new_tokens: int, first_group_timeout_s: float) -> bool:
+        if not self.outstanding:
+            return False
+        deadline = self.stall_deadline(max_new_tokens, first_group_timeout_s)
+        return now - self.last_progress > deadline

@@ -1,0 +1,133 @@
+"""The actor supervisor: replaces generation and verifier actors that die or hang, within the
+run's fault budget (`pipeline.actor_replacements`), and keeps their pids in status.json.
+
+Hung: a verifier call past `reward.call_timeout_s`, or a generation worker holding prompts that
+returned no group past its stall deadline (`WorkerStream.stall_deadline`). A hung actor is
+killed, so its calls fail like those of a dead one and take the same path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+import ray
+from ray.exceptions import RayActorError
+
+from kpo_core.config import RunSpec
+from services.pipeline.actors import RunActors, start_generation_worker, start_verifier
+
+log = logging.getLogger(__name__)
+
+ROLE_KEYS = {"generation": "generation", "verifier": "verifiers"}  # role -> status.json key
+
+
+class FaultBudgetExhausted(RuntimeError):
+    """More actors died than the run's spec allows it to survive."""
+
+
+class FaultCounters(Protocol):
+    generation_replacements: int
+    verifier_replacements: int
+
+
+class ActorSupervisor:
+    """Replacement of generation and verifier actors; `counters` receives the counts."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        counters: Callable[[], FaultCounters],
+        model_dir: Callable[[], Any],
+        report_pids: Callable[[dict[str, list[int]]], None],
+    ) -> None:
+        self.spec = spec
+        self._counters = counters
+        self._model_dir = model_dir
+        self._report_pids = report_pids
+        self.pids: dict[str, list[int]] = {}
+        self._new_pids: list[tuple[str, int, Any]] = []  # (role key, index, pid ref)
+        self._hung: list[Any] = []  # handles killed as hung (each is killed once)
+
+    def replace(
+        self, actors: RunActors, role: str, index: int, dead: Any, error: BaseException
+    ) -> Any | None:
+        """Put a new actor at `actors.<role>[index]`; the new handle, or None when `dead` was
+        replaced already (several calls failed with the same actor)."""
+        pool = actors.generation if role == "generation" else actors.verifiers
+        if pool[index] is not dead:
+            return None
+        c = self._counters()
+        used = c.generation_replacements + c.verifier_replacements
+        allowed = self.spec.pipeline.actor_replacements
+        if used >= allowed:
+            raise FaultBudgetExhausted(
+                f"a {role} actor failed after {used} actors were replaced already "
+                f"(pipeline.actor_replacements = {allowed}): {type(error).__name__}: {error}"
+            ) from error
+        log.warning("%s actor %d failed (%s): replacing it", role, index, type(error).__name__)
+        self.kill(dead)
+        if role == "generation":
+            pool[index] = start_generation_worker(self.spec, self._model_dir())
+            c.generation_replacements += 1
+        else:
+            pool[index] = start_verifier(self.spec)
+            c.verifier_replacements += 1
+        # Asked now, read once the actor is up (a vLLM engine takes minutes): see record_pids.
+        pid_ref = pool[index].__ray_call__.remote(lambda _self: os.getpid())
+        self._new_pids.append((ROLE_KEYS[role], index, pid_ref))
+        return pool[index]
+
+    @staticmethod
+    def kill(handle: Any) -> None:
+        try:
+            ray.kill(handle, no_restart=True)
+        except Exception as kill_error:  # already gone, which is what we want
+            log.debug("kill %s: %s", handle, kill_error)
+
+    def kill_as_hung(self, handle: Any, what: str) -> None:
+        """Kill an actor taken for hung (once): its calls then fail as a dead actor's do."""
+        if any(handle is hung for hung in self._hung):
+            return
+        self._hung.append(handle)
+        log.warning("%s: taking it for hung", what)
+        ray.kill(handle, no_restart=True)
+
+    def stop_hung_verifiers(self, calls: Iterable[tuple[Any, int, float]]) -> None:
+        """Kill a verifier actor whose call (actor, index, started) ran past its timeout.
+
+        Checks inside an actor have their own timeout (reward.timeout_s); this catches the actor
+        itself stuck.
+        """
+        limit = self.spec.reward.call_timeout_s
+        now = time.perf_counter()
+        for actor, index, started in calls:
+            if now - started > limit:
+                self.kill_as_hung(
+                    actor,
+                    f"verifier actor {index} has not answered in {now - started:.0f} s "
+                    "(reward.call_timeout_s)",
+                )
+
+    def record_pids(self) -> None:
+        """Put the pids of replacement actors that are up into status.json, for operators."""
+        if not self._new_pids:
+            return
+        refs = [ref for _, _, ref in self._new_pids]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        if not ready:
+            return
+        waiting = []
+        for key, index, ref in self._new_pids:
+            if ref not in ready:
+                waiting.append((key, index, ref))
+                continue
+            # One that died while starting is replaced again when its first call fails.
+            with contextlib.suppress(RayActorError):
+                self.pids[key][index] = ray.get(ref)
+        self._new_pids = waiting
+        self._report_pids(self.pids)

@@ -1,0 +1,1 @@
+"""Weight transports from the learner to generation: object_store and collective (see base)."""

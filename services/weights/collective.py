@@ -1,0 +1,260 @@
+"""The `collective` weight transport: buckets broadcast from learner rank 0 over a process group.
+
+Learner rank 0 serves a TCPStore (`open_weight_group`, which returns at once) and every
+receiving process of the generation workers joins it (`connect`, which blocks until all have).
+The group is a standalone process group built on that store, not torch.distributed's default
+group: learner rank 0 already has one (its FSDP group), and a generation worker may have its
+own (vLLM's tensor parallelism). Gloo on CPU, NCCL with CUDA tensors. Every key is under a
+prefix naming the group's generation, so a group re-formed after a worker was replaced never
+reads a key of an earlier one.
+
+Per publish, rank 0 first broadcasts a header (version, buckets, bytes) that every receiver
+checks against the manifest it got through Ray, then each bucket, packed into one flat byte
+tensor: no message is larger than one bucket (or one tensor larger than a bucket). Every
+collective waits at most the group's timeout, so a dead or stuck peer raises instead of hanging
+(`WeightGroupError`). Under NCCL, torch's default error handling ends the process whose
+collective timed out (TORCH_NCCL_ASYNC_ERROR_HANDLING=3, read when a group is built); 2 makes it
+abort the communicator and raise instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch._C._distributed_c10d import (
+    BroadcastOptions,
+    PrefixStore,
+    ProcessGroupGloo,
+    Store,
+    TCPStore,
+)
+
+from services.weights.base import WeightGroup, WeightsManifest
+from services.weights.buckets import bucket_nbytes, bucket_tensors, pack_bucket, unpack_bucket
+
+DEFAULT_TIMEOUT_S = 600.0
+STORE_PREFIX = "kpo-weights"
+
+# The store each group's rank 0 serves, by address: it lives as long as the group (the process
+# group holds it too, but the address must stay served until every receiver has joined).
+_SERVED: dict[str, TCPStore] = {}
+
+
+class WeightGroupError(RuntimeError):
+    """A collective of a weight group failed: a peer died, left, or did not answer in time.
+    The group is unusable afterwards (its ranks are out of step): close it and form another."""
+
+
+def node_address() -> str:
+    """This node's IP as other nodes reach it (Ray's view of the node)."""
+    import ray
+
+    host: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+    return host
+
+
+def open_weight_group(
+    world_size: int,
+    backend: Literal["nccl", "gloo"],
+    generation: int,
+    *,
+    host: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> WeightGroup:
+    """Serve the group's store on a free port of this node (learner rank 0); return at once.
+
+    `world_size` counts learner rank 0 and every receiving process.
+    """
+    if world_size < 2:
+        raise ValueError(f"a weight group needs rank 0 and a receiver: world_size {world_size}")
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"weight group backend must be 'nccl' or 'gloo', got {backend!r}")
+    host = host or node_address()
+    store = TCPStore(
+        host,
+        0,
+        world_size,
+        is_master=True,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+    address = f"{host}:{store.port}"
+    _SERVED[address] = store
+    return WeightGroup(address, world_size, backend, generation)
+
+
+def stop_serving(group: WeightGroup) -> None:
+    """Stop serving `group`'s store (its rank 0; idempotent). Joined ranks are unaffected."""
+    _SERVED.pop(group.address, None)
+
+
+def _client_store(group: WeightGroup, rank: int, timeout: timedelta) -> Store:
+    served = _SERVED.get(group.address)
+    if rank == 0:
+        if served is None:
+            raise ValueError(
+                f"rank 0 of weight group {group.address} must be the process that opened it"
+            )
+        served.set_timeout(timeout)
+        return served
+    host, _, port = group.address.rpartition(":")
+    return TCPStore(host, int(port), is_master=False, timeout=timeout)
+
+
+def _backend(
+    group: WeightGroup, store: Store, rank: int, timeout: timedelta, host: str | None
+) -> tuple[Any, torch.device]:
+    """The process group's backend object and the device its tensors live on."""
+    if group.backend == "nccl":
+        nccl = getattr(dist, "ProcessGroupNCCL", None)
+        if nccl is None or not torch.cuda.is_available():
+            raise RuntimeError("weight group backend 'nccl' needs a CUDA build of torch and a GPU")
+        options = nccl.Options()
+        options._timeout = timeout
+        options.is_high_priority_stream = False
+        device = torch.device("cuda", torch.cuda.current_device())
+        return nccl(store, rank, group.world_size, options), device
+    # The options overload (not in torch's stubs) lets gloo bind to this node's address, not
+    # whatever the hostname resolves to (often a loopback address other nodes cannot reach).
+    options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._timeout = timeout
+    options._devices = [ProcessGroupGloo.create_device(hostname=host or node_address())]
+    gloo = ProcessGroupGloo(store, rank, group.world_size, options)
+    return gloo, torch.device("cpu")
+
+
+def connect(
+    group: WeightGroup,
+    rank: int,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    host: str | None = None,
+) -> WeightChannel:
+    """Join `group` as `rank` (0: the learner rank that opened it); blocks until every rank has
+    joined, or raises after `timeout_s`. `host`: this process's address for gloo (default:
+    the node's)."""
+    if not 0 <= rank < group.world_size:
+        raise ValueError(f"rank {rank} is outside weight group of size {group.world_size}")
+    timeout = timedelta(seconds=timeout_s)
+    try:
+        served = _client_store(group, rank, timeout)
+        store = PrefixStore(f"{STORE_PREFIX}/{group.generation}", served)
+        backend, device = _backend(group, store, rank, timeout, host)
+    except RuntimeError as error:  # torch's store and gloo errors (a peer that never came)
+        raise WeightGroupError(
+            f"weight group {group.address} (generation {group.generation}), rank {rank}: "
+            f"could not connect within {timeout_s} s: {error}"
+        ) from error
+    channel = WeightChannel(group, rank, backend, device, timeout)
+    # Gloo connects in its constructor, NCCL at the first collective: one tiny broadcast makes
+    # both return only once every rank is in.
+    hello = torch.tensor([group.generation], dtype=torch.int64, device=device)
+    channel._broadcast(hello)
+    if int(hello.item()) != group.generation:
+        raise RuntimeError(f"weight group {group.address}: generation {int(hello.item())} answered")
+    return channel
+
+
+@dataclass
+class WeightChannel:
+    """One rank's end of a weight group: rank 0 sends, the others receive."""
+
+    group: WeightGroup
+    rank: int
+    backend: Any  # a torch.distributed Backend (ProcessGroupGloo or ProcessGroupNCCL)
+    device: torch.device
+    timeout: timedelta
+    # Bytes of every broadcast this end took part in, in order (the header's included).
+    messages: list[int] = field(default_factory=list)
+
+    def _broadcast(self, tensor: Tensor) -> None:
+        if self.backend is None:
+            raise RuntimeError(f"weight group {self.group.address} is closed")
+        options = BroadcastOptions()
+        options.rootRank = 0
+        options.rootTensor = 0
+        options.timeout = self.timeout
+        nbytes = tensor.numel() * tensor.element_size()
+        try:
+            work = self.backend.broadcast([tensor], options)
+            # With a timeout, wait blocks this thread (NCCL included) and raises when it passes.
+            work.wait(self.timeout)
+        except RuntimeError as error:
+            raise WeightGroupError(
+                f"weight group {self.group.address} (generation {self.group.generation}), rank "
+                f"{self.rank}: broadcast {len(self.messages)} of {nbytes} bytes failed: {error}"
+            ) from error
+        self.messages.append(nbytes)
+
+    def _header(self, manifest: WeightsManifest) -> Tensor:
+        values = [manifest.version, len(manifest.buckets), manifest.nbytes]
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    def send(self, manifest: WeightsManifest, buckets: Iterable[dict[str, Tensor]]) -> None:
+        """Broadcast `manifest`'s version bucket by bucket (rank 0; buckets in manifest order).
+
+        Each bucket is packed on this group's device and dropped before the next is taken.
+        """
+        if self.rank != 0:
+            raise RuntimeError(f"rank {self.rank} of a weight group receives, only rank 0 sends")
+        self._broadcast(self._header(manifest))
+        remaining = iter(manifest.buckets)
+        sent = 0
+        for bucket in buckets:
+            specs = next(remaining, None)
+            if specs is None:
+                raise ValueError(f"more buckets than the manifest's {len(manifest.buckets)}")
+            flat = pack_bucket(bucket_tensors(bucket, specs)).to(self.device)
+            self._broadcast(flat)
+            sent += 1
+            del flat, bucket
+        if sent != len(manifest.buckets):
+            raise ValueError(f"sent {sent} buckets, the manifest has {len(manifest.buckets)}")
+
+    def receive(
+        self, manifest: WeightsManifest, device: torch.device | str | None = None
+    ) -> Iterator[dict[str, Tensor]]:
+        """The buckets rank 0 sends for `manifest`, one at a time, on `device` (default: the
+        group's). The header is received (and checked) before this returns; every bucket must
+        then be taken (a receiver that stops early leaves rank 0 waiting until the timeout)."""
+        if self.rank == 0:
+            raise RuntimeError("rank 0 of a weight group sends; receivers are ranks >= 1")
+        header = self._header(manifest)
+        expected = header.tolist()
+        self._broadcast(header)
+        if header.tolist() != expected:
+            version, buckets, nbytes = header.tolist()
+            raise RuntimeError(
+                f"weight group sent version {version} ({buckets} buckets, {nbytes} bytes), "
+                f"expected version {manifest.version} ({len(manifest.buckets)} buckets, "
+                f"{manifest.nbytes} bytes)"
+            )
+        target = torch.device(device) if device is not None else self.device
+        return self._buckets(manifest, target)
+
+    def _buckets(
+        self, manifest: WeightsManifest, target: torch.device
+    ) -> Iterator[dict[str, Tensor]]:
+        for specs in manifest.buckets:
+            flat = torch.empty(bucket_nbytes(specs), dtype=torch.uint8, device=self.device)
+            self._broadcast(flat)
+            bucket = unpack_bucket(flat if target == self.device else flat.to(target), specs)
+            del flat
+            yield bucket
+            del bucket
+
+    def close(self) -> None:
+        """Leave the group (rank 0 also stops serving its store); idempotent."""
+        if self.backend is not None:
+            try:
+                self.backend.shutdown()
+            finally:
+                self.backend = None
+        if self.rank == 0:
+            stop_serving(self.group)

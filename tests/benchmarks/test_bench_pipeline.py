@@ -1,0 +1,34 @@
+"""The pipeline benchmark's modes: each is a valid run spec that sets what its name says."""
+
+from __future__ import annotations
+
+import bench_pipeline
+import pytest
+from bench_pipeline import MODES, mode_spec
+
+from services.pipeline.specs import load_run_spec
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_mode_is_a_run_spec_of_that_mode(mode: str) -> None:
+    base = load_run_spec(bench_pipeline.DEFAULT_CONFIG, [])
+    spec = mode_spec(base, mode, steps=6, long_tail=True)
+    assert spec.pipeline.steps == 6 and spec.pipeline.checkpoint_every == 0
+    assert spec.pipeline.mode == ("sync" if mode == "sync" else "async")
+    assert spec.generation.streaming == (mode in {"async-stream", "async-inflight"})
+    assert spec.pipeline.in_flight_updates == (mode == "async-inflight")
+    assert (spec.task.difficulty, spec.task.difficulty_max) == (1, 5)
+    assert spec.generation.max_new_tokens == bench_pipeline.LONG_TAIL_MAX_NEW_TOKENS
+
+
+def test_without_long_tail_the_configs_task_stays() -> None:
+    base = load_run_spec(bench_pipeline.DEFAULT_CONFIG, [])
+    spec = mode_spec(base, "async-stream", steps=6, long_tail=False)
+    assert spec.task == base.task
+    assert spec.generation.max_new_tokens == base.generation.max_new_tokens
+
+
+def test_modes_without_the_sync_baseline_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        bench_pipeline.main(["--modes", "async-stream"])
+    assert "must include sync" in capsys.readouterr().err

@@ -1,0 +1,45 @@
+"""The weight-sync benchmark end to end at a tiny size (a real Ray instance, both transports).
+
+The benchmark itself fails unless every worker ends with the learner's weights, bitwise; here
+the figures' structure and the bytes that must be exact are checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+from pathlib import Path
+
+import bench_weight_sync
+
+# fmt: off
+TINY_FLAGS = [
+    "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--intermediate", "128",
+    "--vocab", "1000", "--bucket-mb", "1", "--repeats", "1", "--timeout-s", "300",
+]
+# fmt: on
+
+
+def test_both_transports_deliver_and_are_measured(tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        returned = bench_weight_sync.main([*TINY_FLAGS, "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(returned))
+    (shape,) = returned["shapes"]
+    object_store, collective = shape["transports"]
+    assert (object_store["transport"], collective["transport"]) == ("object_store", "collective")
+    for result in (object_store, collective):
+        assert math.isfinite(result["seconds"]) and result["seconds"] > 0
+        assert result["learner_extra_peak_bytes"] >= 0
+        assert result["receiver_extra_peak_bytes"] >= 0
+    assert object_store["vs_object_store"]["seconds"] == 1.0
+    assert math.isfinite(collective["vs_object_store"]["seconds"])
+    # bfloat16, the tied head sent once: exactly two bytes a parameter went into the store.
+    assert object_store["object_store_bytes"] == shape["model"]["publish_bytes"]
+    assert shape["model"]["publish_bytes"] == 2 * shape["model"]["params"]
+    assert collective["object_store_bytes"] == 0 and collective["group_setup_seconds"] > 0
+    report = printed.getvalue()
+    assert "object_store" in report and "collective" in report and "vs obj" in report

@@ -1,0 +1,143 @@
+"""Publishing from a learner group on a real local Ray instance, through both transports.
+
+The receivers are plain Ray actors holding the tiny model (what a generation worker does with
+the weights is its own test's business): after each publish their weights must equal the
+learner's, bitwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+from ray.exceptions import RayActorError, RayTaskError
+from torch import Tensor
+from transformers import AutoModelForCausalLM
+
+from kpo_core.config import LearnerConfig, PipelineConfig, RunSpec
+from services.learner.group import LearnerGroup, wait_all
+from services.messages import ScoredGroup
+from services.weights.base import WeightGroup, WeightsManifest, WeightsOffer, WeightTransportName
+from services.weights.collective import WeightChannel, connect
+from services.weights.loading import load_buckets_into
+from services.weights.object_store import fetch_buckets
+
+pytestmark = pytest.mark.usefixtures("ray_instance")
+
+
+class ReceiverImpl:
+    """A model that takes published weights, as a generation worker's backend does."""
+
+    def __init__(self, model_dir: str) -> None:
+        torch.set_num_threads(1)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir)
+        self.channel: WeightChannel | None = None
+
+    def fetch(self, wrapped: list[WeightsOffer]) -> int:
+        offer = wrapped[0]
+        load_buckets_into(self.model, fetch_buckets(offer), offer.manifest)
+        return offer.manifest.version
+
+    def join(self, group: WeightGroup, rank: int) -> None:
+        self.channel = connect(group, rank, timeout_s=60)
+
+    def receive(self, manifest: WeightsManifest) -> int:
+        assert self.channel is not None
+        load_buckets_into(self.model, self.channel.receive(manifest), manifest)
+        return manifest.version
+
+    def weights(self) -> dict[str, Tensor]:
+        return {name: tensor.clone() for name, tensor in self.model.state_dict().items()}
+
+
+Receiver = ray.remote(num_cpus=0.25)(ReceiverImpl)
+
+
+def start_learner(model_dir: Path, transport: WeightTransportName) -> LearnerGroup:
+    spec = RunSpec(
+        learner=LearnerConfig(lr=1e-2, num_cpus=0.5),
+        pipeline=PipelineConfig(weight_transport=transport, weight_bucket_mb=1),
+    )
+    group = LearnerGroup(spec, str(model_dir))
+    wait_all(group.setup())
+    return group
+
+
+@pytest.fixture(scope="module")
+def receivers(tiny_model_dir: Path, ray_instance: None) -> Iterator[list[Any]]:
+    actors: list[Any] = [Receiver.remote(str(tiny_model_dir)) for _ in range(2)]
+    yield actors
+    for actor in actors:
+        ray.kill(actor)
+
+
+def assert_same(got: dict[str, Tensor], want: dict[str, Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+
+
+def test_object_store_offers_reach_a_worker_bitwise(
+    tiny_model_dir: Path, groups: list[ScoredGroup], receivers: list[Any]
+) -> None:
+    learner = start_learner(tiny_model_dir, "object_store")
+    try:
+        initial: WeightsOffer = ray.get(learner.initial_weights())
+        assert initial.transport == "object_store" and initial.manifest.version == 0
+        assert len(initial.bucket_refs) == len(initial.manifest.buckets)
+        before = ray.get(receivers[0].weights.remote())
+
+        refs = learner.step(groups)
+        assert ray.get(refs.metrics)["policy_version"] == 1.0
+        offer: WeightsOffer = ray.get(refs.weights)
+        assert offer.manifest.version == 1
+        # Wrapped in a list, as the driver does: the worker gets the refs, not the buckets.
+        assert ray.get(receivers[0].fetch.remote([offer])) == 1
+        got = ray.get(receivers[0].weights.remote())
+        assert_same(got, learner.call("published_state_dict"))
+        assert any(not torch.equal(got[name], before[name]) for name in got)
+    finally:
+        learner.kill()
+
+
+def test_collective_publishes_reach_workers_and_survive_a_dead_one(
+    tiny_model_dir: Path, groups: list[ScoredGroup], receivers: list[Any]
+) -> None:
+    learner = start_learner(tiny_model_dir, "collective")
+    first, second = receivers
+    try:
+        weights = ray.get(learner.open_weight_group(3, 1))
+        assert weights.backend == "gloo" and weights.world_size == 3
+        joined = [first.join.remote(weights, 1), second.join.remote(weights, 2)]
+        wait_all([learner.connect_weight_group(weights), *joined])
+
+        refs = learner.step(groups)
+        offer: WeightsOffer = ray.get(refs.weights)
+        assert offer.transport == "collective" and offer.bucket_refs == ()
+        assert offer.manifest.version == 1
+        received = [r.receive.remote(offer.manifest) for r in (first, second)]
+        wait_all([*learner.send_weights(), *received])
+        published = learner.call("published_state_dict")
+        for receiver in (first, second):
+            assert_same(ray.get(receiver.weights.remote()), published)
+
+        # A worker dies: the next send fails, naming the group; the learner lives on.
+        ray.kill(second)
+        receiving = first.receive.remote(offer.manifest)
+        with pytest.raises(RayTaskError, match=r"weight group .*\(generation 1\), rank 0"):
+            wait_all(learner.send_weights())
+        with pytest.raises((RayTaskError, RayActorError)):
+            ray.get(receiving)
+        assert learner.call("version") == 1
+
+        # A re-formed group (a new generation) of the surviving worker works.
+        weights = ray.get(learner.open_weight_group(2, 2))
+        wait_all([learner.connect_weight_group(weights), first.join.remote(weights, 1)])
+        wait_all([*learner.send_weights(), first.receive.remote(offer.manifest)])
+        assert_same(ray.get(first.weights.remote()), published)
+    finally:
+        learner.kill()

@@ -2,7 +2,7 @@
 # The checks that need a GPU, on a machine with one (never in CI: `make test` ignores tests/gpu):
 #
 #   1. the pipeline on one GPU (scripts/gpu_check.py): a random-initialised ~0.5B Qwen2 model,
-#      3 learner steps on CUDA, vLLM generation, weights over the collective transport; prints
+#      3 learner steps on CUDA, vLLM streaming generation with in-flight weight updates; prints
 #      the time of each stage. Nothing is downloaded.
 #   2. tests/gpu: the learner on CUDA (NCCL, bfloat16 over float32 master weights, chunked
 #      log-probs' memory).

@@ -62,8 +62,11 @@ class HangingWorker:
 def driver_with(
     tmp_path: Path, worker: Any, *overrides: str
 ) -> tuple[RunDriver, RunActors, list[str]]:
-    """A driver whose only generation worker is `worker`, its prompts handed out; their ids."""
-    spec = tiny_spec(*overrides)
+    """A driver whose only generation worker is `worker`, its prompts handed out; their ids.
+
+    Synchronous, so that no prompt is handed out beyond the first batch's until it is scored.
+    """
+    spec = tiny_spec("pipeline.mode=sync", *overrides)
     driver = RunDriver(spec, RunDirectory(tmp_path / "out"), [])
     driver._model_dir = resolve_model(spec.model)
     actors = RunActors(generation=[worker], verifiers=[start_verifier(spec)], learner=None)
@@ -76,11 +79,17 @@ def driver_with(
 
 
 def drive_until(driver: RunDriver, actors: RunActors, groups: int) -> None:
-    """Complete calls (and stop hung actors) until the buffer holds `groups` groups."""
+    """The driver's loop without a learner: hand out prompts, complete calls (weight
+    deliveries included) and stop hung actors until the buffer holds `groups` groups."""
     while len(driver.buffer) < groups:
-        ready, _ = ray.wait(list(driver._pending), num_returns=1, timeout=0.5)
+        driver._dispatch_generation(actors)
+        refs = list(driver._pending) + driver.weights.pending_refs()
+        ready, _ = ray.wait(refs, num_returns=1, timeout=0.5)
         for ref in ready:
-            driver._complete(actors, ref, driver._pending.pop(ref))
+            if ref in driver._pending:
+                driver._complete(actors, ref, driver._pending.pop(ref))
+            else:
+                driver.weights.complete(actors, ref, driver._on_worker_failed)
         driver._stop_hung(actors)
 
 
@@ -118,7 +127,7 @@ def test_a_worker_that_returns_nothing_past_its_deadline_is_replaced(
     # Long enough for the replacement's first groups (it is started up front, so the deadline
     # measures generation, not loading), short enough to wait out the hung one in a test.
     overrides = ("generation.first_group_timeout_s=30",)
-    spec = tiny_spec(*overrides)
+    spec = tiny_spec("pipeline.mode=sync", *overrides)
     replacement = start_generation_worker(spec, resolve_model(spec.model))
     ray.get(replacement.policy_version.remote())  # up and holding the model
     monkeypatch.setattr(supervisor_module, "start_generation_worker", lambda *_: replacement)

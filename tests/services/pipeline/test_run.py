@@ -230,3 +230,27 @@ def test_a_run_of_a_two_rank_fsdp2_learner_trains_and_leaves_a_model_that_genera
     again = AutoModelForCausalLM.from_pretrained(on_disk).state_dict()
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, again[name]), name
+
+
+def test_a_run_over_the_collective_transport_with_in_flight_updates(tmp_path: Path) -> None:
+    """The issue's run: weights broadcast over a gloo group, loaded between decoding steps.
+    Generation never waits for the learner (capacity admission, a wide bound), so versions
+    arrive while responses are in flight and some responses are sampled by two versions."""
+    spec = tiny_spec(
+        "pipeline.steps=5",
+        "pipeline.weight_transport=collective",
+        "pipeline.in_flight_updates=true",
+        "pipeline.admission=capacity",
+        "pipeline.max_staleness=3",
+        "pipeline.buffer_groups=16",
+        "pipeline.checkpoint_every=0",
+    )
+    assert execute_run(spec, RunDirectory(tmp_path)) == "succeeded"
+    records = read_metrics(tmp_path)
+    assert [r["policy_version"] for r in records] == [1, 2, 3, 4, 5]
+    for record in records:
+        assert 1 <= record["version_span_mean"] <= record["version_span_max"]
+        # Staleness is that of a group's oldest token, and the bound applies to it.
+        assert record["staleness_max"] <= 3
+    assert max(r["version_span_max"] for r in records) >= 2
+    assert max(r["staleness_max"] for r in records) >= 1

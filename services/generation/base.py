@@ -247,6 +247,15 @@ def validate_sampling(sampling: SamplingSettings, group_size: int) -> None:
         raise ValueError(f"max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
 
 
+def validate_requests(requests: Sequence[GroupRequest]) -> None:
+    """Raise ValueError naming the prompt of the first request whose settings are invalid."""
+    for request in requests:
+        try:
+            validate_sampling(request.sampling, request.group_size)
+        except ValueError as error:
+            raise ValueError(f"request for prompt {request.prompt.prompt_id!r}: {error}") from None
+
+
 def encode_prompts(tokenizer: Any, prompts: Sequence[Prompt]) -> list[list[int]]:
     """Token ids of each prompt text with the tokenizer's default encoding (no padding).
 

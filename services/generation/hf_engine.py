@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from services.generation.base import GroupRequest, validate_sampling
+from services.generation.base import GroupRequest, validate_requests
 from services.generation.hf_batch import RunningBatch, left_pad, position_ids_for
 from services.generation.hf_sampling import sample_rows
 from services.messages import FinishReason, Response
@@ -119,13 +119,7 @@ class ContinuousBatcher:
 
     def submit(self, requests: Sequence[GroupRequest]) -> None:
         """Validate and encode every request, then queue them (a bad one queues nothing)."""
-        for request in requests:
-            try:
-                validate_sampling(request.sampling, request.group_size)
-            except ValueError as error:
-                raise ValueError(
-                    f"request for prompt {request.prompt.prompt_id!r}: {error}"
-                ) from None
+        validate_requests(requests)
         if not requests:
             return
         prompt_ids = self._encode(requests)

@@ -67,7 +67,7 @@ from services.generation.base import (
     SamplingSettings,
     StateDictMismatchError,
     encode_prompts,
-    validate_sampling,
+    validate_requests,
 )
 from services.generation.vllm_checkpoint import (
     check_state_dict,
@@ -242,13 +242,7 @@ class VLLMBackend(GenerationBackend):
 
         Every request is validated and encoded first, so a bad one adds nothing.
         """
-        for request in requests:
-            try:
-                validate_sampling(request.sampling, request.group_size)
-            except ValueError as error:
-                raise ValueError(
-                    f"request for prompt {request.prompt.prompt_id!r}: {error}"
-                ) from None
+        validate_requests(requests)
         if not requests:
             return
         from vllm import TokensPrompt

@@ -51,6 +51,7 @@ from services.generation.base import (
     GroupRequest,
     SamplingSettings,
     group_requests,
+    validate_requests,
     validate_sampling,
 )
 from services.generation.registry import create_backend
@@ -188,13 +189,7 @@ class GenerationWorkerImpl:
 
     def submit(self, requests: list[GroupRequest]) -> None:
         """Queue groups for the engine (ValueError naming the prompt for bad settings)."""
-        for request in requests:
-            try:
-                validate_sampling(request.sampling, request.group_size)
-            except ValueError as error:
-                raise ValueError(
-                    f"request for prompt {request.prompt.prompt_id!r}: {error}"
-                ) from None
+        validate_requests(requests)
         with self._cv:
             self._raise_if_fatal()
             self._retry_failed_offer()

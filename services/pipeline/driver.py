@@ -320,7 +320,7 @@ class RunDriver:
                 )
             for stream in self._streams:  # they hold the weights on disk until then
                 stream.ready = False
-            self._publish(actors, version, actors.learner.initial_weights())
+            self.weights.publish(actors, version, actors.learner.initial_weights())
         for index in range(len(self._streams)):
             self._poll(actors, index)
         self._throughput = _Throughput()
@@ -630,7 +630,7 @@ class RunDriver:
         step_seconds = time.perf_counter() - call.started
         self.counters.step += 1
         if call.offer_ref is not None:
-            self._publish(actors, self.counters.step, call.offer_ref)
+            self.weights.publish(actors, self.counters.step, call.offer_ref)
         self.buffer.evict_stale(self.counters.step)
         self.counters.rollouts_dropped_stale = self.buffer.dropped_responses
         self.counters.groups_dropped_stale = self.buffer.dropped_groups
@@ -671,10 +671,6 @@ class RunDriver:
     def _emit(self, record: MetricsRecord) -> None:
         for observer in self.observers:
             observer.on_metrics(record)
-
-    def _publish(self, actors: RunActors, version: int, offer_ref: Any) -> None:
-        """Hand weights of `version` to every worker through the run's transport."""
-        self.weights.publish(actors, version, offer_ref)
 
     def _elapsed(self) -> float:
         return self.counters.elapsed_seconds + time.perf_counter() - self._started

@@ -22,13 +22,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from services.generation.base import GroupRequest, SamplingSettings, StateDictMismatchError
 from services.generation.hf_backend import HFBackend
 from services.messages import Prompt, Response
 from services.weights.base import TensorSpec, WeightsManifest
 from services.weights.buckets import plan_buckets
+from tests.services.generation.offline_logprobs import kept_cache_logprobs, plain_logprobs
 
 TOLERANCE = 1e-4
 REQUESTS = [
@@ -70,32 +71,6 @@ def run_with_swap(backend: HFBackend, load: Callable[[], None]) -> list[Response
     while backend.in_flight:
         groups.extend(backend.step())
     return [response for group in groups for response in group]
-
-
-def plain_logprobs(model: PreTrainedModel, response: Response) -> torch.Tensor:
-    ids = torch.tensor([response.prompt_token_ids + response.response_token_ids])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0].float()
-    start = len(response.prompt_token_ids) - 1
-    tokens = torch.tensor(response.response_token_ids)[:, None]
-    out: torch.Tensor = logits[start : start + len(tokens)].log_softmax(-1).gather(-1, tokens)
-    return out[:, 0]
-
-
-def kept_cache_logprobs(
-    old: PreTrainedModel, new: PreTrainedModel, response: Response, k: int
-) -> torch.Tensor:
-    """Log-probs of response tokens k.. under `new`, continuing `old`'s cache of the prompt and
-    the first k - 1 tokens."""
-    prompt, tokens = response.prompt_token_ids, response.response_token_ids
-    cache = DynamicCache(config=old.config)
-    with torch.no_grad():
-        old(input_ids=torch.tensor([prompt + tokens[: k - 1]]), cache=cache, use_cache=True)
-        logits = new(
-            input_ids=torch.tensor([tokens[k - 1 : -1]]), cache=cache, use_cache=True
-        ).logits[0]
-    out: torch.Tensor = logits.float().log_softmax(-1).gather(-1, torch.tensor(tokens[k:])[:, None])
-    return out[:, 0]
 
 
 def split(response: Response) -> int:

@@ -127,6 +127,15 @@ def perturb(weights: Mapping[str, torch.Tensor], seed: int) -> dict[str, torch.T
     }
 
 
+def reference_with(model_dir: Path, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The float32 transformers model of `model_dir` holding `weights`, in eval mode."""
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32
+    )
+    model.load_state_dict(weights)
+    return model.eval()
+
+
 @pytest.fixture(scope="module")
 def perturbed_weights(original_weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return perturb(original_weights, seed=1)
@@ -137,11 +146,7 @@ def perturbed_reference(
     tiny_model_dir: Path, perturbed_weights: dict[str, torch.Tensor]
 ) -> torch.nn.Module:
     """transformers with the perturbed weights: what a learner holding them computes."""
-    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
-        str(tiny_model_dir), dtype=torch.float32
-    )
-    model.load_state_dict(perturbed_weights)
-    return model.eval()
+    return reference_with(tiny_model_dir, perturbed_weights)
 
 
 # Small enough that the tiny model's ~300 KB spread over many buckets, a layer's tensors over
@@ -429,11 +434,7 @@ def never_stopping_weights(
 def never_stopping_reference(
     tiny_model_dir: Path, never_stopping_weights: dict[str, torch.Tensor]
 ) -> torch.nn.Module:
-    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
-        str(tiny_model_dir), dtype=torch.float32
-    )
-    model.load_state_dict(never_stopping_weights)
-    return model.eval()
+    return reference_with(tiny_model_dir, never_stopping_weights)
 
 
 # One token, submitted last: prefilled no earlier than the groups before it, so once it is back

@@ -15,12 +15,13 @@ from typing import Any
 import pytest
 import ray
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from services.generation.base import GroupRequest, SamplingSettings
 from services.generation.worker import GenerationStats, GenerationWorker, offer_weights_to
 from services.messages import Prompt, Response
 from tests.services.generation.never_stopping import save_never_stopping_model
+from tests.services.generation.offline_logprobs import kept_cache_logprobs, plain_logprobs
 
 pytestmark = pytest.mark.usefixtures("ray_instance")
 
@@ -90,32 +91,6 @@ def test_a_short_group_streams_back_while_a_long_group_of_the_same_submit_decode
     offer(worker, models["stopping"])  # lets the long group end
     (last,) = collect(worker, 1)
     assert last[0].prompt_id == "long-s" and len(last) == 3
-
-
-def kept_cache_logprobs(
-    old: PreTrainedModel, new: PreTrainedModel, response: Response, k: int
-) -> torch.Tensor:
-    """Log-probs of tokens k.. under `new`, continuing `old`'s cache of prompt + tokens[:k-1]
-    (the cache the worker kept: see test_hf_in_flight.py)."""
-    prompt, tokens = response.prompt_token_ids, response.response_token_ids
-    cache = DynamicCache(config=old.config)
-    with torch.no_grad():
-        old(input_ids=torch.tensor([prompt + tokens[: k - 1]]), cache=cache, use_cache=True)
-        logits = new(
-            input_ids=torch.tensor([tokens[k - 1 : -1]]), cache=cache, use_cache=True
-        ).logits[0]
-    out: torch.Tensor = logits.float().log_softmax(-1).gather(-1, torch.tensor(tokens[k:])[:, None])
-    return out[:, 0]
-
-
-def plain_logprobs(model: PreTrainedModel, response: Response) -> torch.Tensor:
-    ids = torch.tensor([response.prompt_token_ids + response.response_token_ids])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0].float()
-    start = len(response.prompt_token_ids) - 1
-    tokens = torch.tensor(response.response_token_ids)[:, None]
-    out: torch.Tensor = logits[start : start + len(tokens)].log_softmax(-1).gather(-1, tokens)
-    return out[:, 0]
 
 
 def test_an_update_in_flight_splits_responses_between_versions_with_exact_logprobs(

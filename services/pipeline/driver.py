@@ -318,8 +318,7 @@ class RunDriver:
                     f"checkpoint {self._resume_path} holds learner version {version}, "
                     f"expected {resumed_step}"
                 )
-            for stream in self._streams:  # they hold the weights on disk until then
-                stream.ready = False
+            # Every worker holds the weights on disk: none takes a prompt until it acknowledged.
             self.weights.publish(actors, version, actors.learner.initial_weights())
         for index in range(len(self._streams)):
             self._poll(actors, index)

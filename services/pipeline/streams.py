@@ -27,8 +27,8 @@ class WorkerStream:
     actor: Any
     # prompt_id -> (prompt, when it was submitted): the groups the worker holds.
     outstanding: dict[str, tuple[Prompt, float]] = field(default_factory=dict)
-    # False until the worker holds the run's current weights (a replacement, or a worker whose
-    # collective receive is pending): no prompt is submitted to it meanwhile.
+    # False from the delivery of a version to the worker until it acknowledged it (and for a
+    # replacement until it holds the current version): no prompt is submitted to it meanwhile.
     ready: bool = True
     last_progress: float = field(default_factory=time.perf_counter)
     tokens: int = 0  # response tokens returned

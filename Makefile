@@ -64,7 +64,7 @@ bench-integrations:
 	bash scripts/setup_integrations_venv.sh
 	.venv-integrations/bin/python benchmarks/bench_integrations.py
 
-# The main job: a real asynchronous KPO run on the built-in task with the tiny model (~5 min on
+# The main job: a real asynchronous KPO run on the built-in task with the tiny model (~10 min on
 # 2 cores). Each run gets its own output directory under runs/.
 demo: $(STAMP)
 	$(VENV)/bin/kpo run examples/demo.yaml --out runs/demo-$$(date +%Y%m%d-%H%M%S)

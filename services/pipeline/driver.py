@@ -415,12 +415,16 @@ class RunDriver:
             timeout = CHECKPOINT_POLL_SECONDS if self._checkpoints.busy else WAIT_SECONDS
             ready, _ = ray.wait(refs, num_returns=1, timeout=timeout) if refs else ([], [])
             for ref in ready:
-                if ref in self._pending:
-                    self._complete(actors, ref, self._pending.pop(ref))
-                else:
-                    self.weights.complete(actors, ref, self._on_worker_failed)
+                self._on_ready(actors, ref)
             self._stop_hung(actors)
             self.supervisor.record_pids()
+
+    def _on_ready(self, actors: RunActors, ref: Any) -> None:
+        """React to one finished call: the driver's own, or a weight delivery."""
+        if ref in self._pending:
+            self._complete(actors, ref, self._pending.pop(ref))
+        else:
+            self.weights.complete(actors, ref, self._on_worker_failed)
 
     def _generation_room(self) -> int:
         """How many more groups generation may be asked for now."""

@@ -37,8 +37,11 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Qwen2ForCausalLM:
-    """Random-init Qwen2: hidden 64, 2 layers, 2 query heads sharing 1 KV head, head_dim 32."""
+def build_model(
+    tokenizer: PreTrainedTokenizerFast, seed: int = 0, tied: bool = False
+) -> Qwen2ForCausalLM:
+    """Random-init Qwen2: hidden 64, 2 layers, 2 query heads sharing 1 KV head, head_dim 32;
+    `tied`: the input embedding is the output head too."""
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -51,7 +54,7 @@ def build_model(tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Qwen2ForCa
         # Wider than the usual 0.02 so that next-token distributions are far from uniform and
         # top-k / top-p truncation actually removes mass.
         initializer_range=0.2,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -86,10 +86,7 @@ def drive_until(driver: RunDriver, actors: RunActors, groups: int) -> None:
         refs = list(driver._pending) + driver.weights.pending_refs()
         ready, _ = ray.wait(refs, num_returns=1, timeout=0.5)
         for ref in ready:
-            if ref in driver._pending:
-                driver._complete(actors, ref, driver._pending.pop(ref))
-            else:
-                driver.weights.complete(actors, ref, driver._on_worker_failed)
+            driver._on_ready(actors, ref)
         driver._stop_hung(actors)
 
 

@@ -28,7 +28,7 @@ from services.generation.base import (
     encode_prompts,
     validate_sampling,
 )
-from services.generation.hf_batch import left_pad, position_ids_for
+from services.generation.hf_batch import left_pad, new_cache, position_ids_for
 from services.generation.hf_engine import ContinuousBatcher, NonFiniteLogitsError
 from services.generation.hf_sampling import processed_logprobs
 from services.messages import Prompt, Response
@@ -123,7 +123,7 @@ class HFBackend(GenerationBackend):
         self.recompute_kv = recompute_kv
         self._engine = ContinuousBatcher(
             forward=self._forward,
-            new_cache=lambda: DynamicCache(config=self._model.config),
+            new_cache=lambda: new_cache(self._model.config),
             encode=lambda requests: self.encode([r.prompt for r in requests]),
             decode=lambda rows: list(self._tokenizer.batch_decode(rows, skip_special_tokens=True)),
             eos_ids=self._eos_ids,

@@ -9,6 +9,11 @@ columns that no remaining row needs. Positions are counted from each row's first
 
 Only full-attention caches (transformers' `DynamicLayer`) can be merged this way; a sliding
 window or linear-attention layer is refused by name.
+
+Each full-attention layer is a `GrowingLayer` (`new_cache`): transformers' `DynamicLayer`
+concatenates a layer's whole cache with each decoded token, so a response of n tokens copies
+O(n^2) keys and values, which was a quarter of the streaming engine's time on CPU. A growing
+layer writes into spare capacity instead and reallocates geometrically, amortised O(1) per token.
 """
 
 from __future__ import annotations
@@ -17,8 +22,101 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
+from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
+
+# Spare columns a growing layer reserves when it reallocates: this share of its length, at least
+# the minimum (so the many short reallocations of a young batch are few).
+_GROWTH_SHARE = 0.5
+_MIN_GROWTH_COLUMNS = 32
+
+
+class GrowingLayer(DynamicLayer):  # type: ignore[no-untyped-call]
+    """A full-attention cache layer that appends into preallocated capacity.
+
+    `keys` and `values` read as views of the filled columns (B, H, L, D) of buffers
+    (B, H, capacity, D); assigning either replaces its buffer (capacity = the assigned length),
+    so code written for `DynamicLayer` that reassigns them keeps working. Keys and values keep
+    their own lengths: code that reassigns one and then reads the other sees the other unchanged.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor | None] = {"keys": None, "values": None}
+        self._lengths = {"keys": 0, "values": 0}
+        super().__init__()  # type: ignore[no-untyped-call]
+
+    def _filled(self, name: str) -> torch.Tensor | None:
+        buffer = self._buffers[name]
+        return None if buffer is None else buffer[..., : self._lengths[name], :]
+
+    def _assign(self, name: str, value: torch.Tensor | None) -> None:
+        self._buffers[name] = value
+        self._lengths[name] = 0 if value is None or value.dim() < 2 else value.shape[-2]
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._filled("keys")
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._assign("keys", value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._filled("values")
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._assign("values", value)
+
+    def capacity(self, name: str = "keys") -> int:
+        """Columns the buffer of `name` ("keys" or "values") holds, filled or spare."""
+        buffer = self._buffers[name]
+        return 0 if buffer is None or buffer.dim() < 2 else buffer.shape[-2]
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new columns (B, H, n, D); return the filled keys and values."""
+        if not self.is_initialized:
+            self.device = key_states.device
+            self.is_initialized = True
+        for name, states in (("keys", key_states), ("values", value_states)):
+            self._append(name, states)
+        keys, values = self.keys, self.values
+        assert keys is not None and values is not None
+        return keys, values
+
+    def _append(self, name: str, states: torch.Tensor) -> None:
+        length = self._lengths[name]
+        needed = length + states.shape[-2]
+        if needed > self.capacity(name):
+            spare = max(int(needed * _GROWTH_SHARE), _MIN_GROWTH_COLUMNS)
+            buffer = states.new_empty((*states.shape[:-2], needed + spare, states.shape[-1]))
+            if length:
+                filled = self._filled(name)
+                assert filled is not None
+                buffer[..., :length, :] = filled
+            self._buffers[name] = buffer
+        filled_to = self._buffers[name]
+        assert filled_to is not None
+        filled_to[..., length:needed, :] = states
+        self._lengths[name] = needed
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep rows `indices`, and the spare capacity with them."""
+        for name, buffer in self._buffers.items():
+            if buffer is not None and self._lengths[name]:
+                self._buffers[name] = buffer[indices, ...]
+
+
+def new_cache(config: PretrainedConfig) -> DynamicCache:
+    """The cache of a prefill: `config`'s layers, each full-attention one a `GrowingLayer`."""
+    cache = DynamicCache(config=config)
+    cache.layers = [
+        GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers
+    ]
+    return cache
 
 
 def left_pad(
@@ -48,7 +146,7 @@ def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
 def _full_attention_layers(cache: DynamicCache) -> list[DynamicLayer]:
     layers: list[DynamicLayer] = []
     for index, layer in enumerate(cache.layers):
-        if type(layer) is not DynamicLayer:
+        if type(layer) not in (DynamicLayer, GrowingLayer):
             raise NotImplementedError(
                 "continuous batching merges full-attention KV caches only; "
                 f"layer {index} is {type(layer).__name__}"

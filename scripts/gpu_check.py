@@ -4,9 +4,9 @@
    layer, 32 of them, with the tiny model's tokenizer and vocabulary; nothing is downloaded) and
    saves it in bfloat16.
 2. Runs `kpo run scripts/gpu_check.yaml --set model=<it>`: 3 learner steps on CUDA, vLLM
-   generation with in-flight weight updates (`pipeline.weight_transport: object_store`: NCCL
-   refuses two ranks on one device, and the collective transport's CUDA IPC path is not built),
-   the learner and the engine sharing the one GPU.
+   generation with in-flight weight updates (`pipeline.weight_transport: collective`: with the
+   learner and the engine sharing the one GPU, which NCCL refuses, it hands buckets over as CUDA
+   IPC handles).
 3. Prints the time of each stage (the build, the start-up to the first learner step, each step,
    the end of the run with its final checkpoint) and every timing the run recorded per step
    (`*_seconds`, `*_per_s` keys of metrics.jsonl), and the GPU memory in use at its peak.

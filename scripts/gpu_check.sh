@@ -5,7 +5,7 @@
 #      3 learner steps on CUDA, vLLM streaming generation with in-flight weight updates; prints
 #      the time of each stage. Nothing is downloaded.
 #   2. tests/gpu: the learner on CUDA (NCCL, bfloat16 over float32 master weights, chunked
-#      log-probs' memory).
+#      log-probs' memory) and the weight group's CUDA IPC handover on one GPU.
 #
 #   bash scripts/gpu_check.sh [pipeline|tests]...      # both by default; or `make gpu-check`
 #

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
 
 from services.messages import Prompt, Response
-from services.weights.base import WeightGroup, WeightsManifest
+from services.weights.base import Channel, WeightGroup, WeightsManifest
 
 # "processed": log-probs of the distribution actually sampled from (after temperature, top-k,
 # top-p). This is the behaviour policy the importance ratio must be taken against.
@@ -38,16 +38,6 @@ class GroupRequest:
     sampling: SamplingSettings
 
 
-class WeightChannel(Protocol):
-    """The receiving end of a collective weight group (`services.weights.collective`)."""
-
-    def receive(
-        self, manifest: WeightsManifest, device: torch.device
-    ) -> Iterator[dict[str, torch.Tensor]]: ...
-
-    def close(self) -> None: ...
-
-
 class GenerationBackend(ABC):
     """Samples groups of responses with behaviour log-probs and swaps weights in place.
 
@@ -71,7 +61,7 @@ class GenerationBackend(ABC):
     # Collective weight receiving (the defaults below, for a backend that receives in its own
     # process): the joined group and channel, and weights received but not yet applied.
     _weight_group: WeightGroup | None = None
-    _weight_channel: WeightChannel | None = None
+    _weight_channel: Channel | None = None
     _staged: tuple[WeightsManifest, list[dict[str, torch.Tensor]]] | None = None
 
     @property
@@ -215,8 +205,9 @@ class GenerationBackend(ABC):
         self._staged = None
 
     def weight_device(self, group: WeightGroup) -> torch.device:
-        """Where received buckets land: CPU for gloo, the current CUDA device for NCCL."""
-        if group.backend == "gloo":
+        """Where received buckets land: CPU for gloo, the current CUDA device for NCCL (and for
+        ipc where there is one: a CUDA IPC handle maps there without a copy)."""
+        if group.backend == "gloo" or (group.backend == "ipc" and not torch.cuda.is_available()):
             return torch.device("cpu")
         return torch.device("cuda", torch.cuda.current_device())
 

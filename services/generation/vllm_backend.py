@@ -79,13 +79,14 @@ from services.generation.vllm_checkpoint import (
 from services.generation.vllm_transfer import (
     group_to_wire,
     manifest_to_wire,
-    shared_bucket,
+    shared_bucket_to_wire,
 )
 from services.generation.vllm_worker_extension import WeightLoadingExtension
 from services.messages import FinishReason, Prompt, Response
 from services.weights.base import WeightGroup, WeightsManifest
 from services.weights.buckets import bucket_tensors
 from services.weights.loading import check_manifest
+from services.weights.shared_memory import shared_bucket
 
 if TYPE_CHECKING:
     from vllm import LLM, SamplingParams
@@ -405,7 +406,7 @@ class VLLMBackend(GenerationBackend):
             names = {spec.name for spec in specs}
             aliases = {a: n for a, n in manifest.aliases.items() if n in names}
             with shared_bucket(tensors, specs) as shared:
-                self._rpc("kpo_load_shared_bucket", shared.to_wire(), aliases)
+                self._rpc("kpo_load_shared_bucket", shared_bucket_to_wire(shared), aliases)
             loaded += 1
             del tensors, bucket  # one bucket held at a time
         if loaded != len(manifest.buckets):

@@ -17,35 +17,18 @@ weights themselves never travel as one payload proportional to the model:
 - A `collective` publish is received by every worker itself from the learner's process group;
   only the manifest crosses `collective_rpc`.
 
-Both ends of the shared-memory handoff are here, so the layout is defined once.
+The shared files themselves are `services.weights.shared_memory`'s; their wire form is here.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
 from torch import Tensor
 
-from services.weights.base import TensorSpec, WeightGroup, WeightsManifest
-from services.weights.buckets import bucket_nbytes, unpack_bucket
-
-# tmpfs: a file there is memory that another process maps without a copy.
-SHARED_DIR = "/dev/shm"
-FILE_PREFIX = "kpo-weights-"
-
-
-def shared_dir() -> str:
-    """Where shared buckets are written: /dev/shm, or the temp directory where there is none."""
-    if os.path.isdir(SHARED_DIR) and os.access(SHARED_DIR, os.W_OK):
-        return SHARED_DIR
-    return tempfile.gettempdir()
-
+from services.weights.base import TensorSpec, WeightGroup, WeightsManifest, group_backend
+from services.weights.shared_memory import SharedBucket, map_shared_bucket
 
 # --- wire forms (what collective_rpc carries) ---------------------------------------------------
 
@@ -87,13 +70,10 @@ def group_to_wire(group: WeightGroup) -> dict[str, Any]:
 
 
 def group_from_wire(wire: Mapping[str, Any]) -> WeightGroup:
-    backend = str(wire["backend"])
-    if backend not in ("nccl", "gloo"):
-        raise ValueError(f"weight group backend must be 'nccl' or 'gloo', got {backend!r}")
     return WeightGroup(
         address=str(wire["address"]),
         world_size=int(wire["world_size"]),
-        backend="nccl" if backend == "nccl" else "gloo",
+        backend=group_backend(str(wire["backend"])),
         generation=int(wire["generation"]),
     )
 
@@ -101,61 +81,11 @@ def group_from_wire(wire: Mapping[str, Any]) -> WeightGroup:
 # --- shared-memory buckets ----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class SharedBucket:
-    """A packed bucket in a shared-memory file: what a worker needs to map it."""
-
-    path: str
-    nbytes: int
-    specs: tuple[TensorSpec, ...]
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"path": self.path, "nbytes": self.nbytes, "specs": specs_to_wire(self.specs)}
-
-
-@contextlib.contextmanager
-def shared_bucket(
-    tensors: Sequence[Tensor], specs: Sequence[TensorSpec], directory: str | None = None
-) -> Iterator[SharedBucket]:
-    """Write `tensors` (in `specs` order, checked by the caller) into a new shared file; remove
-    it on exit. One copy per tensor, straight into its slot (any device: copied to the host)."""
-    nbytes = bucket_nbytes(specs)
-    fd, path = tempfile.mkstemp(prefix=FILE_PREFIX, dir=directory or shared_dir())
-    try:
-        try:
-            # Reserve the pages now: a full tmpfs then fails here with ENOSPC, instead of a
-            # SIGBUS at the first write into the mapping.
-            if nbytes:
-                os.posix_fallocate(fd, 0, nbytes)
-        finally:
-            os.close(fd)
-        flat = _map(path, nbytes)
-        for view, tensor in zip(unpack_bucket(flat, specs).values(), tensors, strict=True):
-            view.copy_(tensor.detach())
-        del flat  # unmapped; the file keeps the bytes for the workers
-        yield SharedBucket(path, nbytes, tuple(specs))
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+def shared_bucket_to_wire(shared: SharedBucket) -> dict[str, Any]:
+    return {"path": shared.path, "nbytes": shared.nbytes, "specs": specs_to_wire(shared.specs)}
 
 
 def open_shared_bucket(wire: Mapping[str, Any]) -> dict[str, Tensor]:
-    """name -> a read-only-by-convention view of the shared file `wire` describes (a worker's
-    side: mapped, not copied; the mapping lives as long as the views)."""
-    specs = specs_from_wire(wire["specs"])
-    nbytes = int(wire["nbytes"])
-    path = str(wire["path"])
-    size = os.path.getsize(path)
-    if size != nbytes or bucket_nbytes(specs) != nbytes:
-        raise ValueError(
-            f"shared bucket {path} holds {size} bytes, expected {nbytes} for its "
-            f"{len(specs)} tensors"
-        )
-    return unpack_bucket(_map(path, nbytes), specs)
-
-
-def _map(path: str, nbytes: int) -> Tensor:
-    # A zero-byte mapping is an error to mmap; a bucket of empty tensors needs none.
-    if not nbytes:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    """name -> a view of the shared file `wire` describes (mapped, not copied)."""
+    shared = SharedBucket(str(wire["path"]), int(wire["nbytes"]), specs_from_wire(wire["specs"]))
+    return map_shared_bucket(shared)

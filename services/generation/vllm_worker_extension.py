@@ -33,7 +33,7 @@ from services.generation.vllm_transfer import (
 from services.weights.base import WeightsManifest
 
 if TYPE_CHECKING:
-    from services.weights.collective import WeightChannel
+    from services.weights.base import Channel
 
 # How `kpo_receive_weights` treats what it receives.
 RECEIVE_MODES = ("apply", "stage", "drain")
@@ -125,11 +125,11 @@ class WeightLoadingExtension:
 
         self.kpo_leave_weight_group()
         rank = int(first_rank) + int(self.rank)
-        self._kpo_channel: WeightChannel | None = connect(group_from_wire(group), rank, host=host)
+        self._kpo_channel: Channel | None = connect(group_from_wire(group), rank, host=host)
         return rank
 
     def kpo_leave_weight_group(self) -> None:
-        channel: WeightChannel | None = getattr(self, "_kpo_channel", None)
+        channel: Channel | None = getattr(self, "_kpo_channel", None)
         self._kpo_channel = None
         if channel is not None:
             channel.close()
@@ -144,11 +144,13 @@ class WeightLoadingExtension:
         """
         if mode not in RECEIVE_MODES:
             raise ValueError(f"receive mode must be one of {RECEIVE_MODES}, got {mode!r}")
-        channel: WeightChannel | None = getattr(self, "_kpo_channel", None)
+        channel: Channel | None = getattr(self, "_kpo_channel", None)
         if channel is None:
             raise RuntimeError("receive_weights before join_weight_group: no weight group joined")
         received = manifest_from_wire(manifest)
-        buckets = channel.receive(received)  # on the group's device: CPU (gloo), GPU (NCCL)
+        buckets = channel.receive(
+            received
+        )  # where the group puts them: CPU (gloo), GPU (NCCL, ipc)
         if mode == "drain":
             return sum(len(bucket) for bucket in buckets)
         if mode == "stage":

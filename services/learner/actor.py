@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
 
 import ray
 import torch
@@ -34,7 +33,14 @@ from services.learner.publish import MiB, drain
 from services.learner.step import LearnerCore
 from services.messages import ScoredGroup
 from services.weights import collective
-from services.weights.base import WeightGroup, WeightsOffer, WeightTransportName
+from services.weights.base import (
+    Channel,
+    WeightGroup,
+    WeightGroupBackend,
+    WeightGroupError,
+    WeightsOffer,
+    WeightTransportName,
+)
 from services.weights.object_store import put_buckets
 
 # A rank that waits this long for the others in a collective gives up (the driver notices a
@@ -76,7 +82,7 @@ class LearnerImpl:
         self._core: LearnerCore | None = None
         self._transport: WeightTransportName = weight_transport
         self._bucket_bytes = weight_bucket_mb * MiB
-        self._channel: collective.WeightChannel | None = None
+        self._channel: Channel | None = None
         self._weight_group: WeightGroup | None = None
         self._weight_timeout_s = WEIGHT_GROUP_TIMEOUT_S
 
@@ -149,9 +155,7 @@ class LearnerImpl:
         process), replacing any earlier one; return at once with where it meets (rank 0)."""
         self._rank_zero("open_weight_group")
         self._close_weight_group()
-        backend: Literal["nccl", "gloo"] = (
-            "nccl" if self._weight_device().type == "cuda" else "gloo"
-        )
+        backend: WeightGroupBackend = "nccl" if self._weight_device().type == "cuda" else "gloo"
         self._weight_group = collective.open_weight_group(
             world_size, backend, generation, timeout_s=timeout_s
         )
@@ -177,7 +181,7 @@ class LearnerImpl:
             return
         try:
             self._channel.send(manifest, buckets)
-        except collective.WeightGroupError:
+        except WeightGroupError:
             # A receiver died or hung: this group is done, but the learner is not. Finishing
             # the walk keeps the other ranks' gathers in step, so the driver can form a new
             # group and send again.

@@ -10,6 +10,9 @@ into buckets of about `pipeline.weight_bucket_mb`) and the tensors themselves, b
 - `collective`: the buckets are broadcast from learner rank 0 over a torch.distributed group
   that every generation worker's receiving processes joined (`WeightGroup`); the manifest
   travels ahead through Ray, so every receiver allocates its buckets before the broadcast.
+  Where every rank sits on one GPU (a learner colocated with its engines) NCCL cannot form the
+  group (it refuses two ranks on one device): the group hands each bucket over as a CUDA IPC
+  handle instead (`services.weights.ipc`), behind the same `Channel`.
 
 No path builds one payload proportional to the model: the largest message is one bucket (or one
 tensor larger than a bucket).
@@ -17,13 +20,25 @@ tensor larger than a bucket).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 
 WeightTransportName = Literal["object_store", "collective"]
+# How a collective weight group moves bytes: NCCL broadcast (GPUs), gloo broadcast (CPU), or
+# shared-memory handles between processes of one device (`services.weights.ipc`).
+WeightGroupBackend = Literal["nccl", "gloo", "ipc"]
+WEIGHT_GROUP_BACKENDS: tuple[WeightGroupBackend, ...] = ("nccl", "gloo", "ipc")
+
+
+def group_backend(name: str) -> WeightGroupBackend:
+    """`name` as a weight group backend; ValueError naming the choices otherwise."""
+    for backend in WEIGHT_GROUP_BACKENDS:
+        if name == backend:
+            return backend
+    raise ValueError(f"weight group backend must be one of {WEIGHT_GROUP_BACKENDS}, got {name!r}")
 
 
 @dataclass(frozen=True)
@@ -67,6 +82,31 @@ class WeightsManifest:
         return sum(spec.nbytes for bucket in self.buckets for spec in bucket)
 
 
+class WeightGroupError(RuntimeError):
+    """A collective of a weight group failed: a peer died, left, or did not answer in time.
+    The group is unusable afterwards (its ranks are out of step): close it and form another."""
+
+
+# A publish's header: three int64 (version, buckets, bytes), as every channel announces it.
+HEADER_BYTES = 24
+
+
+def header_values(manifest: WeightsManifest) -> list[int]:
+    """What a publish announces first: version, bucket count, bytes."""
+    return [manifest.version, len(manifest.buckets), manifest.nbytes]
+
+
+def check_header(received: Sequence[int], manifest: WeightsManifest) -> None:
+    """RuntimeError unless the announced publish is the one `manifest` describes."""
+    if list(received) != header_values(manifest):
+        version, buckets, nbytes = received
+        raise RuntimeError(
+            f"weight group sent version {version} ({buckets} buckets, {nbytes} bytes), "
+            f"expected version {manifest.version} ({len(manifest.buckets)} buckets, "
+            f"{manifest.nbytes} bytes)"
+        )
+
+
 @dataclass(frozen=True)
 class WeightGroup:
     """Where a collective weight group meets: learner rank 0 is group rank 0, every receiving
@@ -74,7 +114,7 @@ class WeightGroup:
 
     address: str  # host:port of the TCPStore that learner rank 0 serves
     world_size: int
-    backend: Literal["nccl", "gloo"]
+    backend: WeightGroupBackend
     generation: int  # counts re-formations (a replaced worker re-forms the group)
 
 
@@ -91,3 +131,23 @@ class WeightsOffer:
     transport: WeightTransportName
     manifest: WeightsManifest
     bucket_refs: tuple[Any, ...] = ()
+
+
+class Channel(Protocol):
+    """One rank's end of a weight group (`collective.connect`): rank 0 sends, the others
+    receive. `messages` lists the bytes of every message this end took part in, in order."""
+
+    group: WeightGroup
+    rank: int
+    messages: list[int]
+
+    def send(self, manifest: WeightsManifest, buckets: Iterable[dict[str, torch.Tensor]]) -> None:
+        """Hand every bucket of `manifest`'s version to every receiver (rank 0)."""
+
+    def receive(
+        self, manifest: WeightsManifest, device: torch.device | str | None = None
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """The buckets rank 0 sends for `manifest`, one at a time; every one must be taken."""
+
+    def close(self) -> None:
+        """Leave the group (idempotent)."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,16 @@ from torch._C._distributed_c10d import (
     TCPStore,
 )
 
-from services.weights.base import WeightGroup, WeightsManifest
+from services.weights.base import (
+    Channel,
+    WeightGroup,
+    WeightGroupBackend,
+    WeightGroupError,
+    WeightsManifest,
+    check_header,
+    group_backend,
+    header_values,
+)
 from services.weights.buckets import bucket_nbytes, bucket_tensors, pack_bucket, unpack_bucket
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -44,11 +53,6 @@ STORE_PREFIX = "kpo-weights"
 # The store each group's rank 0 serves, by address: it lives as long as the group (the process
 # group holds it too, but the address must stay served until every receiver has joined).
 _SERVED: dict[str, TCPStore] = {}
-
-
-class WeightGroupError(RuntimeError):
-    """A collective of a weight group failed: a peer died, left, or did not answer in time.
-    The group is unusable afterwards (its ranks are out of step): close it and form another."""
 
 
 def node_address() -> str:
@@ -61,7 +65,7 @@ def node_address() -> str:
 
 def open_weight_group(
     world_size: int,
-    backend: Literal["nccl", "gloo"],
+    backend: WeightGroupBackend,
     generation: int,
     *,
     host: str | None = None,
@@ -73,8 +77,7 @@ def open_weight_group(
     """
     if world_size < 2:
         raise ValueError(f"a weight group needs rank 0 and a receiver: world_size {world_size}")
-    if backend not in ("nccl", "gloo"):
-        raise ValueError(f"weight group backend must be 'nccl' or 'gloo', got {backend!r}")
+    backend = group_backend(backend)
     host = host or node_address()
     store = TCPStore(
         host,
@@ -135,18 +138,32 @@ def connect(
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     host: str | None = None,
-) -> WeightChannel:
+) -> Channel:
     """Join `group` as `rank` (0: the learner rank that opened it); blocks until every rank has
     joined, or raises after `timeout_s`. `host`: this process's address for gloo (default:
-    the node's)."""
+    the node's).
+
+    An `ipc` group gives an `ipc.IpcChannel`. So does an NCCL group whose ranks all sit on one
+    GPU (every rank posts its GPU's UUID to the store first, so all ranks decide alike); NCCL
+    refuses such a group, and the bytes need not leave the device anyway. An NCCL group where
+    some ranks share rank 0's GPU and others do not is refused by name.
+    """
+    from services.weights import ipc
+
     if not 0 <= rank < group.world_size:
         raise ValueError(f"rank {rank} is outside weight group of size {group.world_size}")
     timeout = timedelta(seconds=timeout_s)
     try:
         served = _client_store(group, rank, timeout)
         store = PrefixStore(f"{STORE_PREFIX}/{group.generation}", served)
+        if group.backend == "ipc" or (
+            group.backend == "nccl" and _one_gpu(group, rank, store, timeout)
+        ):
+            return ipc.join(group, rank, store, timeout)
         backend, device = _backend(group, store, rank, timeout, host)
     except RuntimeError as error:  # torch's store and gloo errors (a peer that never came)
+        if isinstance(error, WeightGroupError):
+            raise
         raise WeightGroupError(
             f"weight group {group.address} (generation {group.generation}), rank {rank}: "
             f"could not connect within {timeout_s} s: {error}"
@@ -159,6 +176,29 @@ def connect(
     if int(hello.item()) != group.generation:
         raise RuntimeError(f"weight group {group.address}: generation {int(hello.item())} answered")
     return channel
+
+
+def _one_gpu(group: WeightGroup, rank: int, store: Store, timeout: timedelta) -> bool:
+    """Whether every rank of an NCCL group sits on one GPU (rank 0's). Each rank posts its
+    GPU's UUID and reads everyone's, so all ranks decide alike."""
+    from services.weights.ipc import cuda_device_uuid
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("weight group backend 'nccl' needs a CUDA build of torch and a GPU")
+    store.set(f"gpu/{rank}", cuda_device_uuid(torch.cuda.current_device()))
+    keys = [f"gpu/{other}" for other in range(group.world_size)]
+    store.wait(keys, timeout)
+    gpus = [store.get(key).decode() for key in keys]
+    sharing = [other for other in range(1, group.world_size) if gpus[other] == gpus[0]]
+    if not sharing:
+        return False
+    if len(sharing) == group.world_size - 1:
+        return True
+    raise WeightGroupError(
+        f"weight group {group.address}: ranks {sharing} share learner rank 0's GPU and the "
+        "others do not; NCCL refuses two ranks on one GPU and CUDA IPC reaches only that GPU. "
+        "Place every generation engine on the learner's GPU, or none"
+    )
 
 
 @dataclass
@@ -193,8 +233,7 @@ class WeightChannel:
         self.messages.append(nbytes)
 
     def _header(self, manifest: WeightsManifest) -> Tensor:
-        values = [manifest.version, len(manifest.buckets), manifest.nbytes]
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+        return torch.tensor(header_values(manifest), dtype=torch.int64, device=self.device)
 
     def send(self, manifest: WeightsManifest, buckets: Iterable[dict[str, Tensor]]) -> None:
         """Broadcast `manifest`'s version bucket by bucket (rank 0; buckets in manifest order).
@@ -226,15 +265,8 @@ class WeightChannel:
         if self.rank == 0:
             raise RuntimeError("rank 0 of a weight group sends; receivers are ranks >= 1")
         header = self._header(manifest)
-        expected = header.tolist()
         self._broadcast(header)
-        if header.tolist() != expected:
-            version, buckets, nbytes = header.tolist()
-            raise RuntimeError(
-                f"weight group sent version {version} ({buckets} buckets, {nbytes} bytes), "
-                f"expected version {manifest.version} ({len(manifest.buckets)} buckets, "
-                f"{manifest.nbytes} bytes)"
-            )
+        check_header(header.tolist(), manifest)
         target = torch.device(device) if device is not None else self.device
         return self._buckets(manifest, target)
 

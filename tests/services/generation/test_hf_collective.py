@@ -1,4 +1,5 @@
-"""The `hf` backend receiving weights over a collective group (real gloo, no Ray).
+"""The `hf` backend receiving weights over a collective group (real gloo, and ipc: shared-memory
+handles, CPU buckets in shared files here), no Ray.
 
 A thread of this process plays learner rank 0 (`services.weights.collective`); the backend joins
 as rank 1 through `GenerationBackend`'s default receiving methods.
@@ -15,9 +16,9 @@ import torch
 
 from services.generation.base import StateDictMismatchError
 from services.generation.hf_backend import HFBackend
-from services.weights.base import TensorSpec, WeightsManifest
+from services.weights.base import Channel, TensorSpec, WeightsManifest
 from services.weights.buckets import plan_buckets
-from services.weights.collective import WeightChannel, connect, open_weight_group
+from services.weights.collective import connect, open_weight_group
 
 HOST = "127.0.0.1"
 
@@ -34,11 +35,13 @@ def buckets(
         yield {spec.name: state[spec.name] for spec in specs}
 
 
-@pytest.fixture
-def joined(fresh_hf_backend: HFBackend) -> Iterator[tuple[HFBackend, WeightChannel]]:
+@pytest.fixture(params=["gloo", "ipc"])
+def joined(
+    fresh_hf_backend: HFBackend, request: pytest.FixtureRequest
+) -> Iterator[tuple[HFBackend, Channel]]:
     """The backend joined to a fresh group whose rank 0 is this process's sender channel."""
-    group = open_weight_group(2, "gloo", generation=1, host=HOST)
-    sender: list[WeightChannel] = []
+    group = open_weight_group(2, request.param, generation=1, host=HOST)
+    sender: list[Channel] = []
     thread = threading.Thread(target=lambda: sender.append(connect(group, 0, host=HOST)))
     thread.start()
     fresh_hf_backend.join_weight_group(group, 1)
@@ -49,7 +52,7 @@ def joined(fresh_hf_backend: HFBackend) -> Iterator[tuple[HFBackend, WeightChann
 
 
 def send_while(
-    channel: WeightChannel, state: dict[str, torch.Tensor], manifest: WeightsManifest
+    channel: Channel, state: dict[str, torch.Tensor], manifest: WeightsManifest
 ) -> threading.Thread:
     thread = threading.Thread(target=channel.send, args=(manifest, buckets(state, manifest)))
     thread.start()
@@ -69,7 +72,7 @@ def assert_holds(backend: HFBackend, state: dict[str, torch.Tensor]) -> None:
     assert all(torch.equal(live[name], tensor) for name, tensor in state.items())
 
 
-def test_apply_loads_every_bucket_bitwise(joined: tuple[HFBackend, WeightChannel]) -> None:
+def test_apply_loads_every_bucket_bitwise(joined: tuple[HFBackend, Channel]) -> None:
     backend, channel = joined
     state = noisy(backend, 1)
     manifest = manifest_of(state, 3)
@@ -81,7 +84,7 @@ def test_apply_loads_every_bucket_bitwise(joined: tuple[HFBackend, WeightChannel
     assert_holds(backend, state)
 
 
-def test_staged_weights_wait_for_apply_staged(joined: tuple[HFBackend, WeightChannel]) -> None:
+def test_staged_weights_wait_for_apply_staged(joined: tuple[HFBackend, Channel]) -> None:
     backend, channel = joined
     before = {k: v.clone() for k, v in backend.model.state_dict().items()}
     state = noisy(backend, 2)
@@ -99,7 +102,7 @@ def test_staged_weights_wait_for_apply_staged(joined: tuple[HFBackend, WeightCha
 
 
 def test_a_mismatched_manifest_is_drained_then_refused(
-    joined: tuple[HFBackend, WeightChannel],
+    joined: tuple[HFBackend, Channel],
 ) -> None:
     """The sender is not left waiting, the model is untouched, and the group stays usable."""
     backend, channel = joined

@@ -28,11 +28,11 @@ from services.generation.base import GroupRequest, SamplingSettings
 from services.generation.hf_backend import HFBackend, StateDictMismatchError, processed_logprobs
 from services.generation.vllm_backend import VLLMBackend
 from services.generation.vllm_checkpoint import manifest_expectation
-from services.generation.vllm_transfer import FILE_PREFIX, shared_dir
 from services.messages import Prompt, Response
 from services.weights.base import TensorSpec, WeightsManifest
 from services.weights.buckets import plan_buckets
 from services.weights.collective import connect, open_weight_group
+from services.weights.shared_memory import FILE_PREFIX, shared_dir
 from tests.services.generation.contract import CHECKS, ContractSubject
 from tests.services.generation.never_stopping import save_never_stopping_model
 

@@ -21,8 +21,14 @@ from transformers import AutoModelForCausalLM
 from kpo_core.config import LearnerConfig, PipelineConfig, RunSpec
 from services.learner.group import LearnerGroup, wait_all
 from services.messages import ScoredGroup
-from services.weights.base import WeightGroup, WeightsManifest, WeightsOffer, WeightTransportName
-from services.weights.collective import WeightChannel, connect
+from services.weights.base import (
+    Channel,
+    WeightGroup,
+    WeightsManifest,
+    WeightsOffer,
+    WeightTransportName,
+)
+from services.weights.collective import connect
 from services.weights.loading import load_buckets_into
 from services.weights.object_store import fetch_buckets
 
@@ -35,7 +41,7 @@ class ReceiverImpl:
     def __init__(self, model_dir: str) -> None:
         torch.set_num_threads(1)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir)
-        self.channel: WeightChannel | None = None
+        self.channel: Channel | None = None
 
     def fetch(self, wrapped: list[WeightsOffer]) -> int:
         offer = wrapped[0]

@@ -1,4 +1,6 @@
-"""The collective transport over real gloo: an FSDP2 learner of two ranks, two receiving processes.
+"""The collective transport over real gloo and over ipc (shared-memory handles, what a learner
+colocated with its engines on one GPU uses, here with CPU buckets in shared files): an FSDP2
+learner of two ranks, two receiving processes.
 
 Learner rank 0 serves the weight group and broadcasts; rank 1 only takes part in gathering the
 FSDP2 shards. Everything runs in forked processes (see tests/services/learner/ranks.py): the
@@ -23,10 +25,17 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from services.learner.distributed import RankGroup
 from services.learner.publish import drain, full_tensor, iter_buckets
-from services.weights.base import TensorSpec, WeightGroup, WeightsManifest
+from services.weights.base import (
+    TensorSpec,
+    WeightGroup,
+    WeightGroupBackend,
+    WeightGroupError,
+    WeightsManifest,
+)
 from services.weights.buckets import bucket_nbytes
-from services.weights.collective import WeightGroupError, connect, open_weight_group
+from services.weights.collective import connect, open_weight_group
 from services.weights.loading import with_aliases
+from services.weights.shared_memory import FILE_PREFIX, shared_dir
 from tests.services.learner.conftest import make_core
 from tests.services.learner.ranks import run_ranks
 from tests.services.weights.models import save_tied_model
@@ -34,8 +43,9 @@ from tests.services.weights.models import save_tied_model
 LOOPBACK = "127.0.0.1"
 # Every collective of the healthy group waits at most this long (a hang fails the test).
 TIMEOUT_S = 120.0
-# The re-formed group's: the survivor of a dead peer waits this long at most.
-DEAD_PEER_TIMEOUT_S = 30.0
+# The re-formed group's: the survivor of a dead peer waits this long at most. Gloo sees the dead
+# peer's socket close at once; ipc notices only when an acknowledgement does not come.
+DEAD_PEER_TIMEOUT_S = {"gloo": 30.0, "ipc": 5.0}
 # bfloat16 tiny model: the MLP matrices (16 KiB) are larger than a bucket, attention's fit.
 BUCKET_BYTES = 12 * 1024
 RECEIVERS = 2
@@ -117,7 +127,11 @@ def receiver_main(rank: int, inbox: Queue[Any], out: str, die: bool, deaths: Que
 
 
 def learner_main(
-    group: RankGroup, model_dir: str, inboxes: list[Queue[Any]], deaths: Queue[Any]
+    group: RankGroup,
+    model_dir: str,
+    inboxes: list[Queue[Any]],
+    deaths: Queue[Any],
+    backend: WeightGroupBackend,
 ) -> dict[str, Any]:
     core = make_core(Path(model_dir), group=group, compute_dtype="bfloat16")
     manifest = core.weights_manifest(BUCKET_BYTES)
@@ -127,7 +141,7 @@ def learner_main(
     # Generation 1: both receivers healthy.
     channel = None
     if group.rank == 0:
-        weights = open_weight_group(1 + RECEIVERS, "gloo", 1, host=LOOPBACK, timeout_s=TIMEOUT_S)
+        weights = open_weight_group(1 + RECEIVERS, backend, 1, host=LOOPBACK, timeout_s=TIMEOUT_S)
         for _ in range(RECEIVERS):
             inboxes[0].put((weights, manifest))
         channel = connect(weights, 0, timeout_s=TIMEOUT_S, host=LOOPBACK)
@@ -146,12 +160,11 @@ def learner_main(
     # Generation 2: re-formed, and one receiver dies once it has joined.
     failing = None
     if group.rank == 0:
-        weights = open_weight_group(
-            1 + RECEIVERS, "gloo", 2, host=LOOPBACK, timeout_s=DEAD_PEER_TIMEOUT_S
-        )
+        timeout_s = DEAD_PEER_TIMEOUT_S[backend]
+        weights = open_weight_group(1 + RECEIVERS, backend, 2, host=LOOPBACK, timeout_s=timeout_s)
         for _ in range(RECEIVERS):
             inboxes[1].put((weights, manifest))
-        failing = connect(weights, 0, timeout_s=DEAD_PEER_TIMEOUT_S, host=LOOPBACK)
+        failing = connect(weights, 0, timeout_s=timeout_s, host=LOOPBACK)
         wait_exited(deaths.get(timeout=TIMEOUT_S))
     buckets = iter_buckets(policy, manifest, group, "cpu")
     if failing is not None:
@@ -169,9 +182,10 @@ def learner_main(
     return result
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("collective")
+@pytest.fixture(scope="module", params=["gloo", "ipc"])
+def run(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> dict[str, Any]:
+    backend: WeightGroupBackend = request.param
+    root = tmp_path_factory.mktemp(f"collective-{backend}")
     model_dir = save_tied_model(root / "model")
     context = mp.get_context("fork")
     inboxes = [context.Queue(), context.Queue()]
@@ -187,7 +201,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for process in receivers:
         process.start()
     try:
-        ranks = run_ranks(learner_main, 2, str(model_dir), inboxes, deaths)
+        ranks = run_ranks(learner_main, 2, str(model_dir), inboxes, deaths, backend)
     finally:
         for process in receivers:
             process.join(TIMEOUT_S)
@@ -197,7 +211,14 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         (generation, rank): torch.load(root / f"receiver-{generation}-{rank}.pt")
         for generation, rank in ((1, 1), (1, 2), (2, 1))
     }
-    return {"learner": ranks[0], "rank1": ranks[1], "received": received}
+    leftover = sorted(Path(shared_dir()).glob(f"{FILE_PREFIX}*"))
+    return {
+        "backend": backend,
+        "learner": ranks[0],
+        "rank1": ranks[1],
+        "received": received,
+        "leftover_files": leftover,
+    }
 
 
 def test_every_receiver_holds_the_learners_full_weights_bitwise(run: dict[str, Any]) -> None:
@@ -232,8 +253,12 @@ def test_no_message_is_larger_than_a_bucket_or_its_one_tensor(run: dict[str, Any
     messages = run["learner"]["messages"]
     largest_tensor = max(spec.nbytes for bucket in manifest.buckets for spec in bucket)
     assert largest_tensor > BUCKET_BYTES  # a bucket of one tensor was sent
-    hello, header, *buckets = messages
-    assert (hello, header) == (8, 24)
+    if run["backend"] == "gloo":
+        hello, header, *buckets = messages
+        assert hello == 8  # the broadcast that makes connect wait for every rank
+    else:
+        header, *buckets = messages
+    assert header == 24
     assert buckets == [bucket_nbytes(bucket) for bucket in manifest.buckets]
     assert max(buckets) <= max(BUCKET_BYTES, largest_tensor) < manifest.nbytes / 4
     for rank in (1, 2):
@@ -242,15 +267,26 @@ def test_no_message_is_larger_than_a_bucket_or_its_one_tensor(run: dict[str, Any
 
 def test_a_dead_receiver_makes_send_raise_and_the_group_fail(run: dict[str, Any]) -> None:
     error = run["learner"]["dead_peer_error"]
-    # Raised instead of hanging, naming the group (gloo saw the dead peer's socket close).
-    assert error is not None and "(generation 2), rank 0: broadcast" in error
-    assert "Connection closed by peer" in error
-    # The survivor raises too (the closed group, or at the latest its timeout).
-    assert "(generation 2), rank 1: broadcast" in run["received"][(2, 1)]["error"]
+    survivor = run["received"][(2, 1)]["error"]
+    # Raised instead of hanging, naming the group; the survivor raises too (the closed group,
+    # or at the latest its timeout).
+    assert error is not None and "(generation 2), rank 0: " in error
+    assert "(generation 2), rank 1: " in survivor
+    if run["backend"] == "gloo":
+        assert "broadcast" in error and "Connection closed by peer" in error  # the socket closed
+        assert "broadcast" in survivor
+    else:
+        assert "bucket 0 of version 0 not acknowledged within 5 s" in error
+        assert "no bucket 1 of publish 0 within" in survivor  # its timeout, or the store closed
 
 
-def test_a_receiver_that_never_joins_makes_connect_raise() -> None:
-    group = open_weight_group(2, "gloo", 9, host=LOOPBACK, timeout_s=1.0)
+def test_no_shared_file_outlives_its_publish(run: dict[str, Any]) -> None:
+    assert run["leftover_files"] == []
+
+
+@pytest.mark.parametrize("backend", ["gloo", "ipc"])
+def test_a_receiver_that_never_joins_makes_connect_raise(backend: WeightGroupBackend) -> None:
+    group = open_weight_group(2, backend, 9, host=LOOPBACK, timeout_s=1.0)
     with pytest.raises(WeightGroupError, match=r"\(generation 9\), rank 0: could not connect"):
         connect(group, 0, timeout_s=1.0, host=LOOPBACK)
 
@@ -258,7 +294,7 @@ def test_a_receiver_that_never_joins_makes_connect_raise() -> None:
 def test_bad_groups_are_refused() -> None:
     with pytest.raises(ValueError, match="needs rank 0 and a receiver"):
         open_weight_group(1, "gloo", 1, host=LOOPBACK)
-    with pytest.raises(ValueError, match="must be 'nccl' or 'gloo'"):
+    with pytest.raises(ValueError, match=r"must be one of \('nccl', 'gloo', 'ipc'\), got 'mpi'"):
         open_weight_group(2, "mpi", 1, host=LOOPBACK)  # type: ignore[arg-type]
     group = open_weight_group(2, "gloo", 1, host=LOOPBACK)
     with pytest.raises(ValueError, match="rank 2 is outside weight group of size 2"):

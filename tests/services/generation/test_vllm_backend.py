@@ -29,7 +29,7 @@ from services.generation.hf_backend import HFBackend, StateDictMismatchError, pr
 from services.generation.vllm_backend import VLLMBackend
 from services.generation.vllm_checkpoint import manifest_expectation
 from services.messages import Prompt, Response
-from services.weights.base import TensorSpec, WeightsManifest
+from services.weights.base import TensorSpec, WeightGroupBackend, WeightsManifest
 from services.weights.buckets import plan_buckets
 from services.weights.collective import connect, open_weight_group
 from services.weights.shared_memory import FILE_PREFIX, shared_dir
@@ -522,7 +522,9 @@ def test_new_requests_never_reuse_prefix_blocks_of_older_weights(
 # -- the collective transport: the engine's worker receives from learner rank 0 ---------------
 
 
+@pytest.mark.parametrize("group_backend", ["gloo", "ipc"])
 def test_a_collective_round_leaves_the_engine_with_the_senders_weights(
+    group_backend: WeightGroupBackend,
     backend: VLLMBackend,
     rpc_calls: list[RpcCall],
     reference: torch.nn.Module,
@@ -530,10 +532,11 @@ def test_a_collective_round_leaves_the_engine_with_the_senders_weights(
     original_weights: dict[str, torch.Tensor],
     perturbed_weights: dict[str, torch.Tensor],
 ) -> None:
-    """Learner rank 0 (a thread of this process, over gloo) broadcasts; vLLM's worker process
+    """Learner rank 0 (a thread of this process) broadcasts over gloo, or hands buckets over as
+    shared-memory handles (ipc: CPU buckets in shared files here); vLLM's worker process
     receives inside the engine and loads."""
     assert backend.weight_receivers() == 1
-    group = open_weight_group(2, "gloo", generation=1, host="127.0.0.1")
+    group = open_weight_group(2, group_backend, generation=1, host="127.0.0.1")
     version = backend.policy_version
     with ThreadPoolExecutor(max_workers=1) as learner:
         joining = learner.submit(connect, group, 0, host="127.0.0.1")

@@ -450,7 +450,8 @@ class PipelineConfig(StrictModel):
         "object_store",
         description="how new weights reach generation: object_store (tensors in buckets "
         "through Ray's object store) or collective (a torch.distributed broadcast from learner "
-        "rank 0 to every generation worker's receiving processes; NCCL on GPUs, gloo on CPU)",
+        "rank 0 to every generation worker's receiving processes; NCCL on GPUs, CUDA IPC handles "
+        "where they all share one GPU, gloo on CPU)",
     )
     weight_bucket_mb: int = Field(
         256,

@@ -4,7 +4,9 @@ Learner rank 0 serves a TCPStore (`open_weight_group`, which returns at once) an
 receiving process of the generation workers joins it (`connect`, which blocks until all have).
 The group is a standalone process group built on that store, not torch.distributed's default
 group: learner rank 0 already has one (its FSDP group), and a generation worker may have its
-own (vLLM's tensor parallelism). Gloo on CPU, NCCL with CUDA tensors. Every key is under a
+own (vLLM's tensor parallelism). Gloo on CPU, NCCL with CUDA tensors; where every rank sits on
+one GPU, which NCCL refuses, `connect` gives an `ipc` channel instead (`services.weights.ipc`:
+CUDA IPC handles through the same store, behind the same `Channel`). Every key is under a
 prefix naming the group's generation, so a group re-formed after a worker was replaced never
 reads a key of an earlier one.
 

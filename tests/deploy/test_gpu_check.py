@@ -54,8 +54,9 @@ def test_the_checks_spec_is_a_one_gpu_vllm_run_with_in_flight_updates(
     assert spec.model == str(small_model)
     assert spec.generation.backend == "vllm"
     assert spec.learner.device == "cuda" and spec.learner.compute_dtype == "bfloat16"
-    # NCCL refuses two ranks on one device: the object store, loaded between decoding steps.
-    assert spec.pipeline.weight_transport == "object_store"
+    # The learner and the engine share the GPU: the collective transport hands the buckets over
+    # as CUDA IPC handles (NCCL refuses two ranks on one device).
+    assert spec.pipeline.weight_transport == "collective"
     assert spec.pipeline.in_flight_updates
     assert spec.pipeline.steps == 3
     # The learner's ranks and the generation workers share one GPU.

@@ -199,7 +199,36 @@ class JsonlTask(StrictModel):
     shuffle: bool = Field(True, description="reshuffle every epoch (seeded by the run seed)")
 
 
-TaskConfig = Annotated[ArithTask | JsonlTask, Field(discriminator="name")]
+class DatasetTask(StrictModel):
+    """Prompts from a dataset file or `save_to_disk` directory in one of the formats RL datasets
+    come in (services/tasks/dataset_files.py), cycled in epochs."""
+
+    name: Literal["dataset"] = "dataset"
+    path: str = Field(
+        min_length=1,
+        description="a .jsonl, .json or .parquet file, or a directory written by datasets' "
+        "save_to_disk, on the driver's machine",
+    )
+    format: Literal["verl", "gsm8k", "math", "prompt-answer"] | None = Field(
+        None, description="the file's format; detected from its columns when left out"
+    )
+    split: str = Field(
+        "train", min_length=1, description="the split taken from a directory holding several"
+    )
+    shuffle: bool = Field(True, description="reshuffle every epoch (seeded by the run seed)")
+    chat_template: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="string prompts through the tokenizer's chat template: auto (when it has "
+        "one), always (an error when it has none) or never; chat-message prompts always are",
+    )
+    system_prompt: str | None = Field(
+        None,
+        min_length=1,
+        description="a system message put before each string prompt rendered as a chat",
+    )
+
+
+TaskConfig = Annotated[ArithTask | JsonlTask | DatasetTask, Field(discriminator="name")]
 BackendOption = str | int | float | bool
 
 

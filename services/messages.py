@@ -12,14 +12,24 @@ from typing import Literal
 FinishReason = Literal["stop", "length"]
 
 
+# One chat message as chat templates take it: {"role": "system" | "user" | "assistant",
+# "content": text}.
+ChatMessage = dict[str, str]
+
+
 @dataclass(frozen=True)
 class Prompt:
-    """One task instance. Filled by a task generator or JSONL loader; read by generation/reward."""
+    """One task instance. Filled by a task generator or a dataset reader; read by generation and
+    reward."""
 
     prompt_id: str  # unique within a run; groups are keyed by it
-    text: str  # what the model is conditioned on
+    # What the model is conditioned on when `messages` is empty; otherwise the last user message
+    # (for people reading records: the model sees `messages` through the chat template).
+    text: str
     answer: str  # reference answer the verifier compares against
     meta: dict[str, str] = field(default_factory=dict)  # task-specific (difficulty, source line)
+    # A chat: rendered with the tokenizer's chat template, generation prompt added.
+    messages: list[ChatMessage] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -248,15 +248,39 @@ def validate_requests(requests: Sequence[GroupRequest]) -> None:
 
 
 def encode_prompts(tokenizer: Any, prompts: Sequence[Prompt]) -> list[list[int]]:
-    """Token ids of each prompt text with the tokenizer's default encoding (no padding).
+    """Token ids of each prompt (no padding): its text with the tokenizer's default encoding,
+    or, for a chat (`Prompt.messages`), the tokenizer's chat template with the generation
+    prompt added.
 
     Every backend encodes through this function, so all of them see the same prompt ids.
     """
-    encoded = tokenizer([prompt.text for prompt in prompts])["input_ids"]
+    encoded: list[list[int]] = [[] for _ in prompts]
+    plain = [index for index, prompt in enumerate(prompts) if not prompt.messages]
+    if plain:
+        texts = [prompts[index].text for index in plain]
+        for index, ids in zip(plain, tokenizer(texts)["input_ids"], strict=True):
+            encoded[index] = list(ids)
+    for index, prompt in enumerate(prompts):
+        if prompt.messages:
+            encoded[index] = render_chat(tokenizer, prompt)
     for prompt, ids in zip(prompts, encoded, strict=True):
         if not ids:
             raise ValueError(f"prompt {prompt.prompt_id!r} encodes to no tokens")
-    return [list(ids) for ids in encoded]
+    return encoded
+
+
+def render_chat(tokenizer: Any, prompt: Prompt) -> list[int]:
+    """The token ids of `prompt.messages` through the tokenizer's chat template, ready for the
+    assistant's answer; ValueError when the tokenizer has no template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"prompt {prompt.prompt_id!r} is a chat, but the model's tokenizer has no chat "
+            "template (set one in its tokenizer_config.json, or give prompts as strings)"
+        )
+    rendered = tokenizer.apply_chat_template(
+        prompt.messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )
+    return [int(token) for token in rendered["input_ids"]]
 
 
 def derive_seed(seed: int, index: int) -> int:

@@ -57,7 +57,7 @@ from services.pipeline.checkpoint_writer import CheckpointWriter
 from services.pipeline.checkpoints import LEARNER_DIR, latest_checkpoint, read_driver_state
 from services.pipeline.outputs import MetricsRecord, RunDirectory, RunObserver, RunState
 from services.pipeline.plots import PLOTTED_KEYS, plot_curves
-from services.pipeline.prompts import PromptStream
+from services.pipeline.prompts import PromptStream, chats_strings
 from services.pipeline.records import (
     group_from_json,
     group_to_json,
@@ -68,7 +68,7 @@ from services.pipeline.signals import on_stop_signals
 from services.pipeline.streams import WorkerStream
 from services.pipeline.supervisor import ActorSupervisor, FaultBudgetExhausted
 from services.pipeline.weight_sync import WeightSync
-from services.tasks.models import resolve_model
+from services.tasks.models import has_chat_template, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -265,6 +265,9 @@ class RunDriver:
         try:
             with self._signals_request_cancel():
                 self._model_dir = resolve_model(self.spec.model)
+                self.prompts.chat = chats_strings(
+                    self.spec.task, has_chat_template(self._model_dir)
+                )
                 check_cluster_resources(self.spec)
                 actors = self._start_actors()
                 self._report_status(

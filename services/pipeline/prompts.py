@@ -13,12 +13,13 @@ from dataclasses import replace
 from itertools import count, islice
 from pathlib import Path
 
-from kpo_core.config import ArithTask, JsonlTask, TaskConfig
-from services.messages import Prompt
+from kpo_core.config import ArithTask, DatasetTask, JsonlTask, TaskConfig
+from services.messages import ChatMessage, Prompt
 from services.tasks import iter_mixed_prompts, iter_prompts, load_jsonl_prompts
+from services.tasks.dataset_files import load_dataset_prompts
 
 
-def _jsonl_epochs(prompts: Sequence[Prompt], shuffle: bool, seed: int) -> Iterator[Prompt]:
+def _file_epochs(prompts: Sequence[Prompt], shuffle: bool, seed: int) -> Iterator[Prompt]:
     """The file's prompts again and again; ids carry the epoch so they stay unique in a run."""
     for epoch in count():
         order = list(range(len(prompts)))
@@ -35,8 +36,35 @@ def _endless(task: TaskConfig, seed: int) -> Iterator[Prompt]:
             return iter_mixed_prompts(seed, task.difficulty, task.difficulty_max, "train")
         return iter_prompts(seed, task.difficulty, "train")
     if isinstance(task, JsonlTask):
-        return _jsonl_epochs(load_jsonl_prompts(Path(task.path)), task.shuffle, seed)
+        return _file_epochs(load_jsonl_prompts(Path(task.path)), task.shuffle, seed)
+    if isinstance(task, DatasetTask):
+        prompts = load_dataset_prompts(Path(task.path), task.format, task.split)
+        return _file_epochs(prompts, task.shuffle, seed)
     raise TypeError(f"unknown task config {task!r}")
+
+
+def as_chat(prompt: Prompt, system_prompt: str | None) -> Prompt:
+    """A string prompt as a chat of one user message (after `system_prompt`, if any); a chat
+    prompt as it is."""
+    if prompt.messages:
+        return prompt
+    messages: list[ChatMessage] = []
+    if system_prompt is not None:
+        messages.append({"role": "system", "content": system_prompt})
+    messages.append({"role": "user", "content": prompt.text})
+    return replace(prompt, messages=messages)
+
+
+def chats_strings(task: TaskConfig, tokenizer_has_template: bool) -> bool:
+    """Whether `task`'s string prompts go through the chat template (ValueError for
+    `chat_template: always` with a tokenizer that has none)."""
+    if not isinstance(task, DatasetTask) or task.chat_template == "never":
+        return False
+    if task.chat_template == "always" and not tokenizer_has_template:
+        raise ValueError(
+            "task.chat_template is 'always', but the model's tokenizer has no chat template"
+        )
+    return tokenizer_has_template
 
 
 class PromptStream:
@@ -47,10 +75,20 @@ class PromptStream:
     """
 
     def __init__(
-        self, task: TaskConfig, seed: int, position: int = 0, handed_back: Sequence[Prompt] = ()
+        self,
+        task: TaskConfig,
+        seed: int,
+        position: int = 0,
+        handed_back: Sequence[Prompt] = (),
+        *,
+        chat: bool = False,
     ) -> None:
+        """`chat`: string prompts are drawn as chats (`chats_strings` decides it for a task and a
+        tokenizer; the driver sets it once it has resolved the model, before the first take)."""
         if position < 0:
             raise ValueError(f"position must be >= 0, got {position}")
+        self.chat = chat
+        self._system_prompt = task.system_prompt if isinstance(task, DatasetTask) else None
         self._source = _endless(task, seed)
         # Skipping re-draws the skipped prompts: cheap for generated tasks and files alike.
         for _ in islice(self._source, position):
@@ -72,6 +110,8 @@ class PromptStream:
         """The next `n` prompts: handed-back ones first, then new ones from the source."""
         taken = [self._handed_back.popleft() for _ in range(min(n, len(self._handed_back)))]
         fresh = list(islice(self._source, n - len(taken)))
+        if self.chat:
+            fresh = [as_chat(prompt, self._system_prompt) for prompt in fresh]
         self._position += len(fresh)
         return taken + fresh
 

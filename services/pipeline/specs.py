@@ -14,9 +14,9 @@ import yaml
 from pydantic import ValidationError
 
 from kpo_core.config import RunSpec, describe_validation_error
-from services.pipeline.prompts import PromptStream
+from services.pipeline.prompts import PromptStream, chats_strings
 from services.tasks import PromptFileError
-from services.tasks.models import ModelDirError, check_tokenizer, resolve_model
+from services.tasks.models import ModelDirError, check_tokenizer, has_chat_template, resolve_model
 
 
 class SpecError(ValueError):
@@ -96,7 +96,11 @@ def preflight(spec: RunSpec, source: str) -> Path:
     except ModelDirError as error:
         raise SpecError(f"{source}: model: {error}") from None
     try:
-        PromptStream(spec.task, spec.seed).take(1)
+        chat = chats_strings(spec.task, has_chat_template(model_dir))
+    except ValueError as error:
+        raise SpecError(f"{source}: task.chat_template: {error} ({model_dir})") from None
+    try:
+        PromptStream(spec.task, spec.seed, chat=chat).take(1)
     except PromptFileError as error:
         raise SpecError(f"{source}: task.path: {error}") from None
     return model_dir

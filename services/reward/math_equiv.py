@@ -24,8 +24,8 @@ from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, veri
 from pydantic import Field
 
 from services.reward.base import Verdict, VerifierConfig
+from services.tasks.answers import extract_boxed
 
-_BOXED = re.compile(r"\\boxed\s*\{")
 # A reference that already says where its math is: do not wrap it in `$...$` again.
 _DELIMITED = re.compile(r"\$|\\\(|\\\[|\\boxed")
 
@@ -64,7 +64,7 @@ def parse_reference(reference: str) -> list[object]:
 
 def check_math(response_text: str, reference: str, config: MathConfig) -> Verdict:
     """Score one response: correct when its extracted answer is equivalent to the reference."""
-    well_formed = _BOXED.search(response_text) is not None
+    well_formed = extract_boxed(response_text) is not None
     gold = parse_reference(reference)
     if not gold:
         # A reference that does not parse is a dataset bug, not a wrong answer: fail loudly.

@@ -16,17 +16,28 @@ REQUIRED_KEYS = ("prompt", "answer")
 
 
 class PromptFileError(ValueError):
-    """A prompt file that cannot be read: `path`, 1-based `line` and `key` say where."""
+    """A prompt file that cannot be read: `path`, then the 1-based `line` (a text file) or
+    `row` (a table) and the `key` (column) say where."""
 
     def __init__(
-        self, path: Path, problem: str, line: int | None = None, key: str | None = None
+        self,
+        path: Path,
+        problem: str,
+        line: int | None = None,
+        key: str | None = None,
+        *,
+        row: int | None = None,
     ) -> None:
         self.path = path
         self.line = line
+        self.row = row
         self.key = key
         self.problem = problem
         where = f"{path}:{line}" if line is not None else str(path)
-        what = f"key {key!r}: {problem}" if key is not None else problem
+        if row is not None:
+            where += f", row {row}"
+        noun = "column" if row is not None else "key"
+        what = f"{noun} {key!r}: {problem}" if key is not None else problem
         super().__init__(f"{where}: {what}")
 
 

@@ -62,3 +62,15 @@ def check_tokenizer(model_dir: Path) -> None:
             f"the tokenizer of {model_dir} has no EOS token, so no response could ever end "
             "(set eos_token in its tokenizer_config.json)"
         )
+
+
+def has_chat_template(model_dir: Path) -> bool:
+    """Whether the tokenizer in `model_dir` ships a chat template (in tokenizer_config.json or
+    a chat_template.jinja file, where transformers looks), read without loading it."""
+    if (model_dir / "chat_template.jinja").is_file():
+        return True
+    try:
+        config = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and bool(config.get("chat_template"))

@@ -1,0 +1,99 @@
+"""Runs on dataset files of each format with the `math` verifier (real Ray, the tiny model).
+
+The verl file's chats go through the ChatML template of a copy of the tiny model that carries
+one; the other formats' string prompts through the same template (`chat_template: auto`) or,
+for one of them, raw (`never`). Accuracy does not matter here (the tiny model knows arithmetic
+written its own way): every step must train on the file's prompts and be recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import services.tasks
+from kpo_core.config import RunSpec
+from services.pipeline.launch import execute_run
+from services.pipeline.outputs import RunDirectory, read_metrics
+from services.pipeline.specs import apply_overrides
+from tests.services.pipeline.conftest import TINY_RUN
+from tests.services.tasks.test_chat_prompts import CHATML
+
+pytestmark = [pytest.mark.usefixtures("ray_instance"), pytest.mark.timeout(300)]
+
+QUESTIONS = [("12+30", "42"), ("7*6", "42"), ("50-8", "42"), ("40+2", "42")]
+
+
+def rows_of(dataset_format: str) -> list[dict[str, Any]]:
+    if dataset_format == "verl":
+        return [
+            {
+                "data_source": "arith",
+                "prompt": [{"role": "user", "content": f"{q}="}],
+                "reward_model": {"style": "rule", "ground_truth": a},
+                "extra_info": {"index": i},
+            }
+            for i, (q, a) in enumerate(QUESTIONS)
+        ]
+    if dataset_format == "gsm8k":
+        return [{"question": f"{q}=", "answer": f"{q}={a}\n#### {a}"} for q, a in QUESTIONS]
+    if dataset_format == "math":
+        return [{"problem": f"{q}=", "solution": f"$\\boxed{{{a}}}$"} for q, a in QUESTIONS]
+    return [{"prompt": f"{q}=", "answer": a} for q, a in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("chat-model") / "tiny-arith-chat"
+    shutil.copytree(Path(services.tasks.__file__).parent / "assets" / "tiny-arith", out)
+    config_file = out / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "chat_template": CHATML}))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("dataset_format", "suffix", "chat_template"),
+    [
+        ("verl", ".parquet", "auto"),
+        ("gsm8k", ".jsonl", "auto"),
+        ("math", ".json", "never"),
+        ("prompt-answer", ".parquet", "always"),
+    ],
+)
+def test_each_format_trains_two_steps_with_the_math_verifier(
+    tmp_path: Path, chat_model_dir: Path, dataset_format: str, suffix: str, chat_template: str
+) -> None:
+    path = tmp_path / f"train{suffix}"
+    rows = rows_of(dataset_format)
+    if suffix == ".parquet":
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    elif suffix == ".json":
+        path.write_text(json.dumps(rows))
+    else:
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    task = {"name": "dataset", "path": str(path), "chat_template": chat_template}
+    spec = RunSpec.model_validate(
+        apply_overrides(
+            {**TINY_RUN, "model": str(chat_model_dir), "task": task},
+            [
+                "reward.verifier=math",
+                "pipeline.mode=sync",
+                "pipeline.steps=2",
+                "pipeline.batch_groups=2",
+                "pipeline.checkpoint_every=0",
+                "generation.prompts_per_batch=2",
+                "generation.max_new_tokens=16",
+            ],
+        )
+    )
+    assert execute_run(spec, RunDirectory(tmp_path / "run")) == "succeeded"
+    records = read_metrics(tmp_path / "run")
+    assert [record["step"] for record in records] == [1, 2]
+    assert all(record["tokens_trained"] > 0 for record in records)

@@ -554,7 +554,13 @@ class RunSpec(StrictModel):
     model: str = Field(
         "tiny-arith",
         min_length=1,
-        description="a built-in model name (tiny-arith) or a local Hugging Face model directory",
+        description="a built-in model name (tiny-arith), a local Hugging Face model directory, "
+        "or a hub id (org/name), downloaded once by the driver into the Hugging Face cache",
+    )
+    model_revision: str | None = Field(
+        None,
+        min_length=1,
+        description="branch, tag or commit of a hub model (default: main)",
     )
     task: TaskConfig = Field(default_factory=ArithTask)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)

@@ -1,12 +1,13 @@
 """The paths of a run spec sent over HTTP: only inside the control plane's inputs folder.
 
 A run spec names files that the run's driver and actors read: `model` (a Hugging Face model
-directory, unless it is a built-in name), `task.path` (a JSONL prompt file) and the vLLM
+directory, unless it is a built-in name or a hub id), `task.path` (a prompt file) and the vLLM
 `tokenizer` option. From a local run file (`kpo run`) these may be any path: users read their
 own files. Over the API any client could otherwise have the cluster read any file it can reach,
 and see parts of it in the run's error message, so a spec sent over HTTP may name only:
 
-- a built-in model (`tiny-arith`) for `model`;
+- a built-in model (`tiny-arith`) or a hub id (`org/name`, downloaded into the Hugging Face
+  cache, not read from the file system) for `model`;
 - a relative path without `..`, read from `<KPO_DATA_DIR>/inputs/`; the stored spec holds the
   absolute path, so the job reads exactly that file and the client sees which one;
 - an absolute path already inside that folder (what a stored spec holds, so it can be resent).
@@ -26,7 +27,8 @@ from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 
-from kpo_core.config import BUILTIN_MODELS, JsonlTask, RunSpec
+from kpo_core.config import BUILTIN_MODELS, DatasetTask, JsonlTask, RunSpec
+from services.tasks.models import is_hub_id
 
 INPUTS_DIR_NAME = "inputs"
 # Backend options whose value is read as a file or folder (VllmBackend's `tokenizer`).
@@ -61,12 +63,12 @@ def confined_spec(spec: RunSpec, inputs: Path) -> dict[str, Any]:
             errors.append(_error(loc, f"{error}; give {expected}"))
             return value
 
-    if spec.model not in BUILTIN_MODELS:
+    if spec.model not in BUILTIN_MODELS and not _names_a_hub_model(spec.model, inputs):
         builtin = ", ".join(BUILTIN_MODELS)
         data["model"] = confine(
-            ("model",), spec.model, f"a built-in model ({builtin}) or {relative}"
+            ("model",), spec.model, f"a built-in model ({builtin}), a hub id or {relative}"
         )
-    if isinstance(spec.task, JsonlTask):
+    if isinstance(spec.task, JsonlTask | DatasetTask):
         data["task"]["path"] = confine(("task", "path"), spec.task.path)
     for key, value in spec.generation.options.items():
         loc = ("generation", "options", key)
@@ -84,6 +86,12 @@ def confined_spec(spec: RunSpec, inputs: Path) -> dict[str, Any]:
     if errors:
         raise RequestValidationError(errors)
     return data
+
+
+def _names_a_hub_model(model: str, inputs: Path) -> bool:
+    """A hub id (`org/name`) that names no folder in `inputs`: downloaded into the cache, not
+    read from the file system."""
+    return is_hub_id(model) and not (inputs / model).is_dir()
 
 
 def _string_leaves(loc: tuple[str, ...], value: Any) -> list[tuple[tuple[str, ...], str]]:

@@ -264,7 +264,7 @@ class RunDriver:
         actors: RunActors | None = None
         try:
             with self._signals_request_cancel():
-                self._model_dir = resolve_model(self.spec.model)
+                self._model_dir = resolve_model(self.spec.model, self.spec.model_revision)
                 self.prompts.chat = chats_strings(
                     self.spec.task, has_chat_template(self._model_dir)
                 )

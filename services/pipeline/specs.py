@@ -91,7 +91,7 @@ def preflight(spec: RunSpec, source: str) -> Path:
     """Check what validation cannot see (the model directory, the prompt file) before any actor
     starts; returns the model directory."""
     try:
-        model_dir = resolve_model(spec.model)
+        model_dir = resolve_model(spec.model, spec.model_revision)
         check_tokenizer(model_dir)
     except ModelDirError as error:
         raise SpecError(f"{source}: model: {error}") from None

@@ -66,6 +66,15 @@ def test_built_in_models_stay_names(api: Api) -> None:
     assert response.status_code == 201 and response.json()["spec"]["model"] == "tiny-arith"
 
 
+def test_hub_ids_stay_ids_unless_they_name_a_folder_of_inputs(api: Api, tmp_path: Path) -> None:
+    response = api.client.post("/v1/runs", json=spec_with(model="Qwen/Qwen3-4B"))
+    assert response.status_code == 201 and response.json()["spec"]["model"] == "Qwen/Qwen3-4B"
+    local = inputs_of(tmp_path) / "org" / "model"
+    local.mkdir(parents=True)
+    response = api.client.post("/v1/runs", json=spec_with(model="org/model"))
+    assert response.status_code == 201 and response.json()["spec"]["model"] == str(local)
+
+
 OUTSIDE = [
     "/etc/passwd",
     "/",
@@ -88,6 +97,7 @@ def test_paths_that_leave_the_inputs_folder_are_a_422(api: Api, path: str) -> No
     bodies = {
         "model": spec_with(model=path),
         "task.path": spec_with(task=jsonl_task(path)),
+        "task.path (dataset)": spec_with(task={"name": "dataset", "path": path}),
         "generation.options.tokenizer": spec_with(
             generation={"group_size": 4, "options": {"tokenizer": path}}
         ),
@@ -96,7 +106,7 @@ def test_paths_that_leave_the_inputs_folder_are_a_422(api: Api, path: str) -> No
         response = api.client.post("/v1/runs", json=body)
         assert response.status_code == 422, (field, response.text)
         fields = response.json()["error"]["fields"]
-        assert [f["field"] for f in fields] == [field]
+        assert [f["field"] for f in fields] == [field.removesuffix(" (dataset)")]
         assert "give " in fields[0]["message"]
     assert api.launcher.submitted == []
     assert api.client.get("/v1/runs").json()["runs"] == []
@@ -111,7 +121,7 @@ def test_absolute_paths_are_accepted_only_inside_the_folder(api: Api, tmp_path: 
         assert response.status_code == 422, path
         message = response.json()["error"]["fields"][0]["message"]
         assert message.endswith(
-            f"give a built-in model (tiny-arith) or a path relative to {inputs}"
+            f"give a built-in model (tiny-arith), a hub id or a path relative to {inputs}"
         )
 
 

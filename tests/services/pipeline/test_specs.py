@@ -73,7 +73,8 @@ def test_a_resolved_spec_validates_again_unchanged() -> None:
 def test_preflight_names_a_missing_model_and_a_broken_prompt_file(tmp_path: Path) -> None:
     spec = RunSpec(model=str(tmp_path / "nowhere"))
     with pytest.raises(
-        SpecError, match=r"run\.yaml: model: .*is not a directory nor a built-in model"
+        SpecError,
+        match=r"run\.yaml: model: .*is not a directory, a hub id \(org/name\) nor a built-in",
     ):
         preflight(spec, "run.yaml")
     (tmp_path / "m").mkdir()

@@ -30,6 +30,11 @@ REQUIRED = {
     "step latency": "kpo_learner_step_seconds_bucket",
 }
 _SELECTOR = re.compile(r"([A-Za-z_:][\w:]*)\s*[{\[]")
+# A PromQL aggregation, with its `by` or `without` and their labels if it has them.
+_AGGREGATION = re.compile(
+    r"\b(?:sum|avg|min|max|count|group|stddev|stdvar|topk|bottomk|quantile|count_values)"
+    r"\s*(?:(by|without)\s*\(([^)]*)\))?\s*\("
+)
 
 
 def variables() -> dict[str, dict[str, Any]]:
@@ -86,15 +91,44 @@ def test_panels_are_valid_and_laid_out_without_overlap() -> None:
         assert not overlap, f"panels {a!r} and {b!r} overlap"
 
 
+def _per_run(name: str) -> bool:
+    """Per-run metrics follow the run picker; the others are the control plane's own."""
+    return name not in SYNTHETIC and not name.startswith(("kpo_api_", "kpo_runs", "kpo_store_up"))
+
+
 def test_every_query_is_filtered_by_the_run_or_the_job() -> None:
     for query in panel_queries():
         for name in metric_names(query.expr):
-            # Per-run metrics follow the run picker; the others are the control plane's own.
-            per_run = name not in SYNTHETIC and not name.startswith(
-                ("kpo_api_", "kpo_runs", "kpo_store_up")
-            )
-            wanted = 'run_id=~"$run_id"' if per_run else 'job="kpo-control-plane"'
+            wanted = 'run_id=~"$run_id"' if _per_run(name) else 'job="kpo-control-plane"'
             assert wanted in query.expr, f"{query.panel}: {query.expr}"
+
+
+def test_every_per_run_panel_overlays_the_runs_picked() -> None:
+    """Several runs picked in `$run_id` (Grafana writes them as `(a|b)`) give one series per run
+    on every per-run panel: each matcher is a regex one, no aggregation folds the runs together,
+    and each series' legend names its run."""
+    shown: set[str] = set()
+    for panel in panels():
+        targets = panel.get("targets", [])
+        names = [metric_names(t["expr"]) for t in targets]
+        if not any(_per_run(name) for found in names for name in found):
+            continue
+        for target, found in zip(targets, names, strict=True):
+            expr, where = target["expr"], f"{panel['title']} {target['refId']}"
+            assert all(_per_run(name) for name in found), f"{where}: mixes in other metrics"
+            matchers = re.findall(r'run_id\s*(=~|!~|!=|=)\s*"([^"]*)"', expr)
+            assert matchers and set(matchers) == {("=~", "$run_id")}, f"{where}: {expr}"
+            for grouping, labels in _AGGREGATION.findall(expr):
+                kept = {label.strip() for label in labels.split(",")}
+                assert grouping == "by" and "run_id" in kept, f"{where}: folds the runs: {expr}"
+            assert "{{run_id}}" in target.get("legendFormat", ""), f"{where}: legend without run"
+            shown |= found
+        if panel["type"] == "timeseries":
+            assert panel["options"]["legend"]["showLegend"], panel["title"]
+        if panel["type"] == "stat":  # one value per run, each with its name
+            assert panel["options"]["textMode"] in ("auto", "value_and_name"), panel["title"]
+            assert not panel["options"]["reduceOptions"]["values"], panel["title"]
+    assert set(REQUIRED.values()) <= shown
 
 
 def test_every_selector_is_a_known_metric_name() -> None:

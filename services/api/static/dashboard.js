@@ -1,5 +1,6 @@
 // KPO-RL dashboard: lists runs, draws a run's stability charts from its metrics history and keeps
-// them live from the run's server-sent events.
+// them live from the run's server-sent events. Ticking two or more runs in the list overlays them
+// on every chart, one colour per run (`?compare=ID,ID` in the address keeps the selection).
 //
 // Everything inserted into the page goes through textContent or attributes (never innerHTML), so
 // run names and error messages are shown as text. The SSE stream is read with fetch and a stream
@@ -13,35 +14,48 @@
   const RUNS_REFRESH_MS = 10000;
   const RETRY_MIN_MS = 1000;
   const RETRY_MAX_MS = 15000;
+  const RUN_ID = /^run-[0-9a-f]{12}$/; // the store's run ids (services/store/base.py)
+  // Each live run compared holds one event stream open, and a browser opens at most 6 HTTP/1.1
+  // connections to a server: 4 streams leave room for the history and run-list requests.
+  const MAX_COMPARE = 4;
+  // One colour per compared run, in the order ticked; distinct for the common colour deficiencies.
+  const RUN_COLORS = ["#1f6feb", "#e8590c", "#2b8a3e", "#ae3ec9"];
 
   // One entry per chart: the record keys it draws. `smooth` draws a trailing moving average.
+  // When runs are compared each series takes its run's colour: the `main` one is drawn solid (its
+  // latest value is in the legend), a dashed one stays dashed, any other is drawn faint.
   const CHARTS = [
     { id: "reward", title: "Reward", series: [
       { key: "reward_mean", label: "reward mean", color: "#9fb3c8", width: 1 },
-      { key: "reward_mean", label: "moving average", color: "#1f6feb", width: 2.2, smooth: true },
+      { key: "reward_mean", label: "moving average", color: "#1f6feb", width: 2.2, smooth: true, main: true },
     ] },
     { id: "entropy", title: "Entropy (nats)", series: [
-      { key: "entropy", label: "entropy", color: "#8e24aa", width: 1.6 },
+      { key: "entropy", label: "entropy", color: "#8e24aa", width: 1.6, main: true },
     ] },
     { id: "clip", title: "Clip fraction", series: [
-      { key: "clip_fraction", label: "clip fraction", color: "#ef6c00", width: 1.6 },
+      { key: "clip_fraction", label: "clip fraction", color: "#ef6c00", width: 1.6, main: true },
     ] },
     { id: "staleness", title: "Staleness (policy versions)", series: [
-      { key: "staleness_mean", label: "mean", color: "#00897b", width: 1.8 },
+      { key: "staleness_mean", label: "mean", color: "#00897b", width: 1.8, main: true },
       { key: "staleness_max", label: "max", color: "#80cbc4", width: 1.2, dash: [4, 3] },
     ] },
     { id: "switch", title: "Ratio switch frequency", series: [
       { key: "raw_switch_frequency", label: "raw", color: "#b0bec5", width: 1.2 },
-      { key: "filtered_switch_frequency", label: "filtered", color: "#c62828", width: 1.8 },
+      { key: "filtered_switch_frequency", label: "filtered", color: "#c62828", width: 1.8, main: true },
     ] },
     { id: "lfr", title: "Low-frequency ratio", series: [
       { key: "raw_low_frequency_ratio", label: "raw", color: "#b0bec5", width: 1.2 },
-      { key: "filtered_low_frequency_ratio", label: "filtered", color: "#3949ab", width: 1.8 },
+      { key: "filtered_low_frequency_ratio", label: "filtered", color: "#3949ab", width: 1.8, main: true },
     ] },
   ];
 
   const $ = (id) => document.getElementById(id);
-  const state = { run: null, records: [], lastStep: -1, lastEventId: null, abort: null };
+  // What the page shows: one run ("single", from the address's #RUN_ID), several overlaid
+  // ("compare", from ?compare=) or nothing. Each shown run is a trace: its record, metrics and
+  // stream position. `abort` stops every request and stream of the current view.
+  const view = { mode: "none", traces: [], abort: null };
+  let compareIds = [];
+  let runsShown = [];
   let drawPending = false;
 
   class Unauthorized extends Error {}
@@ -55,6 +69,12 @@
     if (cls) node.className = cls;
     for (const [name, value] of Object.entries(attrs || {})) node.setAttribute(name, value);
     for (const child of children) node.append(child);
+    return node;
+  }
+
+  function swatch(color, cls = "swatch") {
+    const node = el("i", { cls });
+    if (color) node.style.background = color; // CSSOM, which the style-src policy allows
     return node;
   }
 
@@ -138,6 +158,11 @@
     return (run.spec && run.spec.name) || run.id;
   }
 
+  function estimatorOf(run) {
+    const spec = (run && run.spec) || {};
+    return (spec.algorithm && spec.algorithm.estimator && spec.algorithm.estimator.name) || null;
+  }
+
   async function loadRuns() {
     if (!$("token-form").hidden) return; // waiting for a token: asking again would only fail
     try {
@@ -151,84 +176,165 @@
   }
 
   function renderRuns(runs) {
+    runsShown = runs;
+    // The list is rebuilt every few seconds: a keyboard user's focus on a checkbox stays put.
+    const focused = document.activeElement && document.activeElement.dataset
+      ? document.activeElement.dataset.compareId : undefined;
+    const single = view.mode === "single" ? view.traces[0].id : null;
     const items = runs.map((run) => {
       const spec = run.spec || {};
-      const estimator = spec.algorithm && spec.algorithm.estimator && spec.algorithm.estimator.name;
       const mode = spec.pipeline && spec.pipeline.mode;
       const link = el("a", { attrs: { href: `#${encodeURIComponent(run.id)}`, "data-run-id": run.id } }, [
         el("div", { cls: "run-line" }, [
           el("span", { cls: "run-title", text: runTitle(run) }),
           el("span", { cls: `badge ${run.status}`, text: run.status }),
         ]),
-        el("div", { cls: "run-sub", text: [run.id, estimator, mode].filter(Boolean).join(" · ") }),
+        el("div", { cls: "run-sub", text: [run.id, estimatorOf(run), mode].filter(Boolean).join(" · ") }),
         el("div", { cls: "run-sub", text: when(run.created_at) }),
       ]);
-      if (state.run && state.run.id === run.id) link.classList.add("selected");
-      return el("li", {}, [link]);
+      if (run.id === single) link.classList.add("selected");
+      const box = el("input", { cls: "compare-box", attrs: {
+        type: "checkbox", "data-compare-id": run.id, "aria-label": `Compare ${runTitle(run)} (${run.id})`,
+      } });
+      return el("li", {}, [box, link]);
     });
     $("run-list").replaceChildren(...items);
+    renderCompareBoxes();
+    if (focused) {
+      const again = document.querySelector(`#run-list input[data-compare-id="${CSS.escape(focused)}"]`);
+      if (again) again.focus();
+    }
   }
 
-  // --- one run -----------------------------------------------------------------------------
-
-  async function selectRun(runId) {
-    if (state.abort) state.abort.abort();
-    const abort = new AbortController();
-    Object.assign(state, { run: null, records: [], lastStep: -1, lastEventId: null, abort });
-    $("no-run").hidden = Boolean(runId);
-    $("run").hidden = !runId;
-    if (!runId) return;
-    $("run-name").textContent = runId;
-    for (const id of ["run-status", "run-live", "run-error"]) $(id).textContent = "";
-    $("run-error").hidden = true;
-    buildCharts();
-    for (const link of document.querySelectorAll("#run-list a")) {
-      link.classList.toggle("selected", link.dataset.runId === runId);
+  /** The checkboxes and the hint follow `compareIds`; past the limit, the others are disabled. */
+  function renderCompareBoxes() {
+    const full = compareIds.length >= MAX_COMPARE;
+    for (const box of document.querySelectorAll("#run-list .compare-box")) {
+      box.checked = compareIds.includes(box.dataset.compareId);
+      box.disabled = full && !box.checked;
+      box.title = box.disabled ? `At most ${MAX_COMPARE} runs are compared at a time` : "Compare";
+      // A compared run's entry is marked in the colour its lines have on the charts.
+      const index = compareIds.indexOf(box.dataset.compareId);
+      const item = box.closest("li");
+      item.classList.toggle("compared", index >= 0 && compareIds.length > 1);
+      if (index >= 0) item.style.setProperty("--run-color", RUN_COLORS[index]);
     }
+    $("compare-hint").textContent = compareIds.length === 0
+      ? `Tick two to ${MAX_COMPARE} runs to compare them.`
+      : compareIds.length === 1 ? "Tick another run to compare." : `Comparing ${compareIds.length} runs.`;
+    $("compare-clear").hidden = compareIds.length === 0;
+  }
+
+  // --- what is shown -----------------------------------------------------------------------
+
+  function compareFromUrl() {
+    const raw = new URLSearchParams(location.search).get("compare") || "";
+    const ids = raw.split(",").map((id) => id.trim()).filter((id) => RUN_ID.test(id));
+    return [...new Set(ids)].slice(0, MAX_COMPARE);
+  }
+
+  /** Keep the selection in the address (so a reload or a shared link shows the same runs). */
+  function setCompare(ids) {
+    compareIds = ids;
+    const params = new URLSearchParams(location.search);
+    if (ids.length) params.set("compare", ids.join(","));
+    else params.delete("compare");
+    const query = params.toString().replace(/%2C/gi, ","); // run ids need no escaping
+    history.replaceState(history.state, "", `${location.pathname}${query ? `?${query}` : ""}${location.hash}`);
+    renderCompareBoxes();
+  }
+
+  function selectedFromHash() {
+    return decodeURIComponent(location.hash.slice(1)) || null;
+  }
+
+  /** Start the view the address asks for, stopping the streams of the one before. */
+  function show() {
+    if (view.abort) view.abort.abort();
+    const abort = new AbortController();
+    const single = selectedFromHash();
+    const ids = compareIds.length > 1 ? compareIds : single ? [single] : [];
+    const mode = compareIds.length > 1 ? "compare" : single ? "single" : "none";
+    const traces = ids.map((id, i) => ({
+      id, color: RUN_COLORS[i], run: null, records: [], lastStep: -1, lastEventId: null,
+      error: null, live: { on: false, text: "" },
+    }));
+    Object.assign(view, { mode, traces, abort });
+    $("no-run").hidden = mode !== "none";
+    $("run").hidden = mode !== "single";
+    $("compare").hidden = mode !== "compare";
+    $("charts").hidden = mode === "none";
+    for (const link of document.querySelectorAll("#run-list a")) {
+      link.classList.toggle("selected", mode === "single" && link.dataset.runId === single);
+    }
+    if (mode === "none") return;
+    if (mode === "single") {
+      $("run-name").textContent = single;
+      for (const id of ["run-status", "run-live", "run-error", "run-facts"]) $(id).replaceChildren();
+      $("run-error").hidden = true;
+    }
+    buildCharts();
+    renderView();
+    for (const trace of traces) loadTrace(trace, abort.signal);
+  }
+
+  /** A run's record and history, then its live events until it finishes. */
+  async function loadTrace(trace, signal) {
     try {
-      state.run = await getJson(runPath(runId), { signal: abort.signal });
-      renderRun();
-      await loadHistory(runId, abort.signal);
-      if (TERMINAL.has(state.run.status)) setLive(false, "finished");
-      else follow(runId, abort.signal);
+      trace.run = await getJson(runPath(trace.id), { signal });
+      renderView();
+      await loadHistory(trace, signal);
+      if (TERMINAL.has(trace.run.status)) setLive(trace, false, "finished");
+      else await follow(trace, signal);
     } catch (error) {
-      if (abort.signal.aborted || error instanceof Unauthorized) return;
-      $("run-error").hidden = false;
-      $("run-error").textContent = error.message;
+      if (signal.aborted || error instanceof Unauthorized) return;
+      trace.error = error.message;
+      renderView();
     }
   }
 
   /** Every record after the last one held, page by page. */
-  async function loadHistory(runId, signal) {
+  async function loadHistory(trace, signal) {
     for (;;) {
       const page = await getJson(
-        `${runPath(runId)}/metrics?since_step=${state.lastStep}&limit=${HISTORY_PAGE}`, { signal });
-      page.records.forEach(addRecord);
+        `${runPath(trace.id)}/metrics?since_step=${trace.lastStep}&limit=${HISTORY_PAGE}`, { signal });
+      page.records.forEach((record) => addRecord(trace, record));
       scheduleDraw();
       if (page.records.length < HISTORY_PAGE) return;
     }
   }
 
-  function addRecord(record) {
+  function addRecord(trace, record) {
     // The SSE stream may repeat records the history already gave; a step is kept once.
-    if (typeof record.step !== "number" || record.step <= state.lastStep) return;
-    state.records.push(record);
-    state.lastStep = record.step;
+    if (typeof record.step !== "number" || record.step <= trace.lastStep) return;
+    trace.records.push(record);
+    trace.lastStep = record.step;
   }
 
-  function renderRun() {
-    const run = state.run;
+  function renderView() {
+    if (view.mode === "single") renderRun(view.traces[0]);
+    else if (view.mode === "compare") renderCompare();
+  }
+
+  function renderRun(trace) {
+    const run = trace.run;
+    if (!run) {
+      $("run-error").hidden = !trace.error;
+      $("run-error").textContent = trace.error || "";
+      return;
+    }
     const spec = run.spec || {};
-    const latest = state.records[state.records.length - 1] || {};
+    const latest = trace.records[trace.records.length - 1] || {};
     const started = (run.transitions || []).find((t) => t.status === "running");
     const total = spec.pipeline && spec.pipeline.steps;
+    const step = trace.lastStep;
     const facts = [
       ["id", run.id],
       ["created", when(run.created_at)],
       ["started", started ? when(started.at) : "–"],
-      ["step", state.lastStep >= 0 ? (total ? `${state.lastStep} / ${total}` : state.lastStep) : "–"],
+      ["step", step >= 0 ? (total ? `${step} / ${total}` : step) : "–"],
       ["policy version", fmt(latest.policy_version)],
-      ["estimator", (spec.algorithm && spec.algorithm.estimator && spec.algorithm.estimator.name) || "–"],
+      ["estimator", estimatorOf(run) || "–"],
       ["mode", (spec.pipeline && spec.pipeline.mode) || "–"],
       ["max staleness", spec.pipeline ? fmt(spec.pipeline.max_staleness) : "–"],
     ];
@@ -237,40 +343,69 @@
     $("run-status").className = `badge ${run.status}`;
     $("run-facts").replaceChildren(...facts.map(([name, value]) =>
       el("div", {}, [el("dt", { text: name }), el("dd", { text: value })])));
-    $("run-error").hidden = !run.error;
-    $("run-error").textContent = run.error || "";
+    const error = trace.error || run.error;
+    $("run-error").hidden = !error;
+    $("run-error").textContent = error || "";
+    $("run-live").textContent = trace.live.text;
+    $("run-live").classList.toggle("on", trace.live.on);
   }
 
-  function setLive(on, text) {
-    $("run-live").textContent = text;
-    $("run-live").classList.toggle("on", on);
+  /** The compared runs' table: colour, name, id, estimator, status, step and stream state. */
+  function renderCompare() {
+    $("compare-title").textContent = `Comparing ${view.traces.length} runs`;
+    $("compare-rows").replaceChildren(...view.traces.map((trace) => {
+      const run = trace.run;
+      const total = run && run.spec && run.spec.pipeline && run.spec.pipeline.steps;
+      const step = trace.lastStep >= 0 ? (total ? `${trace.lastStep} / ${total}` : trace.lastStep) : "–";
+      const live = el("td", { cls: `live${trace.live.on ? " on" : ""}`, text: trace.live.text });
+      const status = run ? el("span", { cls: `badge ${run.status}`, text: run.status }) : "";
+      const error = trace.error || (run && run.error);
+      return el("tr", { attrs: { "data-run-id": trace.id } }, [
+        el("td", {}, [swatch(trace.color)]),
+        el("td", {}, [
+          el("a", { cls: "run-title", text: run ? runTitle(run) : trace.id,
+            attrs: { href: `#${encodeURIComponent(trace.id)}` } }),
+          el("div", { cls: "run-sub", text: trace.id }),
+          ...(error ? [el("div", { cls: "error", text: error })] : []),
+        ]),
+        el("td", { text: estimatorOf(run) || "–" }),
+        el("td", {}, [status]),
+        el("td", { cls: "num", text: step }),
+        live,
+      ]);
+    }));
+  }
+
+  function setLive(trace, on, text) {
+    trace.live = { on, text };
+    renderView();
   }
 
   // --- live events -------------------------------------------------------------------------
 
   /** Follow the run's events until it finishes, reconnecting after the last event seen. */
-  async function follow(runId, signal) {
+  async function follow(trace, signal) {
     let delay = RETRY_MIN_MS;
     while (!signal.aborted) {
       try {
         const headers = { Accept: "text/event-stream" };
-        if (state.lastEventId) headers["Last-Event-ID"] = state.lastEventId;
-        const response = await api(`${runPath(runId)}/events`, { headers, signal });
-        setLive(true, "live");
+        if (trace.lastEventId) headers["Last-Event-ID"] = trace.lastEventId;
+        const response = await api(`${runPath(trace.id)}/events`, { headers, signal });
+        setLive(trace, true, "live");
         // Records stored while we were not connected (the stream may start after them).
-        await loadHistory(runId, signal);
+        await loadHistory(trace, signal);
         delay = RETRY_MIN_MS;
-        for await (const event of readEvents(response.body)) handleEvent(event);
-        if (TERMINAL.has(state.run.status)) {
-          setLive(false, "finished");
+        for await (const event of readEvents(response.body, trace)) handleEvent(trace, event, signal);
+        if (TERMINAL.has(trace.run.status)) {
+          setLive(trace, false, "finished");
           return;
         }
-        setLive(false, "reconnecting…");
+        setLive(trace, false, "reconnecting…");
       } catch (error) {
         if (signal.aborted || error instanceof Unauthorized) return;
         // 422: the server does not know our last event id (another store); start over.
-        if (error.status === 422) state.lastEventId = null;
-        setLive(false, `reconnecting… (${error.message})`);
+        if (error.status === 422) trace.lastEventId = null;
+        setLive(trace, false, `reconnecting… (${error.message})`);
       }
       await new Promise((resolve) => setTimeout(resolve, delay));
       delay = Math.min(2 * delay, RETRY_MAX_MS);
@@ -278,7 +413,7 @@
   }
 
   /** The events of a text/event-stream body, per the HTML standard's parsing rules. */
-  async function* readEvents(body) {
+  async function* readEvents(body, trace) {
     const reader = body.pipeThrough(new TextDecoderStream()).getReader();
     let buffer = "";
     let event = { id: null, type: "message", data: [] };
@@ -292,7 +427,7 @@
         buffer = lines.pop();
         for (const line of lines) {
           if (line === "") {
-            if (event.id !== null) state.lastEventId = event.id;
+            if (event.id !== null) trace.lastEventId = event.id;
             if (event.data.length) yield { type: event.type, data: event.data.join("\n") };
             event = { id: null, type: "message", data: [] };
             continue;
@@ -311,25 +446,25 @@
     }
   }
 
-  function handleEvent(event) {
+  function handleEvent(trace, event, signal) {
     if (event.type === "metrics") {
-      addRecord(parseJson(event.data));
+      addRecord(trace, parseJson(event.data));
       scheduleDraw();
     } else if (event.type === "status") {
       const data = parseJson(event.data);
-      state.run = { ...state.run, status: data.status, error: data.error };
-      renderRun();
+      trace.run = { ...trace.run, status: data.status, error: data.error };
+      renderView();
       loadRuns();
-      refreshRun(state.run.id, state.abort.signal); // its transitions (when it started)
+      refreshRun(trace, signal); // its transitions (when it started)
     }
   }
 
-  async function refreshRun(runId, signal) {
+  async function refreshRun(trace, signal) {
     try {
-      const run = await getJson(runPath(runId), { signal });
-      if (state.run && state.run.id === run.id) {
-        state.run = run;
-        renderRun();
+      const run = await getJson(runPath(trace.id), { signal });
+      if (!signal.aborted) {
+        trace.run = run;
+        renderView();
       }
     } catch (_) { /* the next status event or reload tries again */ }
   }
@@ -352,15 +487,15 @@
     drawPending = true;
     requestAnimationFrame(() => {
       drawPending = false;
-      if (state.run) renderRun();
+      renderView();
       for (const chart of CHARTS) drawChart(chart);
     });
   }
 
-  /** The (step, value) points of one series; non-finite values are left out. */
-  function points(series) {
+  /** The (step, value) points of one series of one run; non-finite values are left out. */
+  function points(records, series) {
     const out = [];
-    for (const record of state.records) {
+    for (const record of records) {
       const value = record[series.key];
       if (typeof value === "number" && Number.isFinite(value)) out.push([record.step, value]);
     }
@@ -377,29 +512,64 @@
     });
   }
 
-  function drawChart(chart) {
-    const figure = $(`chart-${chart.id}`);
-    if (!figure) return;
-    const all = chart.series.map(points);
-    const canvas = figure.querySelector("canvas");
-    renderLegend(figure, chart, all);
-    figure.querySelector(".chart-step").textContent =
-      state.lastStep >= 0 ? `step ${state.lastStep}` : "no data yet";
-    canvas.dataset.lastStep = String(state.lastStep);
-    canvas.dataset.points = String(all.reduce((n, pts) => n + pts.length, 0));
-    plot(canvas, chart.series, all);
+  /** How a series is drawn for one compared run: in the run's colour, solid, dashed or faint. */
+  function compareStyle(series, color) {
+    if (series.main) return { color, width: 2.2 };
+    if (series.dash) return { color, width: 1.2, dash: series.dash };
+    return { color, width: 1, alpha: 0.35 };
   }
 
-  function renderLegend(figure, chart, all) {
-    figure.querySelector(".legend").replaceChildren(...chart.series.map((series, i) => {
-      const swatch = el("i", { cls: "swatch" });
-      swatch.style.background = series.color;
-      const last = all[i][all[i].length - 1];
-      return el("span", {}, [swatch, `${series.label} ${fmt(last && last[1])}`]);
+  function drawChart(chart) {
+    const figure = $(`chart-${chart.id}`);
+    if (!figure || view.mode === "none") return;
+    const canvas = figure.querySelector("canvas");
+    const comparing = view.mode === "compare";
+    // One line per series of each run shown, with the run it belongs to.
+    const lines = view.traces.flatMap((trace) => chart.series.map((series) => ({
+      trace, series, pts: points(trace.records, series),
+      style: comparing ? compareStyle(series, trace.color) : series,
+    })));
+    const lastStep = Math.max(-1, ...view.traces.map((trace) => trace.lastStep));
+    if (comparing) renderCompareLegend(figure, chart, lines);
+    else renderLegend(figure, chart, lines);
+    figure.querySelector(".chart-step").textContent =
+      lastStep < 0 ? "no data yet" : `${comparing ? "up to " : ""}step ${lastStep}`;
+    const drawn = lines.filter((line) => line.pts.length);
+    canvas.dataset.lastStep = String(lastStep);
+    canvas.dataset.points = String(drawn.reduce((n, line) => n + line.pts.length, 0));
+    canvas.dataset.lines = String(drawn.length);
+    canvas.dataset.runs = [...new Set(drawn.map((line) => line.trace.id))].join(",");
+    canvas.setAttribute("aria-label", comparing
+      ? `${chart.title} of ${view.traces.map((trace) => trace.id).join(", ")}` : chart.title);
+    plot(canvas, lines);
+  }
+
+  function renderLegend(figure, chart, lines) {
+    figure.querySelector(".legend").replaceChildren(...lines.map(({ series, pts }) => {
+      const last = pts[pts.length - 1];
+      return el("span", {}, [swatch(series.color), `${series.label} ${fmt(last && last[1])}`]);
     }));
   }
 
-  function plot(canvas, seriesList, all) {
+  /** One entry per run (its colour, id, estimator and latest value), then what each line style is. */
+  function renderCompareLegend(figure, chart, lines) {
+    const entries = lines.filter((line) => line.series.main).map(({ trace, pts }) => {
+      const last = pts[pts.length - 1];
+      const estimator = estimatorOf(trace.run);
+      const name = `${trace.id}${estimator ? ` (${estimator})` : ""}`;
+      return el("span", {
+        cls: "legend-run",
+        attrs: { "data-run-id": trace.id, "data-last-step": String(trace.lastStep),
+          title: trace.run ? runTitle(trace.run) : trace.id },
+      }, [swatch(trace.color), `${name} ${fmt(last && last[1])}`]);
+    });
+    const styles = chart.series.length > 1 ? chart.series.map((series) => el("span", { cls: "legend-key" }, [
+      swatch(null, `swatch ${series.main ? "solid" : series.dash ? "dashed" : "faint"}`), series.label,
+    ])) : [];
+    figure.querySelector(".legend").replaceChildren(...entries, ...styles);
+  }
+
+  function plot(canvas, lines) {
     const ratio = window.devicePixelRatio || 1;
     const width = canvas.clientWidth;
     const height = canvas.clientHeight;
@@ -410,7 +580,7 @@
     ctx.clearRect(0, 0, width, height);
     ctx.font = "11px system-ui, sans-serif";
     const box = { left: 50, right: width - 10, top: 8, bottom: height - 22 };
-    const flat = all.flat();
+    const flat = lines.flatMap((line) => line.pts);
     if (!flat.length) {
       ctx.fillStyle = "#6b7385";
       ctx.textAlign = "center";
@@ -420,7 +590,9 @@
     const x = scale(flat.map((p) => p[0]), box.left, box.right, true);
     const y = scale(flat.map((p) => p[1]), box.bottom, box.top, false);
     drawAxes(ctx, box, x, y);
-    seriesList.forEach((series, i) => drawLine(ctx, all[i], x, y, series));
+    // Faint lines first, so that the solid ones of every run stay on top.
+    const order = [...lines].sort((a, b) => (a.style.alpha ? 0 : 1) - (b.style.alpha ? 0 : 1));
+    for (const line of order) drawLine(ctx, line.pts, x, y, line.style);
   }
 
   /** A linear map from data to pixels over [lo, hi] widened to nice tick values. */
@@ -479,12 +651,14 @@
     ctx.stroke();
   }
 
-  function drawLine(ctx, pts, x, y, series) {
-    ctx.strokeStyle = series.color;
-    ctx.fillStyle = series.color;
-    ctx.lineWidth = series.width;
+  function drawLine(ctx, pts, x, y, style) {
+    if (!pts.length) return;
+    ctx.strokeStyle = style.color;
+    ctx.fillStyle = style.color;
+    ctx.lineWidth = style.width;
     ctx.lineJoin = "round";
-    ctx.setLineDash(series.dash || []);
+    ctx.globalAlpha = style.alpha || 1;
+    ctx.setLineDash(style.dash || []);
     if (pts.length === 1) {
       ctx.beginPath();
       ctx.arc(x(pts[0][0]), y(pts[0][1]), 2.5, 0, 2 * Math.PI);
@@ -495,27 +669,53 @@
       ctx.stroke();
     }
     ctx.setLineDash([]);
+    ctx.globalAlpha = 1;
   }
 
   // --- start -------------------------------------------------------------------------------
 
-  function selectedFromHash() {
-    return decodeURIComponent(location.hash.slice(1)) || null;
-  }
-
   function reload() {
     loadRuns();
-    selectRun(selectedFromHash());
+    show();
+  }
+
+  function setUpCompare() {
+    compareIds = compareFromUrl();
+    $("run-list").addEventListener("change", (event) => {
+      const id = event.target.dataset && event.target.dataset.compareId;
+      if (!id) return;
+      const ids = compareIds.filter((other) => other !== id);
+      if (event.target.checked && ids.length < MAX_COMPARE) ids.push(id);
+      const wasComparing = compareIds.length > 1;
+      setCompare(ids);
+      // One tick alone leaves the single-run view as it is; the view changes when it compares.
+      if (wasComparing || ids.length > 1) show();
+    });
+    // Opening one run (its link in the list or in the compare table) leaves the comparison.
+    document.addEventListener("click", (event) => {
+      const link = event.target.closest && event.target.closest("a[href^='#']");
+      if (!link || compareIds.length < 2) return;
+      setCompare([]);
+      // The same address as now fires no hashchange: show the run here.
+      if (link.getAttribute("href") === location.hash) show();
+    });
+    $("compare-clear").addEventListener("click", () => {
+      const wasComparing = compareIds.length > 1;
+      setCompare([]);
+      if (wasComparing) show();
+    });
   }
 
   function start() {
     setUpToken();
+    setUpCompare();
+    renderCompareBoxes();
     $("reload-runs").addEventListener("click", loadRuns);
-    window.addEventListener("hashchange", () => selectRun(selectedFromHash()));
+    window.addEventListener("hashchange", show);
     window.addEventListener("resize", scheduleDraw);
-    // Close the stream when the page goes away (Chrome would keep it open for a page kept in
+    // Close the streams when the page goes away (Chrome would keep them open for a page kept in
     // its back/forward cache), and start again when such a page comes back.
-    window.addEventListener("pagehide", () => state.abort && state.abort.abort());
+    window.addEventListener("pagehide", () => view.abort && view.abort.abort());
     window.addEventListener("pageshow", (event) => event.persisted && reload());
     setInterval(loadRuns, RUNS_REFRESH_MS);
     reload();

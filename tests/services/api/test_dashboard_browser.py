@@ -23,6 +23,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.command import Command
@@ -52,39 +53,50 @@ CHROMIUM_FLAGS = (
     "--window-size=1440,1000",
 )
 CHART_IDS = ("reward", "entropy", "clip", "staleness", "switch", "lfr")
+# The lines each chart draws for one run (dashboard.js, CHARTS).
+SERIES_PER_CHART = {"reward": 2, "entropy": 1, "clip": 1, "staleness": 2, "switch": 2, "lfr": 2}
 WAIT_S = 20
 
 
-def metrics_record(step: int) -> dict[str, Any]:
-    """A plausible learner step: reward rising with noise, entropy falling, KPO-like ratios."""
+def metrics_record(step: int, offset: float = 0.0) -> dict[str, Any]:
+    """A plausible learner step: reward rising with noise, entropy falling, KPO-like ratios.
+
+    `offset` moves every curve (another run with other results)."""
     noise = math.sin(step * 1.7) * 0.08 + math.sin(step * 0.37) * 0.05
     return {
         "step": step,
         "time": 1_700_000_000.0 + step,
         "policy_version": float(step),
-        "reward_mean": min(1.0, 0.15 + 0.012 * step + noise),
-        "entropy": 0.9 * math.exp(-step / 40) + 0.1 + noise / 10,
-        "clip_fraction": 0.002 + abs(noise) / 20,
-        "staleness_mean": 0.8 + noise * 3,
-        "staleness_max": float(math.ceil(0.8 + noise * 3 + 0.5)),
-        "raw_switch_frequency": 0.28 + noise,
-        "filtered_switch_frequency": 0.02 + noise / 10,
-        "raw_low_frequency_ratio": 0.1 + noise / 4,
-        "filtered_low_frequency_ratio": 0.85 + noise / 3,
+        "reward_mean": min(1.0, 0.15 + 0.012 * step + noise) - offset,
+        "entropy": 0.9 * math.exp(-step / 40) + 0.1 + noise / 10 + offset,
+        "clip_fraction": 0.002 + abs(noise) / 20 + offset / 10,
+        "staleness_mean": 0.8 + noise * 3 + offset,
+        "staleness_max": float(math.ceil(0.8 + noise * 3 + 0.5 + offset)),
+        "raw_switch_frequency": 0.28 + noise + offset,
+        "filtered_switch_frequency": 0.02 + noise / 10 + offset,
+        "raw_low_frequency_ratio": 0.1 + noise / 4 + offset,
+        "filtered_low_frequency_ratio": 0.85 + noise / 3 - offset,
         "step_seconds": 0.6,
         "tokens_generated_total": 2000 * step,
     }
 
 
-def add_run(store: Store, name: str, steps: int, status: str = "running") -> str:
+def add_run(
+    store: Store,
+    name: str,
+    steps: int,
+    status: str = "running",
+    estimator: str = "kalman",
+    offset: float = 0.0,
+) -> str:
     spec = {
         "name": name,
-        "algorithm": {"estimator": {"name": "kalman"}},
+        "algorithm": {"estimator": {"name": estimator}},
         "pipeline": {"mode": "async", "max_staleness": 2, "steps": 100},
     }
     run_id = store.create_run(spec).id
     store.transition(run_id, "running")
-    store.append_metrics(run_id, [metrics_record(s) for s in range(1, steps + 1)])
+    store.append_metrics(run_id, [metrics_record(s, offset) for s in range(1, steps + 1)])
     if status != "running":
         store.transition(run_id, status, "<b>boom</b>" if status == "failed" else None)
     return run_id
@@ -133,7 +145,11 @@ def browser_log(driver: WebDriver) -> list[dict[str, Any]]:
 
 
 def wait_for(driver: WebDriver, condition: Callable[[WebDriver], Any], what: str) -> Any:
-    return WebDriverWait(driver, WAIT_S, poll_frequency=0.1).until(condition, message=what)
+    """Poll `condition`; the page redraws its legends and tables as data arrives, so an element
+    found by one poll may be gone by the next: that poll is retried."""
+    return WebDriverWait(
+        driver, WAIT_S, poll_frequency=0.1, ignored_exceptions=(StaleElementReferenceException,)
+    ).until(condition, message=what)
 
 
 def canvas_of(driver: WebDriver, chart: str) -> Any:
@@ -170,7 +186,7 @@ def test_page_shows_a_run_and_updates_when_a_record_arrives(
     assert text_of(page, "run-status").lower() == "running"
     assert len(page.find_elements(By.CSS_SELECTOR, "#run-list li")) == 2
     for chart in CHART_IDS:  # every series of every chart drew all 80 points
-        lines = 1 if chart in ("entropy", "clip") else 2
+        lines = SERIES_PER_CHART[chart]
         assert canvas_of(page, chart).get_attribute("data-points") == str(80 * lines)
     wait_for(page, lambda d: text_of(d, "run-live") == "live", "the event stream to connect")
     before = page.execute_script("return arguments[0].toDataURL()", canvas_of(page, "reward"))
@@ -299,6 +315,183 @@ def _serve(app: FastAPI, port: int) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=WAIT_S)
+
+
+# --- comparing runs --------------------------------------------------------------------------
+
+# What a compared chart shows, read in one go (the page may redraw between two WebDriver calls):
+# its legend's run entries, each with its text and swatch colour, and how many of the canvas's
+# opaque pixels have that colour (a line drawn in it leaves some, anti-aliasing aside).
+COMPARED_CHART = """
+const figure = document.getElementById(`chart-${arguments[0]}`);
+const canvas = figure.querySelector("canvas");
+const data = canvas.getContext("2d").getImageData(0, 0, canvas.width, canvas.height).data;
+return [...figure.querySelectorAll(".legend-run")].map((entry) => {
+  const colour = getComputedStyle(entry.querySelector(".swatch")).backgroundColor;
+  const [r, g, b] = colour.match(/\\d+/g).map(Number);
+  let pixels = 0;
+  for (let i = 0; i < data.length; i += 4) {
+    const near = Math.abs(data[i] - r) + Math.abs(data[i + 1] - g) + Math.abs(data[i + 2] - b);
+    if (data[i + 3] > 240 && near < 24) pixels += 1;
+  }
+  return { run: entry.dataset.runId, text: entry.textContent, colour, pixels };
+});
+"""
+# The compared runs' table, row by row, read in one go.
+COMPARE_ROWS = """
+return [...document.querySelectorAll("#compare-rows tr")].map((row) => ({
+  run: row.dataset.runId,
+  text: row.innerText,
+  stream: row.querySelector("td.live").textContent,
+  errors: [...row.querySelectorAll(".error")].map((e) => e.textContent),
+}));
+"""
+
+
+def compare_box(driver: WebDriver, run_id: str) -> Any:
+    return driver.find_element(By.CSS_SELECTOR, f'#run-list input[data-compare-id="{run_id}"]')
+
+
+def tick(driver: WebDriver, run_id: str) -> None:
+    """Click a run's compare checkbox (the list is rebuilt every few seconds: retry a stale one)."""
+
+    def click(d: WebDriver) -> bool:
+        compare_box(d, run_id).click()
+        return True
+
+    wait_for(driver, click, f"the compare checkbox of {run_id}")
+
+
+def legend_steps(driver: WebDriver, chart: str) -> dict[str, str]:
+    """The runs a compared chart's legend names, each with the last step it shows."""
+    entries = driver.find_elements(By.CSS_SELECTOR, f"#chart-{chart} .legend-run")
+    return {e.get_attribute("data-run-id"): e.get_attribute("data-last-step") for e in entries}
+
+
+def charts_compare(
+    steps: dict[str, int], without_data: tuple[str, ...] = ()
+) -> Callable[[WebDriver], bool]:
+    """Every chart overlays exactly these runs, each up to its step, one line per series each;
+    the runs `without_data` are in the legends (with no step) but draw nothing."""
+    wanted = {run_id: str(step) for run_id, step in steps.items()}
+    wanted.update({run_id: "-1" for run_id in without_data})
+
+    def check(driver: WebDriver) -> bool:
+        if not driver.find_element(By.ID, "compare").is_displayed():
+            return False
+        for chart in CHART_IDS:
+            canvas = canvas_of(driver, chart)
+            if (
+                legend_steps(driver, chart) != wanted
+                or canvas.get_attribute("data-runs") != ",".join(steps)
+                or canvas.get_attribute("data-lines") != str(SERIES_PER_CHART[chart] * len(steps))
+            ):
+                return False
+        return True
+
+    return check
+
+
+def compare_rows(driver: WebDriver) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = driver.execute_script(COMPARE_ROWS)
+    return rows
+
+
+def stream_states(driver: WebDriver) -> list[str]:
+    """The Stream column of the compared runs' table, row by row."""
+    return [row["stream"] for row in compare_rows(driver)]
+
+
+def assert_each_run_is_drawn_in_its_colour(driver: WebDriver, estimators: dict[str, str]) -> None:
+    for chart in CHART_IDS:
+        entries = driver.execute_script(COMPARED_CHART, chart)
+        assert [e["run"] for e in entries] == list(estimators), f"{chart}: {entries}"
+        for entry, (run_id, estimator) in zip(entries, estimators.items(), strict=True):
+            assert entry["text"].startswith(f"{run_id} ({estimator}) "), entry
+            assert entry["pixels"] >= 20, f"{chart}: no line in the colour of {run_id}: {entries}"
+        colours = [e["colour"] for e in entries]
+        assert len(set(colours)) == len(colours), f"{chart}: runs share a colour: {colours}"
+
+
+def test_compared_runs_overlay_on_every_chart_and_survive_a_reload(
+    api: Api, page: WebDriver, tmp_path: Path
+) -> None:
+    kalman = add_run(api.store, "kpo-kalman", 60, estimator="kalman")
+    token = add_run(api.store, "kpo-token", 40, estimator="token", offset=0.3)
+    alone = add_run(api.store, "unrelated", 10, status="succeeded")
+    page.get(f"{api.url}/#{alone}")
+    wait_for(page, charts_at_step(10), "the single run first")
+    assert legend_steps(page, "reward") == {}  # one run: the single-run legend, no run entries
+
+    tick(page, kalman)
+    # One tick keeps the single run; the second one overlays the two.
+    assert text_of(page, "run-name") == "unrelated"
+    tick(page, token)
+
+    wait_for(page, charts_compare({kalman: 60, token: 40}), "both runs on every chart")
+    assert not page.find_element(By.ID, "run").is_displayed()
+    assert page.current_url == f"{api.url}/?compare={kalman},{token}#{alone}"
+    assert_each_run_is_drawn_in_its_colour(page, {kalman: "kalman", token: "token"})
+    rows = compare_rows(page)
+    assert [row["run"] for row in rows] == [kalman, token]
+    assert "kpo-kalman" in rows[0]["text"] and "kpo-token" in rows[1]["text"]
+    page.save_screenshot(str(tmp_path / "dashboard-compare.png"))
+
+    # Both runs are running: each follows its own event stream.
+    wait_for(page, lambda d: stream_states(d) == ["live", "live"], "both runs' event streams")
+    api.store.append_metrics(token, [metrics_record(41, 0.3)])
+    wait_for(page, charts_compare({kalman: 60, token: 41}), "a live record of the second run")
+
+    page.refresh()
+
+    wait_for(page, charts_compare({kalman: 60, token: 41}), "the comparison after a reload")
+    assert_each_run_is_drawn_in_its_colour(page, {kalman: "kalman", token: "token"})
+    wait_for(
+        page,
+        lambda d: (
+            [compare_box(d, r).is_selected() for r in (kalman, token, alone)] == [True, True, False]
+        ),
+        "the ticks restored",
+    )
+
+    # Unticking one run leaves one: the page shows the run of the address's #fragment again.
+    tick(page, token)
+    wait_for(page, charts_at_step(10), "the single run again")
+    assert text_of(page, "run-name") == "unrelated"
+    assert not page.find_element(By.ID, "compare").is_displayed()
+    assert page.current_url == f"{api.url}/?compare={kalman}#{alone}"
+
+
+def test_opening_one_run_leaves_the_comparison(api: Api, page: WebDriver) -> None:
+    first = add_run(api.store, "first", 12, status="succeeded", estimator="geometric")
+    second = add_run(api.store, "second", 8, status="failed", offset=0.2)
+    # Ids that are no run id are dropped; an unknown run is shown with its error.
+    missing = "run-000000000000"
+    page.get(f"{api.url}/?compare={first},{second},../x,{missing}")
+
+    wait_for(
+        page, charts_compare({first: 12, second: 8}, (missing,)), "the comparison from the address"
+    )
+    wait_for(page, lambda d: stream_states(d) == ["finished", "finished", ""], "the run states")
+    rows = compare_rows(page)
+    assert [row["run"] for row in rows] == [first, second, missing]
+    assert len(rows[2]["errors"]) == 1 and missing in rows[2]["errors"][0]  # its 404
+    assert rows[1]["errors"] == ["<b>boom</b>"]  # the run's error, as text
+    assert rows[0]["errors"] == []
+
+    page.find_element(By.CSS_SELECTOR, f'#run-list a[data-run-id="{second}"]').click()
+
+    wait_for(page, charts_at_step(8), "the run opened alone")
+    assert text_of(page, "run-name") == "second"
+    assert page.current_url == f"{api.url}/#{second}"
+    wait_for(
+        page,
+        lambda d: (
+            not any(b.is_selected() for b in d.find_elements(By.CSS_SELECTOR, ".compare-box"))
+        ),
+        "no run ticked",
+    )
+    assert text_of(page, "compare-hint").startswith("Tick two")
 
 
 # --- the router alone (no browser) -----------------------------------------------------------

@@ -544,6 +544,63 @@ class PipelineConfig(StrictModel):
             )
 
 
+class WandbTracking(StrictModel):
+    """Weights & Biases: every metrics record as the W&B run's history, the resolved spec as its
+    config. The API key comes from the environment (WANDB_API_KEY) or `wandb login`, never the
+    spec."""
+
+    project: str = Field(min_length=1, description="W&B project to log the run to")
+    entity: str | None = Field(
+        None, min_length=1, description="W&B team or user; default: the API key's default entity"
+    )
+    name: str | None = Field(
+        None, min_length=1, description="W&B run name; default: the run id (RUN_DIR's name)"
+    )
+    mode: Literal["online", "offline", "disabled"] = Field(
+        "online",
+        description="online: stream to the W&B server; offline: files only, for `wandb sync` "
+        "later; disabled: log nothing",
+    )
+    tags: tuple[str, ...] = Field((), description="W&B run tags")
+    dir: str | None = Field(
+        None, min_length=1, description="W&B writes its files in DIR/wandb; default RUN_DIR"
+    )
+
+
+class MlflowTracking(StrictModel):
+    """MLflow: every metrics record as the MLflow run's metrics, the resolved spec as its params.
+    Server credentials come from the environment (MLFLOW_TRACKING_TOKEN, ...), never the spec."""
+
+    tracking_uri: str | None = Field(
+        None,
+        min_length=1,
+        description="MLflow tracking URI; default: MLFLOW_TRACKING_URI when set, else a file "
+        "store in RUN_DIR/mlruns",
+    )
+    experiment: str = Field("kpo-rl", min_length=1, description="MLflow experiment (made if new)")
+    run_name: str | None = Field(
+        None, min_length=1, description="MLflow run name; default: the run id (RUN_DIR's name)"
+    )
+
+
+class TensorboardTracking(StrictModel):
+    """TensorBoard: every metrics record as scalars of an event file, the resolved spec as text."""
+
+    log_dir: str | None = Field(
+        None, min_length=1, description="where the event files go; default RUN_DIR/tensorboard"
+    )
+
+
+class TrackingConfig(StrictModel):
+    """Experiment trackers that mirror every metrics record (services/tracking), beside
+    metrics.jsonl and Prometheus. Each is off when absent (null); `{}` turns one on with its
+    defaults. They need the `tracking` extra: pip install 'kpo-rl[tracking]'."""
+
+    wandb: WandbTracking | None = None
+    mlflow: MlflowTracking | None = None
+    tensorboard: TensorboardTracking | None = None
+
+
 class RunSpec(StrictModel):
     """One RL run: the body of `POST /v1/runs` and the schema of a YAML run file."""
 
@@ -568,6 +625,11 @@ class RunSpec(StrictModel):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    tracking: TrackingConfig = Field(
+        default_factory=TrackingConfig,
+        description="experiment trackers (W&B, MLflow, TensorBoard) that mirror every metrics "
+        "record; none by default",
+    )
 
     @model_validator(mode="after")
     def _minibatches_fit(self) -> RunSpec:

@@ -14,6 +14,7 @@ from services.pipeline.actors import connect_ray
 from services.pipeline.driver import RunDriver
 from services.pipeline.outputs import RunDirectory, RunObserver, RunState
 from services.pipeline.signals import on_stop_signals
+from services.tracking import TrackingError, build_trackers
 
 ERROR_FILE = "error.txt"
 
@@ -31,7 +32,32 @@ def execute_run(
     the line is a recorded cancel, not a killed process.
 
     A failure is recorded in status.json and its traceback in error.txt, then re-raised.
+
+    The experiment trackers of `spec.tracking` are observers too, started before Ray (a tracker
+    that cannot start fails the run at once) and ended whatever way the run ends.
     """
+    try:
+        trackers = build_trackers(spec, run_dir.path)
+    except TrackingError as error:
+        (run_dir.path / ERROR_FILE).write_text(traceback.format_exc(), encoding="utf-8")
+        for observer in (run_dir, *observers):
+            observer.on_status("failed", str(error), step=0)
+        raise
+    try:
+        return _execute_run(spec, run_dir, [*observers, *trackers], announce)
+    finally:
+        # A run that raised before the driver reported a final state ends its trackers' runs as
+        # failed; after a final state this does nothing.
+        for tracker in trackers:
+            tracker.close()
+
+
+def _execute_run(
+    spec: RunSpec,
+    run_dir: RunDirectory,
+    observers: Sequence[RunObserver],
+    announce: Callable[[], None],
+) -> RunState:
     started_ray = not ray.is_initialized()
     try:
         # Until the driver handles signals itself, a cancel stops the run before it starts,

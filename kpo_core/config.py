@@ -226,6 +226,17 @@ class DatasetTask(StrictModel):
         min_length=1,
         description="a system message put before each string prompt rendered as a chat",
     )
+    eval_path: str | None = Field(
+        None,
+        min_length=1,
+        description="held-out prompts for eval: a file or directory as `path` takes, in the "
+        "same format",
+    )
+    eval_split: str = Field(
+        "test",
+        min_length=1,
+        description="the held-out split of a directory (eval_path's, or path's without one)",
+    )
 
 
 TaskConfig = Annotated[ArithTask | JsonlTask | DatasetTask, Field(discriminator="name")]
@@ -601,6 +612,22 @@ class TrackingConfig(StrictModel):
     tensorboard: TensorboardTracking | None = None
 
 
+class EvalConfig(StrictModel):
+    """Held-out evaluation during a run (services/pipeline/evaluation.py)."""
+
+    every: int = Field(
+        10, ge=1, description="evaluate after every this many learner steps (and at the end)"
+    )
+    samples: int = Field(
+        8, ge=1, le=256, description="k: responses per held-out prompt (avg@k, pass@k)"
+    )
+    temperature: float = Field(1.0, gt=0.0, description="sampling temperature of evaluation")
+    max_prompts: int = Field(64, ge=1, description="held-out prompts evaluated (the first ones)")
+    max_new_tokens: int | None = Field(
+        None, ge=1, description="response length limit (default: generation.max_new_tokens)"
+    )
+
+
 class RunSpec(StrictModel):
     """One RL run: the body of `POST /v1/runs` and the schema of a YAML run file."""
 
@@ -625,6 +652,9 @@ class RunSpec(StrictModel):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    eval: EvalConfig | None = Field(
+        None, description="held-out evaluation during the run (off when absent)"
+    )
     tracking: TrackingConfig = Field(
         default_factory=TrackingConfig,
         description="experiment trackers (W&B, MLflow, TensorBoard) that mirror every metrics "

@@ -172,6 +172,8 @@ PROGRESS = Group(
         _record("lr", "", "Learning rate the step used."),
     ),
 )
+# The keys a held-out evaluation adds to the record it joins (services/pipeline/evaluation.py).
+EVAL_KEYS = ("eval_accuracy_avg_at_k", "eval_pass_at_k", "eval_step")
 REWARD = Group(
     "reward",
     (
@@ -193,6 +195,32 @@ REWARD = Group(
             "kpo_accuracy_ratio",
             "ratio",
             "Fraction of correct responses (latest step).",
+        ),
+        _gauge(
+            "eval_accuracy_avg_at_k",
+            "kpo_eval_accuracy_avg_at_k_ratio",
+            "ratio",
+            "Held-out avg@k: mean over prompts of the fraction of k samples correct.",
+            _D,
+            plot="reward",
+            note="With `eval`, in the first record after an evaluation ends (of `eval_step`).",
+        ),
+        _gauge(
+            "eval_pass_at_k",
+            "kpo_eval_pass_at_k_ratio",
+            "ratio",
+            "Held-out pass@k: fraction of prompts with a correct sample among k.",
+            _D,
+            plot="reward",
+            note="As `eval_accuracy_avg_at_k`.",
+        ),
+        _record(
+            "eval_step",
+            "steps",
+            "The learner step whose policy the evaluation in this record sampled.",
+            _D,
+            note="As `eval_accuracy_avg_at_k`; with in-flight updates, later versions may "
+            "sample some of its tokens.",
         ),
         _record(
             "zero_variance_group_fraction",

@@ -49,7 +49,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from services.metrics import STAGES, Kind, exported
+from services.metrics import EVAL_KEYS, STAGES, Kind, exported
 from services.store import (
     TERMINAL_STATUSES,
     RunNotFound,
@@ -154,7 +154,10 @@ class RunSeries:
     def add(self, record: Mapping[str, Any]) -> None:
         """Take in the next record (in step order)."""
         self.last_step = int(record["step"])
-        self.latest = dict(record)
+        # An evaluation's values are in one record only, but stay the latest evaluation's
+        # until the next one: carried over, where every other gauge is the latest record's.
+        evaluated = {key: self.latest[key] for key in EVAL_KEYS if key in self.latest}
+        self.latest = {**evaluated, **record}
         for spec in RUN_HISTOGRAMS:
             for value in durations(record.get(spec.key)):
                 self.histograms[spec.name].observe(value)

@@ -70,6 +70,8 @@ def confined_spec(spec: RunSpec, inputs: Path) -> dict[str, Any]:
         )
     if isinstance(spec.task, JsonlTask | DatasetTask):
         data["task"]["path"] = confine(("task", "path"), spec.task.path)
+    if isinstance(spec.task, DatasetTask) and spec.task.eval_path is not None:
+        data["task"]["eval_path"] = confine(("task", "eval_path"), spec.task.eval_path)
     for key, value in spec.generation.options.items():
         loc = ("generation", "options", key)
         if key in PATH_OPTIONS and isinstance(value, str):

@@ -55,7 +55,14 @@ from services.pipeline.actors import RunActors, check_cluster_resources, start_a
 from services.pipeline.buffer import RolloutBuffer
 from services.pipeline.checkpoint_writer import CheckpointWriter
 from services.pipeline.checkpoints import LEARNER_DIR, latest_checkpoint, read_driver_state
-from services.pipeline.outputs import MetricsRecord, RunDirectory, RunObserver, RunState
+from services.pipeline.evaluation import Evaluator, held_out_prompts
+from services.pipeline.outputs import (
+    EVAL_FILE,
+    MetricsRecord,
+    RunDirectory,
+    RunObserver,
+    RunState,
+)
 from services.pipeline.plots import PLOTTED_KEYS, plot_curves
 from services.pipeline.prompts import PromptStream, chats_strings
 from services.pipeline.records import (
@@ -75,6 +82,7 @@ log = logging.getLogger(__name__)
 RATIO_DIR = "ratios"  # the learner's log-ratio files (learner.record_ratios_every)
 WAIT_SECONDS = 0.5  # longest the loop sleeps without news (it then checks for a cancel)
 CHECKPOINT_POLL_SECONDS = 0.05  # how often the loop looks at a checkpoint being written
+FINAL_EVAL_TIMEOUT_S = 1800.0  # a final evaluation call longer than this is given up (logged)
 POLL_SECONDS = 5.0  # longest a worker's next_groups waits before answering with nothing
 SCORING_ATTEMPTS = 2  # a batch whose verifier actor failed this often is marked unverified
 GENERATION_ATTEMPTS = 2  # a prompt whose generation failed this often fails the run
@@ -217,6 +225,12 @@ class RunDriver:
             lambda pids: self.run_dir.update_details(actors=pids),
         )
         self.weights = WeightSync(spec.pipeline.weight_transport)
+        self.evals = (
+            Evaluator(spec.eval, spec.generation, spec.seed, run_dir.path / EVAL_FILE)
+            if spec.eval is not None
+            else None
+        )
+        self._final_eval: dict[str, float] | None = None
         self._start_from_scratch()
 
     # --- lifecycle --------------------------------------------------------------------------
@@ -268,6 +282,8 @@ class RunDriver:
                 self.prompts.chat = chats_strings(
                     self.spec.task, has_chat_template(self._model_dir)
                 )
+                if self.evals is not None:
+                    self.evals.prepare(self._held_out())
                 check_cluster_resources(self.spec)
                 actors = self._start_actors()
                 self._report_status(
@@ -286,7 +302,10 @@ class RunDriver:
                             break
                         actors, resumed_step = self._restart_from_checkpoint(actors, error)
             state: RunState = "cancelled" if self._cancel else "succeeded"
-            self._report_status(state)
+            details: dict[str, Any] = {}
+            if self._final_eval is not None:
+                details["final_eval"] = self._final_eval
+            self._report_status(state, **details)
             return state
         except CancelRequested:
             self._report_status("cancelled", error="stopped at once by a second interrupt")
@@ -350,6 +369,8 @@ class RunDriver:
         self._pending.clear()
         self._held_record = None
         self.weights.reset()
+        if self.evals is not None:
+            self.evals.reset()
         resumed_step = self.restore()
         if resumed_step is None:
             self._start_from_scratch()
@@ -413,6 +434,8 @@ class RunDriver:
                 self._dispatch_generation(actors)
                 self._dispatch_learner(actors)
             refs = list(self._pending) + self.weights.pending_refs()
+            if self.evals is not None:
+                refs += self.evals.pending_refs()
             if not refs and not self._checkpoints.busy:
                 raise RuntimeError("the pipeline stalled: nothing in flight and no batch ready")
             timeout = CHECKPOINT_POLL_SECONDS if self._checkpoints.busy else WAIT_SECONDS
@@ -426,6 +449,8 @@ class RunDriver:
         """React to one finished call: the driver's own, or a weight delivery."""
         if ref in self._pending:
             self._complete(actors, ref, self._pending.pop(ref))
+        elif self.evals is not None and self.evals.owns(ref):
+            self.evals.complete(ref, actors.verifiers)
         else:
             self.weights.complete(actors, ref, self._on_worker_failed)
 
@@ -664,6 +689,9 @@ class RunDriver:
             **totals,
             **self.counters.faults(),
         }
+        if self.evals is not None:
+            record.update(self.evals.take_result() or {})
+            self.evals.start(self.counters.step, [stream.actor for stream in self._streams])
         every = self.spec.pipeline.checkpoint_every
         if every and self.counters.step % every == 0:
             # The record waits for the checkpoint: a step recorded at a checkpoint boundary is
@@ -734,12 +762,33 @@ class RunDriver:
 
     def _finish(self, actors: RunActors) -> None:
         """Final checkpoint (the last step, or where a cancel stopped the run), exported as a
-        Hugging Face model to `RUN_DIR/model/`."""
+        Hugging Face model to `RUN_DIR/model/`; then the final evaluation, with `eval`."""
         self._checkpoint_now(actors)
         found = latest_checkpoint(self.run_dir.checkpoints)
         if found is not None:
             out = actors.learner.export(str(found[1] / LEARNER_DIR), str(self.run_dir.model))
             log.info("policy of step %d exported to %s", found[0], out)
+        if self.evals is not None and not self._cancel:
+            self._deliver_all(actors)  # the final evaluation samples the last step's policy
+            self._final_eval = self.evals.run_final(
+                self.counters.step,
+                [stream.actor for stream in self._streams],
+                actors.verifiers,
+                FINAL_EVAL_TIMEOUT_S,
+            )
+
+    def _deliver_all(self, actors: RunActors) -> None:
+        """Wait until every weight delivery in flight is acknowledged (or has failed)."""
+        while refs := self.weights.pending_refs():
+            ready, _ = ray.wait(refs, num_returns=1)
+            for ref in ready:
+                self.weights.complete(actors, ref, self._on_worker_failed)
+
+    def _held_out(self) -> list[Prompt]:
+        """The held-out prompts of `eval`, as the model sees training prompts."""
+        assert self.spec.eval is not None
+        prompts = held_out_prompts(self.spec.task, self.spec.seed, self.spec.eval.max_prompts)
+        return [self.prompts.as_drawn(prompt) for prompt in prompts]
 
     def _plot(self) -> None:
         records = self.run_dir.read_metrics(PLOTTED_KEYS)

@@ -29,6 +29,7 @@ STATUS_FILE = "status.json"
 CURVES_FILE = "curves.png"
 CHECKPOINTS_DIR = "checkpoints"
 MODEL_DIR = "model"  # the Hugging Face export of the run's final checkpoint
+EVAL_FILE = "eval.jsonl"  # one line per held-out evaluation (services/pipeline/evaluation.py)
 
 
 class RunObserver(Protocol):

@@ -96,6 +96,10 @@ class PromptStream:
         self._position = position
         self._handed_back: deque[Prompt] = deque(handed_back)
 
+    def as_drawn(self, prompt: Prompt) -> Prompt:
+        """`prompt` as `take` hands out its prompts (a chat when `chat` is set)."""
+        return as_chat(prompt, self._system_prompt) if self.chat else prompt
+
     @property
     def position(self) -> int:
         """Prompts drawn from the source so far (handed-back prompts are not counted again)."""
@@ -110,8 +114,7 @@ class PromptStream:
         """The next `n` prompts: handed-back ones first, then new ones from the source."""
         taken = [self._handed_back.popleft() for _ in range(min(n, len(self._handed_back)))]
         fresh = list(islice(self._source, n - len(taken)))
-        if self.chat:
-            fresh = [as_chat(prompt, self._system_prompt) for prompt in fresh]
+        fresh = [self.as_drawn(prompt) for prompt in fresh]
         self._position += len(fresh)
         return taken + fresh
 

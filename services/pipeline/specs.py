@@ -14,6 +14,7 @@ import yaml
 from pydantic import ValidationError
 
 from kpo_core.config import RunSpec, describe_validation_error
+from services.pipeline.evaluation import NoHeldOutPrompts, held_out_prompts
 from services.pipeline.prompts import PromptStream, chats_strings
 from services.tasks import PromptFileError
 from services.tasks.models import ModelDirError, check_tokenizer, has_chat_template, resolve_model
@@ -103,4 +104,11 @@ def preflight(spec: RunSpec, source: str) -> Path:
         PromptStream(spec.task, spec.seed, chat=chat).take(1)
     except PromptFileError as error:
         raise SpecError(f"{source}: task.path: {error}") from None
+    if spec.eval is not None:
+        try:
+            held_out_prompts(spec.task, spec.seed, 1)
+        except NoHeldOutPrompts as error:
+            raise SpecError(f"{source}: eval: {error}") from None
+        except PromptFileError as error:
+            raise SpecError(f"{source}: task.eval_path: {error}") from None
     return model_dir

@@ -392,3 +392,13 @@ def test_metrics_endpoint_of_the_real_app(api: Api) -> None:
     assert value(found, "kpo_reward_mean", run_id=run_id) == pytest.approx(0.2)
     get_run = {"method": "GET", "route": "/v1/runs/{run_id}", "status": "200"}
     assert value(found, "kpo_api_requests_total", **get_run) == 1
+
+
+def test_an_evaluation_stays_the_latest_until_the_next_one(store: Store) -> None:
+    """Evaluation keys are in the record after an evaluation only; the gauge keeps them."""
+    evaluated = {"eval_accuracy_avg_at_k": 0.25, "eval_pass_at_k": 0.5, "eval_step": 2}
+    run_id = running_run(store, [record(1), record(2), record(3, **evaluated), record(4)])
+    found = scrape(store)
+    assert value(found, "kpo_eval_accuracy_avg_at_k_ratio", run_id=run_id) == 0.25
+    assert value(found, "kpo_eval_pass_at_k_ratio", run_id=run_id) == 0.5
+    assert value(found, "kpo_policy_version", run_id=run_id) == 4  # the rest is the latest

@@ -38,9 +38,10 @@ def test_the_curves_are_drawn_from_the_plotted_keys_alone(tmp_path: Path) -> Non
 
 
 def test_the_panels_draw_the_keys_declared_for_them(monkeypatch: pytest.MonkeyPatch) -> None:
-    # services/metrics.py: reward_mean -> "reward", staleness_mean and _max -> "staleness ...".
+    # services/metrics.py: reward_mean and the held-out evaluation's -> "reward", staleness_mean
+    # and _max -> "staleness ...".
     panels = {title: keys for title, keys, _ in plots.PANELS}
-    assert panels["reward"] == ("reward_mean",)
+    assert panels["reward"] == ("reward_mean", "eval_accuracy_avg_at_k", "eval_pass_at_k")
     assert panels["staleness (versions)"] == ("staleness_mean", "staleness_max")
     stray = MetricKey("lr", Kind.RECORD, "", "Learning rate.", Source.LEARNER, plot="lr")
     monkeypatch.setattr(plots, "RECORD", (*plots.RECORD, stray))

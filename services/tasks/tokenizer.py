@@ -86,12 +86,24 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
+# ChatML, as Qwen2's tokenizers carry it: chat prompts of the tests and of dataset tasks render
+# through it. The built-in task's prompts are strings, never chats, so the model's arithmetic (it
+# was warm-started on bare prompts) is unaffected.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 def save_tokenizer(tokenizer: PreTrainedTokenizerFast, out: Path) -> None:
-    """Save as `tokenizer.json` + `tokenizer_config.json`, loadable by `AutoTokenizer`."""
+    """Save as `tokenizer.json` + `tokenizer_config.json` (with the ChatML chat template),
+    loadable by `AutoTokenizer`."""
     tokenizer.save_pretrained(out)
     config_path = out / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     # The class a qwen2 model's tokenizer is loaded as anyway; naming it keeps older releases,
     # which would otherwise pick a generic class, on the same path.
     config["tokenizer_class"] = "Qwen2Tokenizer"
+    config["chat_template"] = CHAT_TEMPLATE
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

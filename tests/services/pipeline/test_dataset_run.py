@@ -1,15 +1,14 @@
 """Runs on dataset files of each format with the `math` verifier (real Ray, the tiny model).
 
-The verl file's chats go through the ChatML template of a copy of the tiny model that carries
-one; the other formats' string prompts through the same template (`chat_template: auto`) or,
-for one of them, raw (`never`). Accuracy does not matter here (the tiny model knows arithmetic
-written its own way): every step must train on the file's prompts and be recorded.
+The verl file's chats go through the ChatML template the tiny model ships; the other formats'
+string prompts through the same template (`chat_template: auto`, `always`) or raw (`never`).
+Accuracy does not matter here (the tiny model knows arithmetic written its own way): every step
+must train on the file's prompts and be recorded.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +16,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import services.tasks
 from kpo_core.config import RunSpec
 from services.pipeline.launch import execute_run
 from services.pipeline.outputs import RunDirectory, read_metrics
 from services.pipeline.specs import apply_overrides
 from tests.services.pipeline.conftest import TINY_RUN
-from tests.services.tasks.test_chat_prompts import CHATML
 
 pytestmark = [pytest.mark.usefixtures("ray_instance"), pytest.mark.timeout(300)]
 
@@ -48,16 +45,6 @@ def rows_of(dataset_format: str) -> list[dict[str, Any]]:
     return [{"prompt": f"{q}=", "answer": a} for q, a in QUESTIONS]
 
 
-@pytest.fixture(scope="module")
-def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("chat-model") / "tiny-arith-chat"
-    shutil.copytree(Path(services.tasks.__file__).parent / "assets" / "tiny-arith", out)
-    config_file = out / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    config_file.write_text(json.dumps({**config, "chat_template": CHATML}))
-    return out
-
-
 @pytest.mark.parametrize(
     ("dataset_format", "suffix", "chat_template"),
     [
@@ -68,7 +55,7 @@ def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ],
 )
 def test_each_format_trains_two_steps_with_the_math_verifier(
-    tmp_path: Path, chat_model_dir: Path, dataset_format: str, suffix: str, chat_template: str
+    tmp_path: Path, dataset_format: str, suffix: str, chat_template: str
 ) -> None:
     path = tmp_path / f"train{suffix}"
     rows = rows_of(dataset_format)
@@ -81,7 +68,7 @@ def test_each_format_trains_two_steps_with_the_math_verifier(
     task = {"name": "dataset", "path": str(path), "chat_template": chat_template}
     spec = RunSpec.model_validate(
         apply_overrides(
-            {**TINY_RUN, "model": str(chat_model_dir), "task": task},
+            {**TINY_RUN, "task": task},
             [
                 "reward.verifier=math",
                 "pipeline.mode=sync",

@@ -4,7 +4,6 @@ task's `chat_template` and `system_prompt`."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -16,36 +15,19 @@ from services.generation.base import encode_prompts
 from services.messages import Prompt
 from services.pipeline.prompts import PromptStream, chats_strings
 from services.tasks.models import has_chat_template
+from services.tasks.tokenizer import CHAT_TEMPLATE
 
-# Qwen2's ChatML, as its tokenizer_config.json carries it (system message optional).
-CHATML = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-# The built-in tiny model: its character-level tokenizer spells out the template's markup.
+# The built-in tiny model: it ships ChatML, and its character-level tokenizer spells the
+# template's markup out.
 TINY_ARITH = Path(services.tasks.__file__).parent / "assets" / "tiny-arith"
-
-
-@pytest.fixture(scope="module")
-def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The built-in tiny model with ChatML in its tokenizer_config.json."""
-    out = tmp_path_factory.mktemp("chat-model") / "model"
-    shutil.copytree(TINY_ARITH, out)
-    config_file = out / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    config["chat_template"] = CHATML
-    config_file.write_text(json.dumps(config))
-    return out
 
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "12+30?"}]
 
 
-def test_a_chat_is_encoded_as_the_tokenizers_own_template_renders_it(chat_model_dir: Path) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(str(chat_model_dir))
+def test_a_chat_is_encoded_as_the_tokenizers_own_template_renders_it() -> None:
+    tokenizer = AutoTokenizer.from_pretrained(str(TINY_ARITH))
+    assert tokenizer.chat_template == CHAT_TEMPLATE
     chat = Prompt("c", "12+30?", "42", messages=CHAT)
     plain = Prompt("p", "12+30?", "42")
     chat_ids, plain_ids = encode_prompts(tokenizer, [chat, plain])
@@ -55,18 +37,18 @@ def test_a_chat_is_encoded_as_the_tokenizers_own_template_renders_it(chat_model_
     assert len(chat_ids) > len(plain_ids)  # the template's markup is there
 
 
-def test_a_chat_for_a_tokenizer_without_a_template_is_refused() -> None:
-    tokenizer = AutoTokenizer.from_pretrained(str(TINY_ARITH))
+def test_a_chat_for_a_tokenizer_without_a_template_is_refused(tiny_model_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))  # a random model's: none
     with pytest.raises(ValueError, match="prompt 'c' is a chat, but the model's tokenizer has no"):
         encode_prompts(tokenizer, [Prompt("c", "x", "1", messages=CHAT)])
 
 
 def test_templates_are_found_without_loading_the_tokenizer(
-    chat_model_dir: Path, tmp_path: Path
+    tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    assert has_chat_template(chat_model_dir)
-    assert not has_chat_template(TINY_ARITH)
-    (tmp_path / "chat_template.jinja").write_text(CHATML)
+    assert has_chat_template(TINY_ARITH)
+    assert not has_chat_template(tiny_model_dir)
+    (tmp_path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     assert has_chat_template(tmp_path)
 
 

@@ -9,12 +9,12 @@ and a receiver that hold the same manifest agree on every offset without exchang
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-from services.weights.base import TensorSpec
+from services.weights.base import TensorSpec, WeightsManifest
 
 # Every dtype's size divides it (complex128: 16), and 64 is a cache line.
 ALIGN = 64
@@ -154,3 +154,28 @@ def bucket_tensors(bucket: Mapping[str, Tensor], specs: Sequence[TensorSpec]) ->
             )
         tensors.append(tensor)
     return tensors
+
+
+def checked_buckets(
+    manifest: WeightsManifest, buckets: Iterable[Mapping[str, Tensor]]
+) -> Iterator[tuple[int, list[Tensor], tuple[TensorSpec, ...]]]:
+    """(index, tensors in manifest order, specs) of each bucket a sender is given, checked
+    against `manifest`: each bucket's tensors (`bucket_tensors`) and their count (ValueError).
+
+    Senders hold one bucket at a time: a bucket is let go here before the next is taken, and a
+    caller deletes its tensors before asking for the next. (A plain loop over `enumerate` would
+    not do: its reused result tuple keeps the previous item alive while the next is made.)
+    """
+    expected = len(manifest.buckets)
+    index = 0
+    for bucket in buckets:
+        if index >= expected:
+            raise ValueError(f"more buckets than the manifest's {expected}")
+        specs = manifest.buckets[index]
+        tensors = bucket_tensors(bucket, specs)
+        del bucket
+        yield index, tensors, specs
+        del tensors
+        index += 1
+    if index != expected:
+        raise ValueError(f"got {index} buckets, the manifest has {expected}")

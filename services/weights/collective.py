@@ -47,7 +47,7 @@ from services.weights.base import (
     group_backend,
     header_values,
 )
-from services.weights.buckets import bucket_nbytes, bucket_tensors, pack_bucket, unpack_bucket
+from services.weights.buckets import bucket_nbytes, checked_buckets, pack_bucket, unpack_bucket
 
 DEFAULT_TIMEOUT_S = 600.0
 STORE_PREFIX = "kpo-weights"
@@ -245,18 +245,10 @@ class WeightChannel:
         if self.rank != 0:
             raise RuntimeError(f"rank {self.rank} of a weight group receives, only rank 0 sends")
         self._broadcast(self._header(manifest))
-        remaining = iter(manifest.buckets)
-        sent = 0
-        for bucket in buckets:
-            specs = next(remaining, None)
-            if specs is None:
-                raise ValueError(f"more buckets than the manifest's {len(manifest.buckets)}")
-            flat = pack_bucket(bucket_tensors(bucket, specs)).to(self.device)
+        for _, tensors, _ in checked_buckets(manifest, buckets):
+            flat = pack_bucket(tensors).to(self.device)
             self._broadcast(flat)
-            sent += 1
-            del flat, bucket
-        if sent != len(manifest.buckets):
-            raise ValueError(f"sent {sent} buckets, the manifest has {len(manifest.buckets)}")
+            del flat, tensors
 
     def receive(
         self, manifest: WeightsManifest, device: torch.device | str | None = None

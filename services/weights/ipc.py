@@ -51,7 +51,7 @@ from services.weights.base import (
     check_header,
     header_values,
 )
-from services.weights.buckets import bucket_nbytes, bucket_tensors, pack_bucket, unpack_bucket
+from services.weights.buckets import bucket_nbytes, checked_buckets, pack_bucket, unpack_bucket
 from services.weights.shared_memory import SharedBucket, map_shared_bucket, shared_bucket
 
 # --- handles ------------------------------------------------------------------------------------
@@ -231,24 +231,14 @@ class IpcChannel:
         self._put(f"{publish}/header", header_values(manifest))
         self.messages.append(HEADER_BYTES)
         receivers = range(1, self.group.world_size)
-        remaining = iter(manifest.buckets)
-        sent = 0
-        # Not `enumerate`: its reused result tuple would keep the previous bucket alive while
-        # the next is gathered.
-        for bucket in buckets:
-            specs = next(remaining, None)
-            if specs is None:
-                raise ValueError(f"more buckets than the manifest's {len(manifest.buckets)}")
-            with exported(bucket_tensors(bucket, specs), specs) as handle:
-                self._put(f"{publish}/{sent}", handle)
-                acks = [f"{publish}/{sent}/ack/{rank}" for rank in receivers]
-                self._wait(acks, f"bucket {sent} of version {manifest.version} not acknowledged")
+        for index, tensors, specs in checked_buckets(manifest, buckets):
+            with exported(tensors, specs) as handle:
+                self._put(f"{publish}/{index}", handle)
+                acks = [f"{publish}/{index}/ack/{rank}" for rank in receivers]
+                self._wait(acks, f"bucket {index} of version {manifest.version} not acknowledged")
             self.messages.append(bucket_nbytes(specs))
-            sent += 1
-            del bucket
-        if sent != len(manifest.buckets):
-            raise ValueError(f"sent {sent} buckets, the manifest has {len(manifest.buckets)}")
-        self._forget(publish, sent, receivers)
+            del tensors
+        self._forget(publish, len(manifest.buckets), receivers)
 
     def _forget(self, publish: int, buckets: int, receivers: range) -> None:
         """Delete a finished publish's keys (every receiver has read them all)."""

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from services.weights.base import WeightsManifest, WeightsOffer
-from services.weights.buckets import bucket_tensors, pack_bucket, unpack_bucket
+from services.weights.buckets import checked_buckets, pack_bucket, unpack_bucket
 
 
 def put_buckets(manifest: WeightsManifest, buckets: Iterable[dict[str, Tensor]]) -> WeightsOffer:
@@ -27,16 +27,10 @@ def put_buckets(manifest: WeightsManifest, buckets: Iterable[dict[str, Tensor]])
     the caller is alive.
     """
     refs = []
-    remaining = iter(manifest.buckets)
-    for bucket in buckets:
-        specs = next(remaining, None)
-        if specs is None:
-            raise ValueError(f"more buckets than the manifest's {len(manifest.buckets)}")
-        flat = pack_bucket(bucket_tensors(bucket, specs))
+    for _, tensors, _ in checked_buckets(manifest, buckets):
+        flat = pack_bucket(tensors)
         refs.append(ray.put(flat.cpu().numpy()))
-        del flat, bucket  # the store has its copy: hold one bucket at a time
-    if len(refs) != len(manifest.buckets):
-        raise ValueError(f"got {len(refs)} buckets, the manifest has {len(manifest.buckets)}")
+        del flat, tensors  # the store has its copy: hold one bucket at a time
     return WeightsOffer("object_store", manifest, tuple(refs))
 
 

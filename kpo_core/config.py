@@ -342,6 +342,34 @@ class RewardConfig(StrictModel):
         return self
 
 
+class LoraConfig(StrictModel):
+    """Low-rank adapters (PEFT LoRA) on the policy: only the adapters train (docs/pipeline.md)."""
+
+    rank: int = Field(16, ge=1, description="r: each adapter is B [out, r] @ A [r, in]")
+    alpha: float = Field(32.0, gt=0.0, description="the adapters' update is scaled by alpha / r")
+    dropout: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="dropout on the adapters' input in training forwards (never in the "
+        "proximal log-probs); > 0 makes even on-policy ratios differ from 1",
+    )
+    target_modules: list[str] = Field(
+        default_factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+        min_length=1,
+        description="suffixes of the module names that get adapters (default: the attention "
+        "and MLP projections of Llama/Qwen)",
+    )
+
+
 class LearnerConfig(StrictModel):
     """The learner group: optimiser, PPO epochs and minibatches, ranks, memory, placement.
 
@@ -408,6 +436,11 @@ class LearnerConfig(StrictModel):
         description="every N steps, save the step's token log-ratios under the run "
         "directory's ratios/ (for offline ratio diagnostics); 0: off",
     )
+    lora: LoraConfig | None = Field(
+        None,
+        description="train LoRA adapters instead of every weight (PEFT); generation receives "
+        "the merged weights; null: full fine-tuning",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -437,6 +470,15 @@ class LearnerConfig(StrictModel):
             raise ValueError(
                 f"strategy 'single' runs one rank, so world_size must be 1 (got "
                 f"{self.world_size}); use strategy 'fsdp2' to shard over several ranks"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _lora_single(self) -> LearnerConfig:
+        if self.lora is not None and self.strategy != "single":
+            raise ValueError(
+                "learner.lora is not supported with learner.strategy 'fsdp2' yet: use "
+                "strategy 'single', or drop lora for full fine-tuning"
             )
         return self
 

@@ -84,11 +84,14 @@ def save_checkpoint(
     hf_files: Any,
     state: TrainingState,
     learner: LearnerState,
+    adapters_only: bool = False,
 ) -> Path:
     """Write the checkpoint directory `path` (created) from every rank; return it.
 
     Every rank of the learner group calls this with the same `path` (a shared volume on a
     cluster). `hf_files(dir)` writes the config and tokenizer files; rank 0 calls it.
+    `adapters_only` (LoRA): the model part holds the trainable parameters alone; the frozen
+    base weights are the model's files already.
     """
     directory = Path(path)
     rank = _rank()
@@ -98,6 +101,8 @@ def save_checkpoint(
         (directory / RNG_DIR).mkdir(exist_ok=True)
     _barrier()
     model_state, optim_state = get_state_dict(model, state.optimizer)
+    if adapters_only:
+        model_state = _trainable(model, model_state)
     dcp_save({MODEL_KEY: model_state, OPTIM_KEY: optim_state}, checkpoint_id=directory / STATE_DIR)
     rng = {
         "torch": torch.get_rng_state(),
@@ -114,14 +119,22 @@ def save_checkpoint(
     return directory
 
 
-def load_checkpoint(path: str | Path, model: torch.nn.Module, state: TrainingState) -> LearnerState:
+def load_checkpoint(
+    path: str | Path, model: torch.nn.Module, state: TrainingState, adapters_only: bool = False
+) -> LearnerState:
     """Restore weights, optimiser, schedule and RNGs (in place) from a `save_checkpoint` dir.
 
     Called by every rank; the number of ranks may differ from the one that saved it.
+    `adapters_only`: as it was saved; the frozen parameters keep their values.
     """
     directory = Path(path)
     learner = read_learner_state(directory)
     model_state, optim_state = get_state_dict(model, state.optimizer)
+    if adapters_only:
+        model_state = _trainable(model, model_state)
+    # The names are checked below (check_model_names), so that the load itself may skip the
+    # frozen parameters, which strict loading would report as missing.
+    options = StateDictOptions(strict=not adapters_only)
     check_model_names(directory / STATE_DIR, model_state.keys())
     # DCP loads in place into these (resharding to this group's layout).
     dcp_load({MODEL_KEY: model_state, OPTIM_KEY: optim_state}, checkpoint_id=directory / STATE_DIR)
@@ -130,7 +143,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, state: TrainingSta
         state.optimizer,
         model_state_dict=model_state,
         optim_state_dict=optim_state,
-        options=StateDictOptions(strict=True),
+        options=options,
     )
     own = rng_file(directory, _rank())
     rng = torch.load(own if own.exists() else rng_file(directory, 0), weights_only=True)
@@ -139,6 +152,17 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, state: TrainingSta
     state.generator.set_state(rng["generator"])
     state.scheduler.load_state_dict(rng["scheduler"])
     return learner
+
+
+def _trainable(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """`state` without the frozen parameters, under every name of a tied one
+    (`ignore_frozen_params` would keep the second name of a tied frozen weight, lm_head)."""
+    frozen = {
+        name
+        for name, parameter in model.named_parameters(remove_duplicate=False)
+        if not parameter.requires_grad
+    }
+    return {name: value for name, value in state.items() if name not in frozen}
 
 
 class CheckpointMismatchError(ValueError):

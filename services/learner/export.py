@@ -15,6 +15,13 @@ torch.distributed.checkpoint (DCP) written by 1 or N ranks, plus the config and 
 Tied embeddings (Qwen2's lm_head is embed_tokens): the checkpoint may hold both names or one;
 one tensor is read per group of tied names, from whichever name the checkpoint has.
 
+A LoRA checkpoint (`adapter/adapter_config.json` beside `hf/`) holds the adapters' weights
+alone: the export reads the base model from the config's `base_model_name_or_path` (the
+learner's `model`), puts the adapters on it (`services.learner.lora`), reads their weights from
+the DCP state, writes them with PEFT's `save_pretrained` into an `adapter/` directory beside
+`out_dir` (loadable with `PeftModel.from_pretrained` on the base model), and exports the merged
+model (`merge_and_unload`) as above.
+
 Left out: non-persistent buffers (RoPE's `inv_freq`) are not part of the state dict, so they
 stay as the meta device left them (uninitialised). The exported model is never run here and
 `save_pretrained` does not write them; `from_pretrained` computes them afresh.
@@ -31,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from peft import LoraConfig, get_peft_model
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -43,6 +51,12 @@ from services.learner.checkpoint import (
     MODEL_KEY,
     STATE_DIR,
     read_learner_state,
+)
+from services.learner.lora import (
+    ADAPTER_CONFIG,
+    ADAPTER_DIR,
+    adapter_parameters,
+    is_adapter_checkpoint,
 )
 from services.pipeline.checkpoints import (
     LEARNER_DIR,
@@ -79,30 +93,54 @@ def write_hf_files(model: PreTrainedModel, tokenizer: Any, directory: Path) -> N
     tokenizer.save_pretrained(directory)
 
 
+def adapter_dir_of(out_dir: Path) -> Path:
+    """Where the export of a LoRA checkpoint to `out_dir` writes the adapter: beside it
+    (RUN_DIR/model -> RUN_DIR/adapter)."""
+    return Path(out_dir).parent / ADAPTER_DIR
+
+
 def export_model(learner_dir: Path, out_dir: Path) -> Path:
     """Write the model of the learner checkpoint `learner_dir` to `out_dir`; return `out_dir`.
 
     `out_dir` is replaced only once the new export is complete; an existing directory that is
-    not a model directory (no safetensors weights) is never replaced.
+    not a model directory (no safetensors weights) is never replaced. A LoRA checkpoint also
+    writes its adapter to `adapter_dir_of(out_dir)` (module doc), under the same rule (an
+    existing directory there must be an adapter: it holds adapter_config.json).
     """
     learner_dir, out_dir = Path(learner_dir), Path(out_dir)
     dtype = _compute_dtype(learner_dir)
-    if out_dir.resolve().is_relative_to(learner_dir.resolve()):
-        raise ExportError(f"{out_dir} is inside the checkpoint {learner_dir}; pick another output")
+    adapter_out = adapter_dir_of(out_dir) if is_adapter_checkpoint(learner_dir) else None
+    for target in (out_dir, adapter_out):
+        if target is not None and target.resolve().is_relative_to(learner_dir.resolve()):
+            raise ExportError(
+                f"{target} is inside the checkpoint {learner_dir}; pick another output"
+            )
     _check_replaceable(out_dir, learner_dir)
-    model = _load_model(learner_dir)
-    model.to(dtype)  # type: ignore[arg-type]
+    if adapter_out is not None:
+        _check_replaceable(adapter_out, learner_dir, marker=ADAPTER_CONFIG)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp_adapter = out_dir.parent / f".{ADAPTER_DIR}.tmp-{os.getpid()}"
+    for path in (tmp, tmp_adapter):
+        shutil.rmtree(path, ignore_errors=True)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     try:
+        if adapter_out is None:
+            model = _load_model(learner_dir)
+        else:
+            model = _load_merged_model(learner_dir, tmp_adapter)
+        model.to(dtype)  # type: ignore[arg-type]
         model.save_pretrained(tmp)
         del model
         _copy_tokenizer_files(learner_dir / HF_DIR, tmp)
         sync_tree(tmp)
+        if adapter_out is not None:
+            sync_tree(tmp_adapter)
+            _replace_dir(tmp_adapter, adapter_out)
+            log.info("LoRA adapter of %s written to %s", learner_dir, adapter_out)
         _replace_dir(tmp, out_dir)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for path in (tmp, tmp_adapter):
+            shutil.rmtree(path, ignore_errors=True)
         raise
     return out_dir
 
@@ -178,8 +216,35 @@ def _load_model(learner_dir: Path) -> PreTrainedModel:
     return model
 
 
-def _read_weights(model: torch.nn.Module, state_dir: Path) -> None:
-    """Read the "model" part of the DCP checkpoint `state_dir` into `model`'s tensors, in place.
+def _load_merged_model(learner_dir: Path, adapter_out: Path) -> PreTrainedModel:
+    """The base model with the checkpoint's LoRA adapters merged in (fp32); the adapter itself
+    is written to `adapter_out` first (PEFT's `save_pretrained`)."""
+    config_dir = learner_dir / ADAPTER_DIR
+    try:
+        config = LoraConfig.from_pretrained(str(config_dir))
+    except (OSError, ValueError, TypeError) as error:
+        raise ExportError(f"{config_dir}: not a LoRA adapter config: {error}") from None
+    base_path = config.base_model_name_or_path
+    try:
+        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    except (OSError, ValueError) as error:
+        raise ExportError(
+            f"{config_dir / ADAPTER_CONFIG}: cannot load the base model {base_path!r} the "
+            f"adapters were trained on: {error}"
+        ) from None
+    base.generation_config = GenerationConfig.from_pretrained(learner_dir / HF_DIR)
+    peft_model = get_peft_model(base, config)
+    state = peft_model.state_dict()
+    adapters = {name: state[name] for name in adapter_parameters(peft_model)}
+    _read_weights(adapters, learner_dir / STATE_DIR)
+    peft_model.save_pretrained(str(adapter_out))
+    merged: PreTrainedModel = peft_model.merge_and_unload()
+    return merged
+
+
+def _read_weights(model: torch.nn.Module | dict[str, torch.Tensor], state_dir: Path) -> None:
+    """Read the "model" part of the DCP checkpoint `state_dir` into `model`'s tensors, in place
+    (a dict of tensors: into those, which must be all the checkpoint holds).
 
     One name per group of tied tensors is read (the first the checkpoint has); a name of the
     model with no value in the checkpoint, a name of the checkpoint the model lacks, or a
@@ -195,7 +260,7 @@ def _read_weights(model: torch.nn.Module, state_dir: Path) -> None:
         for key, entry in metadata.state_dict_metadata.items()
         if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
     }
-    tensors = model.state_dict()
+    tensors = model if isinstance(model, dict) else model.state_dict()
     wanted: dict[str, torch.Tensor] = {}
     missing: list[str] = []
     for names in _tied_groups(tensors).values():
@@ -249,8 +314,9 @@ def _copy_tokenizer_files(hf_dir: Path, out_dir: Path) -> None:
             shutil.copy2(path, out_dir / path.name)
 
 
-def _check_replaceable(out_dir: Path, learner_dir: Path) -> None:
-    """Refuse an `out_dir` whose replacement would delete something else than an export."""
+def _check_replaceable(out_dir: Path, learner_dir: Path, marker: str | None = None) -> None:
+    """Refuse an `out_dir` whose replacement would delete something else than an export: a
+    model directory (safetensors weights), or with `marker` one holding that file."""
     if not out_dir.exists():
         return
     if not out_dir.is_dir():
@@ -258,6 +324,13 @@ def _check_replaceable(out_dir: Path, learner_dir: Path) -> None:
     if learner_dir.resolve().is_relative_to(out_dir.resolve()):
         raise ExportError(f"{out_dir} holds the checkpoint {learner_dir}; pick another output")
     entries = list(out_dir.iterdir())
+    if marker is not None:
+        if entries and not (out_dir / marker).is_file():
+            raise ExportError(
+                f"{out_dir} exists and is not an adapter directory (no {marker}); "
+                "refusing to replace it: pick another output"
+            )
+        return
     if entries and not any(path.name.endswith(_WEIGHT_SUFFIXES) for path in entries):
         raise ExportError(
             f"{out_dir} exists and is not a model directory (no safetensors weights); "

@@ -10,11 +10,16 @@ to the compute dtype on the way) and drops the gathered tensor; it yields the bu
 and lets go of it before filling the next. So rank 0 holds, beyond its own shard, one bucket
 plus the tensor being gathered; the other ranks hold only that transient tensor and yield
 nothing.
+
+What is published of a model is a `WeightView`: by default its own state dict
+(`ModuleWeights`); a LoRA learner publishes its base model's with the adapters merged
+(`services.learner.lora.MergedWeights`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -45,11 +50,49 @@ def tied_names(model: nn.Module) -> dict[str, str]:
     return aliases
 
 
-def _sources(model: nn.Module) -> dict[str, Tensor]:
+def module_sources(model: nn.Module) -> dict[str, Tensor]:
     """The tensors to send, by name (the state dict's live tensors, aliases left out)."""
     aliases = tied_names(model)
     state = model.state_dict(keep_vars=True)
     return {name: tensor for name, tensor in state.items() if name not in aliases}
+
+
+class WeightView(Protocol):
+    """What a learner publishes: tensors under the names generation loads them by."""
+
+    def tensors(self) -> dict[str, Tensor]:
+        """The live tensors by published name, each of its published (full) shape; tied
+        aliases left out."""
+        ...
+
+    def aliases(self) -> dict[str, str]:
+        """alias -> published name, for every other name of a tied tensor."""
+        ...
+
+    def whole(self, name: str, tensor: Tensor, gather: Gather) -> Tensor:
+        """The whole value of `name` from its live `tensor` (detached), made whole with
+        `gather`. Every rank calls it for every tensor, in the same order."""
+        ...
+
+
+class ModuleWeights:
+    """A model's own state dict, as it is: the view of a fully trained model."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def tensors(self) -> dict[str, Tensor]:
+        return module_sources(self.model)
+
+    def aliases(self) -> dict[str, str]:
+        return tied_names(self.model)
+
+    def whole(self, name: str, tensor: Tensor, gather: Gather) -> Tensor:
+        return gather(tensor)
+
+
+def _view(model: nn.Module | WeightView) -> WeightView:
+    return ModuleWeights(model) if isinstance(model, nn.Module) else model
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -57,19 +100,20 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def weights_manifest(
-    model: nn.Module, dtype: torch.dtype, version: int, bucket_bytes: int
+    model: nn.Module | WeightView, dtype: torch.dtype, version: int, bucket_bytes: int
 ) -> WeightsManifest:
     """The manifest of `model`'s weights as published: floating tensors in `dtype`, in state
     dict order, grouped into buckets of at most `bucket_bytes` (a larger tensor alone)."""
+    view = _view(model)
     specs = [
         TensorSpec(
             name,
             tuple(tensor.shape),  # a DTensor's is the full shape
             _dtype_name(dtype if tensor.is_floating_point() else tensor.dtype),
         )
-        for name, tensor in _sources(model).items()
+        for name, tensor in view.tensors().items()
     ]
-    aliases = {alias: name for alias, name in tied_names(model).items()}
+    aliases = dict(view.aliases())
     return WeightsManifest(version, plan_buckets(specs, bucket_bytes), aliases)
 
 
@@ -82,7 +126,7 @@ def full_tensor(tensor: Tensor) -> Tensor:
 
 
 def iter_buckets(
-    model: nn.Module,
+    model: nn.Module | WeightView,
     manifest: WeightsManifest,
     group: RankGroup,
     device: torch.device | str = "cpu",
@@ -92,7 +136,8 @@ def iter_buckets(
     `device`, as name -> tensor (views of one flat buffer, which `pack_bucket` hands on without
     a copy). Every rank must exhaust it together. `gather` is how a tensor is made whole
     (tests wrap it to see what is held)."""
-    sources = _sources(model)
+    view = _view(model)
+    sources = view.tensors()
     for specs in manifest.buckets:
         bucket: dict[str, Tensor] = {}
         if group.rank == 0:
@@ -110,7 +155,7 @@ def iter_buckets(
             # Not torch.no_grad() on the whole generator: its wrapper keeps the bucket it last
             # yielded alive while this one is filled (two buckets held).
             with torch.no_grad():
-                whole = gather(source.detach())
+                whole = view.whole(spec.name, source.detach(), gather)
                 if group.rank == 0:
                     bucket[spec.name].copy_(whole)  # casts to the compute dtype and moves
             del whole
@@ -120,7 +165,7 @@ def iter_buckets(
 
 
 def full_weights(
-    model: nn.Module, dtype: torch.dtype, group: RankGroup, version: int = 0
+    model: nn.Module | WeightView, dtype: torch.dtype, group: RankGroup, version: int = 0
 ) -> dict[str, Tensor]:
     """The whole published state dict on CPU (rank 0; empty elsewhere; every rank takes part),
     tied aliases as the same tensor under each name. For checks and tests: a publish streams

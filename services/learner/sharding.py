@@ -32,6 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from kpo_core.config import LearnerConfig
 from services.learner.distributed import RankGroup
 from services.learner.logprobs import ResponseLogProbs
+from services.learner.lora import apply_lora
 
 
 def decoder_layers(policy: nn.Module) -> list[nn.Module]:
@@ -71,10 +72,14 @@ def build_policy(
     model_path: str, learner: LearnerConfig, group: RankGroup, device: torch.device
 ) -> ResponseLogProbs:
     """The learner's model (see module doc), in eval mode: dropout stays off, or even on-policy
-    ratios would not be 1."""
+    ratios would not be 1. With `learner.lora` the policy is a PEFT model whose adapters alone
+    train (services.learner.lora)."""
     sharded = learner.strategy == "fsdp2"
     on_meta = sharded and group.rank != 0
     policy = _load(model_path, on_meta, learner.attn_implementation).eval()
+    if learner.lora is not None:
+        # Before activation checkpointing and sharding, which wrap the modules PEFT replaces.
+        policy = apply_lora(policy, learner.lora)
     # Flash-attention takes variable-length rows: micro-batches are packed, not padded.
     packed = learner.attn_implementation.startswith("flash_attention")
     model = ResponseLogProbs(policy, learner.logprob_chunk_tokens, packed)

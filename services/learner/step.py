@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+from peft import PeftModel
 from torch import Tensor
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import AutoTokenizer
@@ -52,6 +53,7 @@ from services.learner.batch import TrainingBatch, collate
 from services.learner.distributed import RankGroup
 from services.learner.export import write_hf_files
 from services.learner.logprobs import reference_logprobs, response_logprobs
+from services.learner.lora import MergedWeights, base_model, write_adapter_config
 from services.learner.metrics import (
     PER_PASS,
     MicroBatchRecord,
@@ -64,7 +66,7 @@ from services.learner.metrics import (
     reduce_minibatches,
 )
 from services.learner.micro_batches import MicroBatch, plan_minibatch
-from services.learner.publish import full_weights, iter_buckets, weights_manifest
+from services.learner.publish import WeightView, full_weights, iter_buckets, weights_manifest
 from services.learner.sharding import build_policy, compute_context, compute_dtype
 from services.messages import ScoredGroup
 from services.weights.base import WeightsManifest
@@ -249,8 +251,10 @@ class LearnerCore:
         pad_id = self.tokenizer.pad_token_id
         self.pad_id = int(pad_id if pad_id is not None else (self.tokenizer.eos_token_id or 0))
         self.model = build_policy(self.model_path, learner, self.group, self.device)
+        # Every parameter, or with learner.lora the adapters' alone (AdamW state adapter-sized).
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            trainable,
             lr=learner.lr,
             betas=learner.betas,
             weight_decay=learner.weight_decay,
@@ -475,18 +479,24 @@ class LearnerCore:
         full = getattr(norm, "full_tensor", None)  # a DTensor under FSDP2
         return float(full() if full is not None else norm)
 
+    def _published(self) -> torch.nn.Module | WeightView:
+        """What generation receives: the policy's weights, or with LoRA the base model's with
+        the adapters merged, under the base model's names (services.learner.lora)."""
+        policy = self.model.policy
+        return MergedWeights(policy) if isinstance(policy, PeftModel) else policy
+
     def weights_manifest(self, bucket_bytes: int) -> WeightsManifest:
         """The manifest of the current version's published weights (the same on every rank,
         no communication): compute dtype, buckets of at most `bucket_bytes`."""
-        policy = self.model.policy
-        return weights_manifest(policy, compute_dtype(self.learner), self._version, bucket_bytes)
+        published = self._published()
+        return weights_manifest(published, compute_dtype(self.learner), self._version, bucket_bytes)
 
     def weight_buckets(
         self, manifest: WeightsManifest, device: torch.device | str = "cpu"
     ) -> Iterator[dict[str, Tensor]]:
         """The buckets of `manifest` gathered from the model (services.learner.publish): every
         rank must walk them together; rank 0 gets them, on `device`, the others nothing."""
-        return iter_buckets(self.model.policy, manifest, self.group, device)
+        return iter_buckets(self._published(), manifest, self.group, device)
 
     def state_dict_for_publish(self) -> dict[str, Tensor]:
         """The full weights in the compute dtype on CPU, as a generation worker ends up with
@@ -494,26 +504,37 @@ class LearnerCore:
         (e.g. input embedding and lm_head) are one shared tensor. Publishing streams
         `weight_buckets` instead; this whole dict is for checks."""
         return full_weights(
-            self.model.policy, compute_dtype(self.learner), self.group, self._version
+            self._published(), compute_dtype(self.learner), self.group, self._version
         )
 
     def _training_state(self) -> checkpoint.TrainingState:
         return checkpoint.TrainingState(self.optimizer, self.scheduler, self.generator)
 
     def save_checkpoint(self, path: str | Path) -> Path:
-        """Write this rank's part of a checkpoint directory at `path` (see checkpoint)."""
+        """Write this rank's part of a checkpoint directory at `path` (see checkpoint). With
+        LoRA it holds the adapters' weights and the adapter config, not the base weights."""
         state = checkpoint.LearnerState(
             self._version, self._steps, self.group.world_size, self.learner.compute_dtype
         )
         policy = self.model.policy
 
         def hf_files(directory: Path) -> None:
-            write_hf_files(policy, self.tokenizer, directory)  # type: ignore[arg-type]
+            write_hf_files(base_model(policy), self.tokenizer, directory)  # type: ignore[arg-type]
+            if isinstance(policy, PeftModel):
+                # Beside hf/, not in it: an export copies hf/'s files into the model directory.
+                write_adapter_config(policy, directory.parent)
 
-        return checkpoint.save_checkpoint(path, policy, hf_files, self._training_state(), state)
+        adapters = isinstance(policy, PeftModel)
+        return checkpoint.save_checkpoint(
+            path, policy, hf_files, self._training_state(), state, adapters_only=adapters
+        )
 
     def load_checkpoint(self, path: str | Path) -> int:
-        """Restore weights (in place), optimiser, schedule, RNGs and version; return the version."""
-        state = checkpoint.load_checkpoint(path, self.model.policy, self._training_state())
+        """Restore weights (in place; with LoRA the adapters', onto the base model read from
+        `model`), optimiser, schedule, RNGs and version; return the version."""
+        adapters = isinstance(self.model.policy, PeftModel)
+        state = checkpoint.load_checkpoint(
+            path, self.model.policy, self._training_state(), adapters_only=adapters
+        )
         self._version, self._steps = state.version, state.steps
         return self._version

@@ -67,7 +67,7 @@ from transformers.utils import logging as hf_logging
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import print_table
 
-from kpo_core.config import AlgorithmConfig, LearnerConfig
+from kpo_core.config import AlgorithmConfig
 from services.learner.batch import collate
 from services.learner.distributed import RankGroup
 from services.learner.logprobs import response_logprobs
@@ -75,6 +75,7 @@ from services.learner.micro_batches import plan_minibatch
 from services.learner.sharding import build_policy, compute_context
 from services.learner.step import LearnerCore
 from services.messages import Prompt, Response, ScoredGroup, ScoredResponse
+from services.spec import LearnerConfig
 from services.tasks.tiny_model import DEFAULT_MODEL_DIR
 
 GiB, MiB = 2**30, 2**20

@@ -31,11 +31,11 @@ import ray
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import print_table
 
-from kpo_core.config import RunSpec
 from services.pipeline.actors import connect_ray
 from services.pipeline.launch import execute_run
 from services.pipeline.outputs import MetricsRecord, RunDirectory
 from services.pipeline.specs import load_run_spec
+from services.spec import RunSpec
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
 

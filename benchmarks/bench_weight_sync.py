@@ -63,9 +63,10 @@ from bench_learner import (
     save_model,
 )
 
-from kpo_core.config import AlgorithmConfig, LearnerConfig
+from kpo_core.config import AlgorithmConfig
 from services.generation.hf_backend import HFBackend
 from services.learner.actor import LearnerImpl
+from services.spec import LearnerConfig
 from services.weights.base import WeightGroup, WeightsManifest, WeightsOffer, WeightTransportName
 from services.weights.object_store import fetch_buckets
 

@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ray
 import torch
 
-from kpo_core.config import RunSpec
 from services.pipeline.actors import connect_ray
 from services.pipeline.specs import load_run_spec
+from services.spec import RunSpec
 from stability_study import dynamics, filter_accuracy, plots, report
 from stability_study.evaluate import HeldOutEvaluator
 from stability_study.grid import STALENESS, Cell, grid

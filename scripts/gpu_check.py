@@ -39,8 +39,8 @@ REPO = Path(__file__).resolve().parents[1]
 # Run from a checkout without installing the package: make the repository root importable.
 sys.path.insert(0, str(REPO))
 
-from kpo_core.config import RunSpec  # noqa: E402
 from services.pipeline.specs import SpecError, load_run_spec, preflight  # noqa: E402
+from services.spec import RunSpec  # noqa: E402
 
 SPEC = REPO / "scripts" / "gpu_check.yaml"
 TINY_MODEL = REPO / "services" / "tasks" / "assets" / "tiny-arith"

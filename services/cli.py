@@ -17,7 +17,7 @@ import yaml
 from pydantic import ValidationError
 
 import kpo_core
-from kpo_core.config import AlgorithmConfig, RunSpec, describe_validation_error
+from kpo_core.config import AlgorithmConfig, describe_validation_error
 from services.api.client import DEFAULT_SERVER, ApiClient, ApiError, ServerUnreachable
 from services.pipeline.outputs import (
     CONFIG_FILE,
@@ -34,6 +34,7 @@ from services.pipeline.specs import (
     preflight,
     read_yaml_mapping,
 )
+from services.spec import RunSpec
 from services.store import (
     RunNotFound,
     Store,

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kpo_core.config import ArithTask, RunSpec
+from services.spec import ArithTask, RunSpec
 from services.tasks import generate_prompts
 from services.tasks.models import resolve_model
 from services.tasks.sampling_eval import sampled_accuracy

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kpo_core.config import RunSpec
+from services.spec import RunSpec
 
 
 # Methods and staleness settings are module constants, compared and hashed by identity (their

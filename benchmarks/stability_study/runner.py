@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kpo_core.config import RunSpec
 from services.learner.export import export_model
 from services.pipeline.checkpoints import LEARNER_DIR, list_checkpoints
 from services.pipeline.launch import execute_run
@@ -30,6 +29,7 @@ from services.pipeline.outputs import (
     RunDirectory,
     read_metrics,
 )
+from services.spec import RunSpec
 from stability_study.grid import Cell, cell_spec
 
 EVALS_FILE = "evals.json"

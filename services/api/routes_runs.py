@@ -10,10 +10,10 @@ from fastapi import Path as PathParam
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from kpo_core.config import RunSpec
 from services.api.deps import InputsDirDep, LauncherDep, ReadAccess, StoreDep, WriteAccess
 from services.api.spec_paths import confined_spec
 from services.api.sse import run_events
+from services.spec import RunSpec
 from services.store import TERMINAL_STATUSES, InvalidTransition, RunRecord, RunStatus
 from services.store.base import RUN_ID_PATTERN
 

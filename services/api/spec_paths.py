@@ -27,7 +27,7 @@ from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 
-from kpo_core.config import BUILTIN_MODELS, DatasetTask, JsonlTask, RunSpec
+from services.spec import BUILTIN_MODELS, DatasetTask, JsonlTask, RunSpec
 from services.tasks.models import is_hub_id
 
 INPUTS_DIR_NAME = "inputs"

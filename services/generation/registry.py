@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from services.generation.base import GenerationBackend
+if TYPE_CHECKING:  # the run spec reads the names: importing them must not import torch
+    from services.generation.base import GenerationBackend
 
 _BACKENDS: dict[str, str] = {
     "hf": "services.generation.hf_backend:HFBackend",
@@ -38,6 +39,8 @@ def backend_class(name: str) -> type[GenerationBackend]:
         raise ValueError(
             f"unknown generation backend {name!r}; known: {', '.join(backend_names())}"
         )
+    from services.generation.base import GenerationBackend
+
     module_name, _, class_name = _BACKENDS[name].partition(":")
     cls = getattr(importlib.import_module(module_name), class_name)
     if not (isinstance(cls, type) and issubclass(cls, GenerationBackend)):

@@ -26,12 +26,13 @@ from pathlib import Path
 import ray
 import torch
 
-from kpo_core.config import AlgorithmConfig, LearnerConfig
+from kpo_core.config import AlgorithmConfig
 from services.learner.distributed import RankGroup, rendezvous_address
 from services.learner.export import export_model
 from services.learner.publish import MiB, drain
 from services.learner.step import LearnerCore
 from services.messages import ScoredGroup
+from services.spec import LearnerConfig
 from services.weights import collective
 from services.weights.base import (
     Channel,

@@ -25,9 +25,9 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from kpo_core.config import RunSpec
 from services.learner.actor import Learner
 from services.messages import ScoredGroup
+from services.spec import RunSpec
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from peft import PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 from torch import Tensor, nn
 
-from kpo_core.config import LoraConfig
 from services.learner.publish import Gather, module_sources, tied_names
+from services.spec import LoraConfig
 
 ADAPTER_DIR = "adapter"  # in a learner checkpoint: the adapter's config; beside an export: it
 ADAPTER_CONFIG = "adapter_config.json"

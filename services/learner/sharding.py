@@ -29,10 +29,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from kpo_core.config import LearnerConfig
 from services.learner.distributed import RankGroup
 from services.learner.logprobs import ResponseLogProbs
 from services.learner.lora import apply_lora
+from services.spec import LearnerConfig
 
 
 def decoder_layers(policy: nn.Module) -> list[nn.Module]:

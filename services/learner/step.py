@@ -41,7 +41,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from transformers import AutoTokenizer
 
 from kpo_core.advantages import group_advantages
-from kpo_core.config import AlgorithmConfig, LearnerConfig
+from kpo_core.config import AlgorithmConfig
 from kpo_core.losses import (
     LossNormaliser,
     NonFiniteInputError,
@@ -69,6 +69,7 @@ from services.learner.micro_batches import MicroBatch, plan_minibatch
 from services.learner.publish import WeightView, full_weights, iter_buckets, weights_manifest
 from services.learner.sharding import build_policy, compute_context, compute_dtype
 from services.messages import ScoredGroup
+from services.spec import LearnerConfig
 from services.weights.base import WeightsManifest
 
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import ray
 
-from kpo_core.config import RunSpec
 from services.generation.worker import GenerationWorker
 from services.learner.group import LearnerGroup, wait_all
 from services.reward.actor import start_verifier_actor
+from services.spec import RunSpec
 
 log = logging.getLogger(__name__)
 

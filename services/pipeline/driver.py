@@ -47,7 +47,6 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from kpo_core.config import RunSpec
 from services.generation.base import GroupRequest, SamplingSettings
 from services.messages import Prompt, Response, ScoredGroup, ScoredResponse
 from services.metrics import FAULT_COUNTERS, LEARNER_TOTALS
@@ -75,6 +74,7 @@ from services.pipeline.signals import on_stop_signals
 from services.pipeline.streams import WorkerStream
 from services.pipeline.supervisor import ActorSupervisor, FaultBudgetExhausted
 from services.pipeline.weight_sync import WeightSync
+from services.spec import RunSpec
 from services.tasks.models import has_chat_template, resolve_model
 
 log = logging.getLogger(__name__)

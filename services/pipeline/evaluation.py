@@ -28,10 +28,10 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from kpo_core.config import ArithTask, DatasetTask, EvalConfig, GenerationConfig, TaskConfig
 from services.generation.base import SamplingSettings
 from services.messages import Prompt, ScoredGroup
 from services.reward.scoring import is_correct
+from services.spec import ArithTask, DatasetTask, EvalConfig, GenerationConfig, TaskConfig
 from services.tasks import iter_mixed_prompts, iter_prompts
 from services.tasks.dataset_files import load_dataset_prompts
 

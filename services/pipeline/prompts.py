@@ -13,8 +13,8 @@ from dataclasses import replace
 from itertools import count, islice
 from pathlib import Path
 
-from kpo_core.config import ArithTask, DatasetTask, JsonlTask, TaskConfig
 from services.messages import ChatMessage, Prompt
+from services.spec import ArithTask, DatasetTask, JsonlTask, TaskConfig
 from services.tasks import iter_mixed_prompts, iter_prompts, load_jsonl_prompts
 from services.tasks.dataset_files import load_dataset_prompts
 

@@ -18,8 +18,8 @@ from typing import Any, Protocol
 import ray
 from ray.exceptions import RayActorError
 
-from kpo_core.config import RunSpec
 from services.pipeline.actors import RunActors, start_generation_worker, start_verifier
+from services.spec import RunSpec
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import json
 import re
 from pathlib import Path
 
-from kpo_core.config import BUILTIN_MODELS
+from services.spec import BUILTIN_MODELS
 
 # `org/name` as the hub spells repository ids (one slash; letters, digits, `-`, `_`, `.`).
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")

@@ -8,8 +8,8 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kpo_core.config import RunSpec
 from services.pipeline.outputs import MetricsRecord, RunState
+from services.spec import RunSpec
 
 log = logging.getLogger(__name__)
 

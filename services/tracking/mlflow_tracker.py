@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from kpo_core.config import MlflowTracking
 from services.pipeline.outputs import MetricsRecord, RunState
+from services.spec import MlflowTracking
 from services.tracking.base import Tracker, TrackingError, missing_library, run_id, scalar_metrics
 
 STATUSES: dict[RunState, str] = {"succeeded": "FINISHED", "failed": "FAILED", "cancelled": "KILLED"}

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kpo_core.config import TensorboardTracking
 from services.pipeline.outputs import MetricsRecord, RunState
+from services.spec import TensorboardTracking
 from services.tracking.base import Tracker, TrackingError, missing_library, scalar_metrics
 
 LOG_DIR = "tensorboard"  # under RUN_DIR unless `log_dir` says otherwise

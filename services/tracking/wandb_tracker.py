@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kpo_core.config import WandbTracking
 from services.pipeline.outputs import MetricsRecord, RunState
+from services.spec import WandbTracking
 from services.tracking.base import Tracker, TrackingError, missing_library, run_id, scalar_metrics
 
 # W&B has no cancelled state: a cancelled run ends with the exit code `kpo run` exits with.

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kpo_core.config import RunSpec
 from services.learner.step import ratio_file
 from services.pipeline.driver import RATIO_DIR
 from services.pipeline.specs import load_run_spec
+from services.spec import RunSpec
 from stability_study import dynamics, filter_accuracy, report
 from stability_study.grid import (
     BASELINES,

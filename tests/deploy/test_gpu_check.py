@@ -20,11 +20,11 @@ from typing import Any
 import gpu_check
 import pytest
 
-from kpo_core.config import RunSpec
 from services.generation.vllm_backend import VLLMBackend
 from services.generation.worker import GenerationWorkerImpl
 from services.pipeline.actors import generation_worker_args
 from services.pipeline.specs import SpecError, load_run_spec, preflight
+from services.spec import RunSpec
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"

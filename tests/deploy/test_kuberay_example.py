@@ -13,9 +13,9 @@ from typing import Any
 
 import yaml
 
-from kpo_core.config import RunSpec
 from services.generation.vllm_backend import VLLMBackend
 from services.pipeline.actors import resource_needs
+from services.spec import RunSpec
 from tests.deploy.manifests import REPO, Manifest, load_all, one, pod_templates, validate
 from tests.deploy.ray_resources import custom, node_types, ray_start_resources
 

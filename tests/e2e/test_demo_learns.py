@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kpo_core.config import RunSpec
 from services.generation.base import SamplingSettings
 from services.generation.hf_backend import HFBackend
 from services.pipeline.checkpoints import latest_checkpoint
 from services.pipeline.outputs import read_metrics
 from services.pipeline.specs import load_run_spec
+from services.spec import RunSpec
 from services.tasks import generate_prompts, is_correct
 from services.tasks.models import resolve_model
 

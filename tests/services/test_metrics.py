@@ -16,7 +16,7 @@ from typing import Any
 import metrics_table
 import pytest
 
-from kpo_core.config import AlgorithmConfig, LearnerConfig
+from kpo_core.config import AlgorithmConfig
 from services.api import prometheus
 from services.learner.step import LearnerCore
 from services.metrics import (
@@ -32,6 +32,7 @@ from services.metrics import (
 )
 from services.pipeline import driver
 from services.pipeline.outputs import RunDirectory
+from services.spec import LearnerConfig
 from services.tasks.models import resolve_model
 from tests.services.learner.conftest import sample_groups
 from tests.services.pipeline.conftest import tiny_spec

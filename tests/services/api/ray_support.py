@@ -12,10 +12,10 @@ from typing import Any, TypeVar
 
 from ray.job_submission import JobStatus
 
-from kpo_core.config import RunSpec
 from services.api.launcher import RayJobLauncher, local_job_env
 from services.api.ray_head import LocalRayHead
 from services.pipeline.specs import apply_overrides
+from services.spec import RunSpec
 from tests.services.pipeline.conftest import TINY_RUN
 
 T = TypeVar("T")

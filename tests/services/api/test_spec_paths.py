@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from kpo_core.config import JsonlTask
 from services.api.spec_paths import INPUTS_DIR_NAME
 from services.pipeline.prompts import PromptStream
 from services.pipeline.specs import parse_run_spec
+from services.spec import JsonlTask
 from services.tasks.models import resolve_model
 from tests.services.api.conftest import Api
 from tests.services.api.test_runs_api import TINY

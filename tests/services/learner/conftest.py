@@ -9,12 +9,13 @@ from typing import Any
 import pytest
 import torch
 
-from kpo_core.config import AlgorithmConfig, LearnerConfig
+from kpo_core.config import AlgorithmConfig
 from services.generation.base import SamplingSettings
 from services.generation.hf_backend import HFBackend
 from services.learner.distributed import RankGroup
 from services.learner.step import LearnerCore
 from services.messages import Prompt, ScoredGroup, ScoredResponse
+from services.spec import LearnerConfig
 
 PROMPTS = [Prompt("a", "1+2=", "3"), Prompt("b", "40-13=", "27"), Prompt("c", "7", "7")]
 GROUP_SIZE = 4

@@ -11,11 +11,11 @@ import pytest
 import ray
 import torch
 
-from kpo_core.config import LearnerConfig, RunSpec
 from services.generation.base import SamplingSettings
 from services.generation.hf_backend import HFBackend
 from services.learner.group import LearnerGroup, wait_all
 from services.messages import ScoredGroup
+from services.spec import LearnerConfig, RunSpec
 from services.weights.object_store import fetch_buckets
 from tests.services.learner.conftest import PROMPTS
 

@@ -15,12 +15,13 @@ from typing import Any
 import pytest
 import torch
 
-from kpo_core.config import AlgorithmConfig, LearnerConfig
+from kpo_core.config import AlgorithmConfig
 from kpo_core.losses import NonFiniteInputError
 from kpo_core.ratios import ESTIMATORS
 from services.learner.batch import collate
 from services.learner.step import LearnerCore
 from services.messages import ScoredGroup
+from services.spec import LearnerConfig
 from tests.services.learner.conftest import make_core
 from tests.services.learner.test_group_equivalence import assert_same_parameters
 from tests.services.learner.test_step import (

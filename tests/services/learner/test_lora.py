@@ -14,12 +14,13 @@ from pydantic import ValidationError
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from transformers import AutoModelForCausalLM
 
-from kpo_core.config import RunSpec, describe_validation_error
+from kpo_core.config import describe_validation_error
 from services.learner.checkpoint import MODEL_KEY, STATE_DIR
 from services.learner.export import export_model
 from services.learner.lora import ADAPTER_CONFIG, ADAPTER_DIR, adapter_parameters
 from services.learner.step import LearnerCore
 from services.messages import ScoredGroup
+from services.spec import RunSpec
 from services.tasks.models import resolve_model
 from services.weights.loading import load_buckets_into
 from tests.services.learner.conftest import make_core

@@ -18,9 +18,9 @@ from ray.exceptions import RayActorError, RayTaskError
 from torch import Tensor
 from transformers import AutoModelForCausalLM
 
-from kpo_core.config import LearnerConfig, PipelineConfig, RunSpec
 from services.learner.group import LearnerGroup, wait_all
 from services.messages import ScoredGroup
+from services.spec import LearnerConfig, PipelineConfig, RunSpec
 from services.weights.base import (
     Channel,
     WeightGroup,

@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kpo_core.config import AlgorithmConfig, LearnerConfig
+from kpo_core.config import AlgorithmConfig
 from kpo_core.losses import NonFiniteInputError
 from kpo_core.ratios import ESTIMATORS
 from services.learner.batch import collate
 from services.learner.logprobs import response_logprobs
 from services.learner.step import LearnerCore, ratio_file
 from services.messages import ScoredGroup, ScoredResponse
+from services.spec import LearnerConfig
 from tests.services.learner.conftest import make_core
 
 DIAGNOSTICS = (

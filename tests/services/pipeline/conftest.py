@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kpo_core.config import RunSpec
 from services.pipeline.specs import apply_overrides
+from services.spec import RunSpec
 
 # Small enough for about a second per step on 2 cores. Difficulty 3 is the one the tiny model was
 # warm-started on (it gets a quarter of it right, and next to nothing of the others).

@@ -16,10 +16,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from kpo_core.config import RunSpec
 from services.pipeline.launch import execute_run
 from services.pipeline.outputs import RunDirectory, read_metrics
 from services.pipeline.specs import apply_overrides
+from services.spec import RunSpec
 from tests.services.pipeline.conftest import TINY_RUN
 
 pytestmark = [pytest.mark.usefixtures("ray_instance"), pytest.mark.timeout(300)]

@@ -8,7 +8,6 @@ from pathlib import Path
 import datasets
 import pytest
 
-from kpo_core.config import ArithTask, DatasetTask, JsonlTask, RunSpec
 from services.messages import Prompt, Response, ScoredGroup, ScoredResponse
 from services.metrics import EVAL_KEYS
 from services.pipeline.evaluation import NoHeldOutPrompts, eval_metrics, held_out_prompts
@@ -16,6 +15,7 @@ from services.pipeline.launch import execute_run
 from services.pipeline.outputs import EVAL_FILE, RunDirectory, read_metrics
 from services.pipeline.prompts import PromptStream
 from services.pipeline.specs import SpecError, apply_overrides, preflight
+from services.spec import ArithTask, DatasetTask, JsonlTask, RunSpec
 from tests.services.pipeline.conftest import TINY_RUN
 
 

@@ -18,13 +18,13 @@ from typing import Any
 
 import pytest
 
-from kpo_core.config import RunSpec
 from services.generation.hf_backend import HFBackend
 from services.generation.registry import backend_class
 from services.generation.vllm_backend import VLLMBackend
 from services.generation.worker import GenerationWorkerImpl
 from services.pipeline.actors import generation_worker_args
 from services.pipeline.specs import apply_overrides
+from services.spec import RunSpec
 from tests.services.pipeline.conftest import TINY_RUN
 
 MODEL_DIR = Path("/models/qwen")

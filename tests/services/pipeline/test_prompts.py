@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kpo_core.config import ArithTask, JsonlTask
 from services.pipeline.prompts import PromptStream
+from services.spec import ArithTask, JsonlTask
 from services.tasks import PromptFileError
 
 

@@ -207,7 +207,7 @@ def test_a_mixed_stream_draws_every_level_in_its_range_reproducibly() -> None:
 def test_difficulty_max_below_difficulty_is_refused() -> None:
     from pydantic import ValidationError
 
-    from kpo_core.config import ArithTask
+    from services.spec import ArithTask
 
     with pytest.raises(ValidationError, match="difficulty_max"):
         ArithTask(difficulty=3, difficulty_max=2)

@@ -10,10 +10,10 @@ import pytest
 from transformers import AutoTokenizer
 
 import services.tasks
-from kpo_core.config import DatasetTask
 from services.generation.base import encode_prompts
 from services.messages import Prompt
 from services.pipeline.prompts import PromptStream, chats_strings
+from services.spec import DatasetTask
 from services.tasks.models import has_chat_template
 from services.tasks.tokenizer import CHAT_TEMPLATE
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from kpo_core.config import RunSpec, describe_validation_error
+from kpo_core.config import describe_validation_error
+from services.spec import RunSpec
 
 
 def test_no_tracker_by_default() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from kpo_core.config import RunSpec
+from services.spec import RunSpec
 from services.tracking import build_trackers
 from tests.services.tracking.records import EXPECTED_FINITE, records
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kpo_core.config import RunSpec
 from services.pipeline.launch import execute_run
 from services.pipeline.outputs import STATUS_FILE, RunDirectory
+from services.spec import RunSpec
 from services.tracking import TrackingError, build_trackers
 from tests.services.tracking.test_wandb import read_run
 

@@ -17,7 +17,7 @@ import pytest
 import wandb
 from wandb.proto import wandb_internal_pb2
 
-from kpo_core.config import RunSpec
+from services.spec import RunSpec
 from services.tracking import build_trackers
 from tests.services.tracking.records import EXPECTED_FINITE, records
 

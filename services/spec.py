@@ -1,0 +1,585 @@
+"""The run spec: what one run is made of, shared by YAML run files and the REST API.
+
+A `RunSpec` is the algorithm (`kpo_core.config.AlgorithmConfig`, the pure library's) plus what
+only the service knows: the model, the task, generation, reward, the learner, the pipeline,
+evaluation and tracking. Every model is strict (`extra="forbid"`): a typo in a key is an error
+naming the key, and a bad value is an error naming the field and the valid values. The names a
+field accepts (generation backends, verifiers, dataset formats) are read from the services'
+registries, so a bad name in a run file is a validation error listing the valid ones rather
+than a failure inside an actor, and no second list has to be kept in step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Annotated, Literal
+
+from pydantic import (
+    AfterValidator,
+    Field,
+    JsonValue,
+    field_validator,
+    model_validator,
+)
+
+from kpo_core.config import AlgorithmConfig, StrictModel
+from services.generation.registry import backend_names
+from services.reward.registry import builtin_verifier_names
+from services.tasks.dataset_files import DatasetFormat
+
+if TYPE_CHECKING:
+    BackendName = str
+    VerifierName = str
+else:
+    # Literals built from the registries: the JSON schema lists the names, and pydantic's error
+    # for a bad one names the valid ones.
+    BackendName = Literal[tuple(backend_names())]
+    VerifierName = Literal[tuple(builtin_verifier_names())]
+
+
+BUILTIN_MODELS: tuple[str, ...] = ("tiny-arith",)
+
+
+class ArithTask(StrictModel):
+    """The built-in multi-step arithmetic task (seeded, endless; held-out prompts never overlap)."""
+
+    name: Literal["arith"] = "arith"
+    difficulty: int = Field(3, ge=1, le=5, description="1 (4 terms, +) to 5 (8 terms, + - *)")
+    difficulty_max: int | None = Field(
+        None,
+        ge=1,
+        le=5,
+        description="draw each prompt's difficulty uniformly from difficulty..difficulty_max "
+        "(seeded): a mix of short and long responses, as real tasks have",
+    )
+
+    @model_validator(mode="after")
+    def _range(self) -> ArithTask:
+        if self.difficulty_max is not None and self.difficulty_max < self.difficulty:
+            raise ValueError(
+                f"difficulty_max ({self.difficulty_max}) must be >= difficulty ({self.difficulty})"
+            )
+        return self
+
+
+class JsonlTask(StrictModel):
+    """Prompts from a local JSONL file of {"prompt": ..., "answer": ...} lines, cycled in epochs."""
+
+    name: Literal["jsonl"] = "jsonl"
+    path: str = Field(min_length=1, description="path of the JSONL file on the driver's machine")
+    shuffle: bool = Field(True, description="reshuffle every epoch (seeded by the run seed)")
+
+
+class DatasetTask(StrictModel):
+    """Prompts from a dataset file or `save_to_disk` directory in one of the formats RL datasets
+    come in (services/tasks/dataset_files.py), cycled in epochs."""
+
+    name: Literal["dataset"] = "dataset"
+    path: str = Field(
+        min_length=1,
+        description="a .jsonl, .json or .parquet file, or a directory written by datasets' "
+        "save_to_disk, on the driver's machine",
+    )
+    format: DatasetFormat | None = Field(
+        None, description="the file's format; detected from its columns when left out"
+    )
+    split: str = Field(
+        "train", min_length=1, description="the split taken from a directory holding several"
+    )
+    shuffle: bool = Field(True, description="reshuffle every epoch (seeded by the run seed)")
+    chat_template: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="string prompts through the tokenizer's chat template: auto (when it has "
+        "one), always (an error when it has none) or never; chat-message prompts always are",
+    )
+    system_prompt: str | None = Field(
+        None,
+        min_length=1,
+        description="a system message put before each string prompt rendered as a chat",
+    )
+    eval_path: str | None = Field(
+        None,
+        min_length=1,
+        description="held-out prompts for eval: a file or directory as `path` takes, in the "
+        "same format",
+    )
+    eval_split: str = Field(
+        "test",
+        min_length=1,
+        description="the held-out split of a directory (eval_path's, or path's without one)",
+    )
+
+
+TaskConfig = Annotated[ArithTask | JsonlTask | DatasetTask, Field(discriminator="name")]
+BackendOption = str | int | float | bool
+
+
+RAY_BUILTIN_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
+
+
+def _custom_resources(value: dict[str, float]) -> dict[str, float]:
+    for name, amount in value.items():
+        if name in RAY_BUILTIN_RESOURCES or name.startswith("accelerator_type:"):
+            raise ValueError(
+                f"{name!r} is a resource Ray manages itself: use num_cpus / num_gpus, and "
+                "resources only for custom names such as learner_gpu"
+            )
+        if not amount >= 0:
+            raise ValueError(f"resource {name!r} must be a number >= 0, got {amount}")
+    return value
+
+
+# Custom Ray resources per actor, matched against what the cluster's node groups advertise.
+CustomResources = Annotated[dict[str, float], AfterValidator(_custom_resources)]
+
+
+class GenerationConfig(StrictModel):
+    """Generation actors: how many, where, and how they sample."""
+
+    backend: BackendName = "hf"
+    num_workers: int = Field(1, ge=1, description="generation actors")
+    num_cpus: float = Field(1.0, ge=0.0, description="CPUs reserved per generation actor")
+    num_gpus: float = Field(0.0, ge=0.0, description="GPUs reserved per generation actor")
+    resources: CustomResources = Field(
+        default_factory=dict,
+        description="custom Ray resources per generation actor, e.g. {generation_gpu: 1}",
+    )
+    prompts_per_batch: int = Field(
+        8, ge=1, description="prompts in flight per generation worker (each of group_size rows)"
+    )
+    group_size: int = Field(8, ge=2, description="G: responses per prompt (GRPO needs >= 2)")
+    temperature: float = Field(1.0, gt=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 = no top-k truncation")
+    max_new_tokens: int = Field(128, ge=1)
+    options: dict[str, BackendOption] = Field(
+        default_factory=dict,
+        description="backend constructor options (hf: device, dtype; vllm: dtype, "
+        "tensor_parallel_size, gpu_memory_utilization, ...)",
+    )
+    streaming: bool = Field(
+        True,
+        description="a worker gets new prompts as soon as its groups end (continuous "
+        "batching); false: only once all of its prompts ended, as one batch, so the engine "
+        "drains during each batch's longest response (the baseline streaming is measured "
+        "against)",
+    )
+    first_group_timeout_s: float = Field(
+        1800.0,
+        gt=0.0,
+        description="longest a worker holding prompts may take to return its first group "
+        "(engine start-up included) before it is taken for hung; later, the deadline is derived "
+        "from max_new_tokens and the worker's measured speed",
+    )
+    engine: dict[str, JsonValue] = Field(
+        default_factory=dict,
+        description="vllm only: further vLLM engine arguments (EngineArgs), passed through "
+        "unchanged, nested mappings included, e.g. {compilation_config: {level: 0}}",
+    )
+
+    @model_validator(mode="after")
+    def _engine_needs_vllm(self) -> GenerationConfig:
+        if self.engine and self.backend != "vllm":
+            raise ValueError(
+                f"engine holds vLLM engine arguments, but backend is {self.backend!r}: "
+                "use options for the hf backend"
+            )
+        return self
+
+
+class RewardConfig(StrictModel):
+    """Verifier actors and the verifier they run."""
+
+    verifier: VerifierName = "exact"
+    num_workers: int = Field(1, ge=1, description="verifier actors")
+    processes_per_worker: int = Field(1, ge=1, description="check processes per verifier actor")
+    num_cpus: float = Field(0.25, ge=0.0, description="CPUs reserved per verifier actor")
+    timeout_s: float = Field(2.0, gt=0.0, description="wall-clock limit of one check")
+    format_reward: float = Field(0.0, ge=0.0, lt=1.0, description="added for a well-formed answer")
+    call_timeout_s: float = Field(
+        300.0,
+        gt=0.0,
+        description="wall-clock limit of one verifier actor call (a whole batch); an actor "
+        "past it is taken for hung, replaced, and the batch scored again",
+    )
+
+    @model_validator(mode="after")
+    def _call_outlasts_a_check(self) -> RewardConfig:
+        if self.call_timeout_s <= self.timeout_s:
+            raise ValueError(
+                f"call_timeout_s ({self.call_timeout_s}) must exceed timeout_s "
+                f"({self.timeout_s}): a call holds at least one check"
+            )
+        return self
+
+
+class LoraConfig(StrictModel):
+    """Low-rank adapters (PEFT LoRA) on the policy: only the adapters train (docs/pipeline.md)."""
+
+    rank: int = Field(16, ge=1, description="r: each adapter is B [out, r] @ A [r, in]")
+    alpha: float = Field(32.0, gt=0.0, description="the adapters' update is scaled by alpha / r")
+    dropout: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="dropout on the adapters' input in training forwards (never in the "
+        "proximal log-probs); > 0 makes even on-policy ratios differ from 1",
+    )
+    target_modules: list[str] = Field(
+        default_factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+        min_length=1,
+        description="suffixes of the module names that get adapters (default: the attention "
+        "and MLP projections of Llama/Qwen)",
+    )
+
+
+class LearnerConfig(StrictModel):
+    """The learner group: optimiser, PPO epochs and minibatches, ranks, memory, placement.
+
+    `num_cpus`, `num_gpus` and `resources` are per rank. The master weights and AdamW state are
+    always float32; `compute_dtype` is what the forward and backward run in (and what the
+    weights are published in).
+    """
+
+    lr: float = Field(1e-4, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up, in steps")
+    max_grad_norm: float | None = Field(1.0, gt=0.0, description="null: no gradient clipping")
+    ppo_epochs: int = Field(1, ge=1, description="passes over each batch")
+    minibatches: int = Field(1, ge=1, description="optimiser steps per pass")
+    strategy: Literal["single", "fsdp2"] = Field(
+        "single",
+        description="single: one process holds the whole model; fsdp2: world_size ranks shard "
+        "parameters, gradients and optimiser state (torch FSDP2)",
+    )
+    world_size: int = Field(1, ge=1, le=1024, description="learner ranks (fsdp2), one per GPU")
+    micro_batch_tokens: int = Field(
+        0,
+        ge=0,
+        description="padded tokens per forward pass: each rank's share of a minibatch is "
+        "packed into micro-batches under this budget and gradients accumulate (the result "
+        "equals the whole minibatch); 0: one forward per minibatch share",
+    )
+    logprob_chunk_tokens: int = Field(
+        1024,
+        ge=1,
+        description="response positions projected to the vocabulary at once when computing "
+        "log-probs and entropy (bounds the float32 logits to chunk x vocabulary)",
+    )
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = Field(
+        "sdpa",
+        description="the model's attention kernel; with flash-attention (GPUs, the "
+        "flash-attn package) rows are packed without padding",
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="recompute each decoder layer's activations in the backward pass"
+    )
+    compute_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="dtype of the forward/backward and of the published weights; master "
+        "weights and optimiser state stay float32 (float16 is refused: AdamW's eps underflows)",
+    )
+    device: str = Field(
+        "cpu", min_length=1, description="cpu, or cuda (each rank uses the GPU Ray assigns it)"
+    )
+    num_cpus: float = Field(1.0, ge=0.0, description="CPUs reserved per learner rank")
+    num_gpus: float = Field(0.0, ge=0.0, description="GPUs reserved per learner rank")
+    resources: CustomResources = Field(
+        default_factory=dict,
+        description="custom Ray resources per learner rank, e.g. {learner_gpu: 1}: the "
+        "rank lands only on nodes that advertise them (the chart's worker groups)",
+    )
+    nonfinite: Literal["raise", "mask"] = Field(
+        "mask", description="NaN/inf log-probs in valid tokens: fail the step, or mask and count"
+    )
+    record_ratios_every: int = Field(
+        0,
+        ge=0,
+        description="every N steps, save the step's token log-ratios under the run "
+        "directory's ratios/ (for offline ratio diagnostics); 0: off",
+    )
+    lora: LoraConfig | None = Field(
+        None,
+        description="train LoRA adapters instead of every weight (PEFT); generation receives "
+        "the merged weights; null: full fine-tuning",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_dtype(cls, data: object) -> object:
+        if isinstance(data, Mapping) and "dtype" in data:
+            raise ValueError(
+                "learner.dtype was replaced by learner.compute_dtype (float32 | bfloat16): "
+                "master weights and optimiser state are now always float32, and compute_dtype "
+                f"sets only the forward/backward; write compute_dtype: {data['dtype']}"
+            )
+        return data
+
+    @field_validator("compute_dtype", mode="before")
+    @classmethod
+    def _no_float16(cls, value: object) -> object:
+        if value == "float16":
+            raise ValueError(
+                "float16 is not supported for training: its range overflows in the backward "
+                "pass without loss scaling, and AdamW's eps (1e-8) underflows in it; use "
+                "bfloat16 or float32"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _strategy_fits(self) -> LearnerConfig:
+        if self.strategy == "single" and self.world_size != 1:
+            raise ValueError(
+                f"strategy 'single' runs one rank, so world_size must be 1 (got "
+                f"{self.world_size}); use strategy 'fsdp2' to shard over several ranks"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _lora_single(self) -> LearnerConfig:
+        if self.lora is not None and self.strategy != "single":
+            raise ValueError(
+                "learner.lora is not supported with learner.strategy 'fsdp2' yet: use "
+                "strategy 'single', or drop lora for full fine-tuning"
+            )
+        return self
+
+
+class PipelineConfig(StrictModel):
+    """The run driver: synchronous or asynchronous, staleness bound, buffer, steps, checkpoints."""
+
+    mode: Literal["async", "sync"] = Field(
+        "async",
+        description="sync: generation pauses while the learner trains (the on-policy baseline)",
+    )
+    max_staleness: int = Field(
+        -1, ge=-1, description="max learner version minus a group's version; -1: 0 (sync), 2"
+    )
+    admission: Literal["staleness", "capacity"] = Field(
+        "staleness",
+        description="async only. staleness: generation is asked only for groups that can "
+        "still be trained within max_staleness (no wasted rollouts, as in AReaL); capacity: "
+        "generation runs ahead until the buffer is full, and groups that age past the bound "
+        "are dropped and counted",
+    )
+    batch_groups: int = Field(16, ge=1, description="groups (prompts) per learner step")
+    lead_batches: int = Field(
+        0,
+        ge=0,
+        description="async only. The learner trains only while the buffer holds this many "
+        "batches beyond the one it takes, so generation runs that many versions ahead: a "
+        "controlled staleness, as with many rollout workers (at most max_staleness)",
+    )
+    buffer_groups: int = Field(
+        0,
+        ge=0,
+        description="rollout buffer capacity in groups; 0: max(4, lead_batches + 1) batches",
+    )
+    steps: int = Field(100, ge=1, description="learner steps of the run")
+    checkpoint_every: int = Field(10, ge=0, description="steps between checkpoints; 0: last only")
+    keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept on disk")
+    learner_restarts: int = Field(
+        2,
+        ge=0,
+        description="times the run resumes itself from its last checkpoint after the learner "
+        "dies; 0: a dead learner fails the run",
+    )
+    actor_replacements: int = Field(
+        10,
+        ge=0,
+        description="generation and verifier actors that may die (or hang) and be replaced, "
+        "in all, before the run fails",
+    )
+    weight_transport: Literal["object_store", "collective"] = Field(
+        "object_store",
+        description="how new weights reach generation: object_store (tensors in buckets "
+        "through Ray's object store) or collective (a torch.distributed broadcast from learner "
+        "rank 0 to every generation worker's receiving processes; NCCL on GPUs, CUDA IPC handles "
+        "where they all share one GPU, gloo on CPU)",
+    )
+    weight_bucket_mb: int = Field(
+        256,
+        ge=1,
+        le=16384,
+        description="size of one bucket of weights sent at a time: bounds the full tensors "
+        "held beyond a rank's shard while gathering, and each message on the way",
+    )
+    in_flight_updates: bool = Field(
+        False,
+        description="async only. Load new weights between decoding steps without waiting for "
+        "the responses in flight (their KV cache is kept, see recompute_kv); each token keeps "
+        "the version and behaviour log-prob of the weights that sampled it",
+    )
+    recompute_kv: bool = Field(
+        False,
+        description="with in_flight_updates: recompute the KV cache of responses in flight "
+        "under the new weights (exact, costs a prefill) instead of keeping it",
+    )
+
+    @model_validator(mode="after")
+    def _resolve(self) -> PipelineConfig:
+        if self.mode == "sync" and self.max_staleness > 0:
+            raise ValueError(
+                f"mode 'sync' trains on-policy, so max_staleness must be 0 or left out "
+                f"(got {self.max_staleness}); use mode 'async' for stale batches"
+            )
+        if self.max_staleness < 0:
+            object.__setattr__(self, "max_staleness", 0 if self.mode == "sync" else 2)
+        if self.buffer_groups == 0:
+            batches = max(4, self.lead_batches + 1)
+            object.__setattr__(self, "buffer_groups", batches * self.batch_groups)
+        if self.buffer_groups < self.batch_groups:
+            raise ValueError(
+                f"buffer_groups ({self.buffer_groups}) must hold at least one batch "
+                f"(batch_groups = {self.batch_groups})"
+            )
+        if self.lead_batches > 0:
+            self._check_lead()
+        if self.in_flight_updates and self.mode == "sync":
+            raise ValueError("in_flight_updates needs mode 'async' (sync trains on-policy)")
+        if self.recompute_kv and not self.in_flight_updates:
+            raise ValueError("recompute_kv applies to in_flight_updates: set that too")
+        return self
+
+    def _check_lead(self) -> None:
+        # Every condition below would leave the learner waiting for a buffer level that
+        # generation is never allowed to reach.
+        if self.mode == "sync":
+            raise ValueError("lead_batches needs mode 'async' (sync trains on-policy)")
+        if self.lead_batches > self.max_staleness:
+            raise ValueError(
+                f"lead_batches ({self.lead_batches}) must not exceed max_staleness "
+                f"({self.max_staleness}): older batches could never be trained"
+            )
+        needed = (self.lead_batches + 1) * self.batch_groups
+        if self.buffer_groups < needed:
+            raise ValueError(
+                f"buffer_groups ({self.buffer_groups}) must hold lead_batches + 1 batches "
+                f"({needed} groups)"
+            )
+
+
+class WandbTracking(StrictModel):
+    """Weights & Biases: every metrics record as the W&B run's history, the resolved spec as its
+    config. The API key comes from the environment (WANDB_API_KEY) or `wandb login`, never the
+    spec."""
+
+    project: str = Field(min_length=1, description="W&B project to log the run to")
+    entity: str | None = Field(
+        None, min_length=1, description="W&B team or user; default: the API key's default entity"
+    )
+    name: str | None = Field(
+        None, min_length=1, description="W&B run name; default: the run id (RUN_DIR's name)"
+    )
+    mode: Literal["online", "offline", "disabled"] = Field(
+        "online",
+        description="online: stream to the W&B server; offline: files only, for `wandb sync` "
+        "later; disabled: log nothing",
+    )
+    tags: tuple[str, ...] = Field((), description="W&B run tags")
+    dir: str | None = Field(
+        None, min_length=1, description="W&B writes its files in DIR/wandb; default RUN_DIR"
+    )
+
+
+class MlflowTracking(StrictModel):
+    """MLflow: every metrics record as the MLflow run's metrics, the resolved spec as its params.
+    Server credentials come from the environment (MLFLOW_TRACKING_TOKEN, ...), never the spec."""
+
+    tracking_uri: str | None = Field(
+        None,
+        min_length=1,
+        description="MLflow tracking URI; default: MLFLOW_TRACKING_URI when set, else a file "
+        "store in RUN_DIR/mlruns",
+    )
+    experiment: str = Field("kpo-rl", min_length=1, description="MLflow experiment (made if new)")
+    run_name: str | None = Field(
+        None, min_length=1, description="MLflow run name; default: the run id (RUN_DIR's name)"
+    )
+
+
+class TensorboardTracking(StrictModel):
+    """TensorBoard: every metrics record as scalars of an event file, the resolved spec as text."""
+
+    log_dir: str | None = Field(
+        None, min_length=1, description="where the event files go; default RUN_DIR/tensorboard"
+    )
+
+
+class TrackingConfig(StrictModel):
+    """Experiment trackers that mirror every metrics record (services/tracking), beside
+    metrics.jsonl and Prometheus. Each is off when absent (null); `{}` turns one on with its
+    defaults. They need the `tracking` extra: pip install 'kpo-rl[tracking]'."""
+
+    wandb: WandbTracking | None = None
+    mlflow: MlflowTracking | None = None
+    tensorboard: TensorboardTracking | None = None
+
+
+class EvalConfig(StrictModel):
+    """Held-out evaluation during a run (services/pipeline/evaluation.py)."""
+
+    every: int = Field(
+        10, ge=1, description="evaluate after every this many learner steps (and at the end)"
+    )
+    samples: int = Field(
+        8, ge=1, le=256, description="k: responses per held-out prompt (avg@k, pass@k)"
+    )
+    temperature: float = Field(1.0, gt=0.0, description="sampling temperature of evaluation")
+    max_prompts: int = Field(64, ge=1, description="held-out prompts evaluated (the first ones)")
+    max_new_tokens: int | None = Field(
+        None, ge=1, description="response length limit (default: generation.max_new_tokens)"
+    )
+
+
+class RunSpec(StrictModel):
+    """One RL run: the body of `POST /v1/runs` and the schema of a YAML run file."""
+
+    name: str = Field(
+        "run", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$", description="a label for the run"
+    )
+    seed: int = Field(0, ge=0)
+    model: str = Field(
+        "tiny-arith",
+        min_length=1,
+        description="a built-in model name (tiny-arith), a local Hugging Face model directory, "
+        "or a hub id (org/name), downloaded once by the driver into the Hugging Face cache",
+    )
+    model_revision: str | None = Field(
+        None,
+        min_length=1,
+        description="branch, tag or commit of a hub model (default: main)",
+    )
+    task: TaskConfig = Field(default_factory=ArithTask)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    eval: EvalConfig | None = Field(
+        None, description="held-out evaluation during the run (off when absent)"
+    )
+    tracking: TrackingConfig = Field(
+        default_factory=TrackingConfig,
+        description="experiment trackers (W&B, MLflow, TensorBoard) that mirror every metrics "
+        "record; none by default",
+    )
+
+    @model_validator(mode="after")
+    def _minibatches_fit(self) -> RunSpec:
+        rows = self.pipeline.batch_groups * self.generation.group_size
+        if self.learner.minibatches > rows:
+            raise ValueError(
+                f"learner.minibatches ({self.learner.minibatches}) exceeds the responses in a "
+                f"batch (pipeline.batch_groups x generation.group_size = {rows})"
+            )
+        return self

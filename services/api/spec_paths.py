@@ -16,7 +16,8 @@ Anything else (an absolute path elsewhere, `..`, `~`, backslashes, control chara
 naming the field. Links inside the folder are followed: its contents are the operator's choice,
 never a client's. The other string options of the generation backend, and every string inside
 `generation.engine` (vLLM engine arguments, nested), may not look like a path that leaves the
-folder (absolute, `~`, `..`) either.
+folder (absolute, `~`, `..`) either. Trackers write only into the run's own directory (their
+folders left out) or to an MLflow server.
 """
 
 from __future__ import annotations
@@ -85,9 +86,32 @@ def confined_spec(spec: RunSpec, inputs: Path) -> dict[str, Any]:
             # may leave the folder; relative ones are read where the engine runs.
             message = "an engine argument may not be absolute or hold '~', '..' or '\\'"
             errors.append(_error(where, message))
+    errors.extend(_tracking_errors(spec))
     if errors:
         raise RequestValidationError(errors)
     return data
+
+
+def _tracking_errors(spec: RunSpec) -> list[dict[str, Any]]:
+    """Trackers write files: over the API only into the run's own directory (their default),
+    and MLflow only to a server, never to a file store the client names."""
+    errors = []
+    tracking = spec.tracking
+    folders = {
+        ("tracking", "wandb", "dir"): tracking.wandb and tracking.wandb.dir,
+        ("tracking", "tensorboard", "log_dir"): tracking.tensorboard
+        and tracking.tensorboard.log_dir,
+    }
+    for loc, value in folders.items():
+        if value:
+            errors.append(
+                _error(loc, "leave it out over the API: the run writes it in its own directory")
+            )
+    uri = tracking.mlflow and tracking.mlflow.tracking_uri
+    if uri and not uri.startswith(("http://", "https://")):
+        message = "over the API an MLflow tracking URI is a server (http or https)"
+        errors.append(_error(("tracking", "mlflow", "tracking_uri"), message))
+    return errors
 
 
 def _names_a_hub_model(model: str, inputs: Path) -> bool:

@@ -173,3 +173,22 @@ def test_no_string_nested_in_engine_arguments_may_leave_the_folder(api: Api, val
     ok = spec_with(generation={"backend": "vllm", "group_size": 4, "engine": fine})
     assert api.client.post("/v1/runs", json=ok).status_code == 201
     assert api.launcher.submitted[-1]
+
+
+@pytest.mark.parametrize(
+    ("tracking", "field"),
+    [
+        ({"wandb": {"project": "p", "dir": "/etc"}}, "tracking.wandb.dir"),
+        ({"tensorboard": {"log_dir": "logs"}}, "tracking.tensorboard.log_dir"),
+        ({"mlflow": {"tracking_uri": "file:///etc/mlruns"}}, "tracking.mlflow.tracking_uri"),
+        ({"mlflow": {"tracking_uri": "/srv/mlruns"}}, "tracking.mlflow.tracking_uri"),
+    ],
+)
+def test_trackers_write_only_into_the_run_or_to_a_server(
+    api: Api, tracking: dict[str, Any], field: str
+) -> None:
+    response = api.client.post("/v1/runs", json=spec_with(tracking=tracking))
+    assert response.status_code == 422, response.text
+    assert [f["field"] for f in response.json()["error"]["fields"]] == [field]
+    server = {"mlflow": {"tracking_uri": "https://mlflow.example:5000"}, "tensorboard": {}}
+    assert api.client.post("/v1/runs", json=spec_with(tracking=server)).status_code == 201

@@ -27,7 +27,7 @@ SETTINGS = {"wandb": {"project": "kpo", "mode": "offline"}, "mlflow": {}, "tenso
 def test_no_tracking_imports_no_tracker_library(tmp_path: Path) -> None:
     # A fresh interpreter: this one has imported the libraries for other tests.
     code = (
-        "import sys; from pathlib import Path; from kpo_core.config import RunSpec; "
+        "import sys; from pathlib import Path; from services.spec import RunSpec; "
         "from services.tracking import build_trackers; "
         f"assert build_trackers(RunSpec(), Path({str(tmp_path)!r})) == []; "
         "print(sorted(m for m in ('wandb', 'mlflow', 'tensorboard') if m in sys.modules))"

@@ -68,6 +68,11 @@ class Tracker(ABC):
         self._closed = False
 
     def on_status(self, state: RunState, error: str | None = None, **details: Any) -> None:
+        final_eval = details.get("final_eval")
+        if isinstance(final_eval, dict) and "step" in details:
+            # The run's final evaluation: one more point of the evaluation's curves, at the
+            # last step (`eval_step` says which policy it sampled).
+            self.on_metrics({"step": details["step"], **final_eval})
         if state in FINAL_STATES:
             self.close(state, error)
 

@@ -53,3 +53,15 @@ def test_log_dir_from_the_spec(tmp_path: Path) -> None:
     tracker.on_metrics(records()[1])  # after the final state: not logged
 
     assert read_scalars(log_dir)[1]["reward_mean"] == {1: 0.25}
+
+
+def test_the_final_evaluation_is_the_last_point_of_the_evaluation_curves(tmp_path: Path) -> None:
+    spec = RunSpec.model_validate({"tracking": {"tensorboard": {}}})
+    [tracker] = build_trackers(spec, tmp_path)
+    tracker.on_metrics({"step": 1, "eval_pass_at_k": 0.25, "eval_step": 0})
+    final = {"eval_accuracy_avg_at_k": 0.125, "eval_pass_at_k": 0.5, "eval_step": 2.0}
+    tracker.on_status("succeeded", step=2, final_eval=final)
+
+    scalars = read_scalars(tmp_path / "tensorboard")[1]
+    assert scalars["eval_pass_at_k"] == {1: 0.25, 2: 0.5}
+    assert scalars["eval_accuracy_avg_at_k"] == {2: 0.125}

@@ -117,6 +117,10 @@ class WeightGroup:
     backend: WeightGroupBackend
     generation: int  # counts re-formations (a replaced worker re-forms the group)
 
+    def member(self, rank: int) -> str:
+        """How errors name `rank` of this group."""
+        return f"weight group {self.address} (generation {self.generation}), rank {rank}"
+
 
 @dataclass(frozen=True)
 class WeightsOffer:

@@ -167,8 +167,7 @@ def connect(
         if isinstance(error, WeightGroupError):
             raise
         raise WeightGroupError(
-            f"weight group {group.address} (generation {group.generation}), rank {rank}: "
-            f"could not connect within {timeout_s} s: {error}"
+            f"{group.member(rank)}: could not connect within {timeout_s} s: {error}"
         ) from error
     channel = WeightChannel(group, rank, backend, device, timeout)
     # Gloo connects in its constructor, NCCL at the first collective: one tiny broadcast makes
@@ -229,8 +228,8 @@ class WeightChannel:
             work.wait(self.timeout)
         except RuntimeError as error:
             raise WeightGroupError(
-                f"weight group {self.group.address} (generation {self.group.generation}), rank "
-                f"{self.rank}: broadcast {len(self.messages)} of {nbytes} bytes failed: {error}"
+                f"{self.group.member(self.rank)}: broadcast {len(self.messages)} of {nbytes} "
+                f"bytes failed: {error}"
             ) from error
         self.messages.append(nbytes)
 

@@ -200,8 +200,8 @@ class IpcChannel:
 
     def _fail(self, what: str, error: Exception) -> WeightGroupError:
         return WeightGroupError(
-            f"weight group {self.group.address} (generation {self.group.generation}), rank "
-            f"{self.rank}: {what} within {self.timeout.total_seconds():g} s: {error}"
+            f"{self.group.member(self.rank)}: {what} within "
+            f"{self.timeout.total_seconds():g} s: {error}"
         )
 
     def _live_store(self) -> Store:

@@ -1,30 +1,33 @@
-"""Stability study: every estimator on fresh and stale batches, several seeds, one report.
+"""Stability study: where does GRPO collapse, and does KPO in any form hold there?
 
-    python benchmarks/study.py                    # the reduced grid (< 60 min on 2 CPU cores)
-    python benchmarks/study.py --full             # every extra cell at every staleness
-    python benchmarks/study.py --config examples/study-gentle.yaml   # a second step size
+    make study                                   # pilot, main and gentle phases (about 2 h on
+                                                 # 2 CPU cores); finished runs are reused
+    python benchmarks/study.py --phase pilot     # one phase at a time
+    python benchmarks/study.py --report-only     # rewrite docs/results.md from finished runs
     python benchmarks/study.py --set model=/models/qwen --set generation.backend=vllm ...
-                                                  # GPU scale: any RunSpec override or file
+                                                 # GPU scale: any RunSpec override or file
 
-The grid (stability_study.grid): GRPO, GSPO, GMPO, KPO clipped and unclipped, CTPO, each
-synchronous and at max_staleness 2 and 8 (generation held that many versions ahead), plus KPO
-against proximal log-probs and KPO with token-mean aggregation. Every run is the base
-spec (examples/study.yaml unless --config) with the cell's settings; runs go to runs/NAME
-(NAME: the config's stem unless --name) and are reused when the study is started again. The
-study's block of docs/results.md, its figures and its per-step CSV files under
+Phases (stability_study.grid): the pilot runs GRPO under each stress setting and picks the one
+where GRPO collapses most (`pick_stress`); the main phase runs every arm there with
+MAIN_SEEDS shared seeds; the gentle phase runs every arm synchronously at a small step size. Every
+run is the base spec (examples/study.yaml unless --config) with its cell's settings; runs go to
+runs/NAME (NAME: the config's stem unless --name) and are reused when the study is started again.
+The study's block of docs/results.md, its figures and its per-step CSV files under
 docs/results/NAME/ are rewritten from all its finished runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import re
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -36,22 +39,38 @@ from services.pipeline.specs import load_run_spec
 from services.spec import RunSpec
 from stability_study import dynamics, filter_accuracy, plots, report
 from stability_study.evaluate import HeldOutEvaluator
-from stability_study.grid import STALENESS, Cell, grid
+from stability_study.grid import (
+    ARMS,
+    GENTLE,
+    GRPO,
+    PHASES,
+    STRESSES,
+    Cell,
+    Setting,
+    arm_cells,
+    pilot_cells,
+)
 from stability_study.runner import RunResult, load_result, run_one
-from stability_study.summary import summarize
+from stability_study.summary import COLLAPSED, CellSummary, setting_kl_median, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
-# The report's section for each group of cells beyond the baselines (grid.Cell.group).
-GROUP_SECTIONS = {"ablation": "KPO with token-mean aggregation"}
 DEFAULT_CONFIG = ROOT / "examples" / "study.yaml"
+# Seeds per phase, shared by every arm (seed n of one arm and of another start alike).
+PHASE_SEEDS = {"pilot": 3, "main": 6, "gentle": 3}
+# The pilot's bar: GRPO collapses in at least this share of its seeds.
+PILOT_COLLAPSE_SHARE = 2 / 3
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="base run spec")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")
-    parser.add_argument("--full", action="store_true", help="the full grid")
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument(
+        "--phase", choices=(*PHASES, "all"), default="all", help="which phase to run"
+    )
+    parser.add_argument(
+        "--seeds", type=int, default=None, help="seeds of every phase (default: PHASE_SEEDS)"
+    )
     parser.add_argument(
         "--out", type=Path, default=None, help="where runs are kept (default: runs/NAME)"
     )
@@ -74,48 +93,99 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="comma-separated sequence lengths of the filter comparison",
     )
     args = parser.parse_args(argv)
-    if args.seeds < 1:
+    if args.seeds is not None and args.seeds < 1:
         parser.error(f"--seeds must be >= 1, got {args.seeds}")
     return args
 
 
-def run_grid(
-    base: RunSpec, cells: Sequence[Cell], args: argparse.Namespace
-) -> dict[Cell, list[RunResult]]:
-    """Every (cell, seed) run, reusing finished ones; a line per run as it finishes."""
-    jobs = [(cell, seed) for cell in cells for seed in range(args.seeds)]
-    results: dict[Cell, list[RunResult]] = {cell: [] for cell in cells}
-    missing = [(c, s) for c, s in jobs if load_result(args.out, c, s) is None]
-    evaluator = HeldOutEvaluator(base, args.eval_prompts, args.eval_device)
-    started_ray = bool(missing) and not args.report_only and not ray.is_initialized()
-    if missing and not args.report_only:
-        connect_ray(base)
-        print(f"starting model: held-out accuracy {evaluator.initial_accuracy:.3f}", flush=True)
-    try:
+def seeds_of(phase: str, args: argparse.Namespace) -> int:
+    return args.seeds if args.seeds is not None else PHASE_SEEDS[phase]
+
+
+@dataclass(frozen=True)
+class StressChoice:
+    """The pilot's pick: the setting where GRPO collapsed most (then gained least)."""
+
+    setting: Setting
+    collapsed: int
+    seeds: int
+
+    @property
+    def collapses(self) -> bool:
+        """Whether GRPO collapsed in enough seeds there for the claim to be testable."""
+        return self.collapsed >= math.ceil(PILOT_COLLAPSE_SHARE * self.seeds - 1e-9)
+
+
+def pick_stress(pilot: Mapping[Setting, CellSummary]) -> StressChoice:
+    summary = max(
+        pilot.values(),
+        key=lambda s: (s.count(COLLAPSED), -s.gain.mean, -STRESSES.index(s.cell.setting)),
+    )
+    return StressChoice(summary.cell.setting, summary.count(COLLAPSED), len(summary.outcomes))
+
+
+class Study:
+    """The phases' runs, started or reused, and their summaries."""
+
+    def __init__(self, base: RunSpec, args: argparse.Namespace) -> None:
+        self.base, self.args = base, args
+        self.pattern = re.compile(args.only)
+        self.evaluator = HeldOutEvaluator(base, args.eval_prompts, args.eval_device)
+        self.results: dict[Cell, list[RunResult]] = {}
+        self._ray_started = False
+
+    def run(self, cells: Sequence[Cell], seeds: int, start: bool) -> dict[Cell, list[RunResult]]:
+        """Every (cell, seed) of `cells` matching --only: reused, or run when `start`."""
+        jobs = [(c, s) for c in cells if self.pattern.search(c.key) for s in range(seeds)]
+        found: dict[Cell, list[RunResult]] = {}
         for index, (cell, seed) in enumerate(jobs, 1):
-            result = load_result(args.out, cell, seed)
-            if result is None and not args.report_only:
+            result = load_result(self.args.out, cell, seed)
+            if result is None and start:
+                self._connect()
                 result = run_one(
-                    base, cell, seed, args.out, evaluator.initial_accuracy, evaluator.accuracy
-                )
+                    self.base, cell, seed, self.args.out, self.evaluator.initial,
+                    self.evaluator.evaluate,
+                )  # fmt: skip
                 print(_progress_line(index, len(jobs), result), flush=True)
             if result is not None:
-                results[cell].append(result)
-    finally:
-        if started_ray:
+                found.setdefault(cell, []).append(result)
+        for cell, runs in found.items():
+            self.results.setdefault(cell, [])
+            known = {r.seed for r in self.results[cell]}
+            self.results[cell] += [r for r in runs if r.seed not in known]
+        return found
+
+    def _connect(self) -> None:
+        if not self._ray_started and not ray.is_initialized():
+            connect_ray(self.base)
+            self._ray_started = True
+            print(f"starting model: {self.evaluator.initial}", flush=True)
+
+    def close(self) -> None:
+        if self._ray_started:
             ray.shutdown()
-    return {cell: runs for cell, runs in results.items() if runs}
 
 
 def _progress_line(index: int, total: int, result: RunResult) -> str:
     last = result.records[-1]
-    steps = sorted(result.accuracy)
+    path = " -> ".join(f"{a:.3f}" for _, a in sorted(result.accuracy.items()))
     return (
         f"[{index}/{total}] {result.cell.key} seed {result.seed}: {len(result.records)} steps "
         f"in {result.seconds:.0f} s, reward {last['reward_mean']:.3f}, held-out accuracy "
-        f"{result.accuracy[steps[0]]:.3f} -> {result.accuracy[steps[-1]]:.3f}, "
-        f"KL {last.get('approx_kl', float('nan')):.3g}"
+        f"{path}, KL to behaviour {last.get('approx_kl', float('nan')):.3g}"
     )
+
+
+def summaries_of(
+    results: Mapping[Cell, Sequence[RunResult]], seeds: int
+) -> dict[Cell, CellSummary]:
+    """Each cell's summary over its first `seeds` seeds, with the KL median of its setting."""
+    kept = {c: [r for r in runs if r.seed < seeds] for c, runs in results.items()}
+    by_setting: dict[Setting, list[RunResult]] = {}
+    for cell, runs in kept.items():
+        by_setting.setdefault(cell.setting, []).extend(runs)
+    medians = {s: setting_kl_median(runs) for s, runs in by_setting.items()}
+    return {c: summarize(runs, medians[c.setting]) for c, runs in kept.items() if runs}
 
 
 def machine_line() -> str:
@@ -136,86 +206,101 @@ def machine_line() -> str:
 
 def write_report(
     base: RunSpec,
-    results: dict[Cell, list[RunResult]],
-    args: argparse.Namespace,
+    study: Study,
+    pilot: Mapping[Cell, CellSummary],
+    choice: StressChoice | None,
+    phases: Mapping[Setting, Mapping[Cell, CellSummary]],
     seconds: float,
 ) -> Path:
+    """The study's block of docs/results.md from every finished run, with figures and CSVs.
+
+    `pilot`: GRPO's summaries under each stress; `phases`: the arms' summaries under the
+    chosen stress and the gentle setting (either may be empty).
+    """
+    args = study.args
     docs = args.docs
     # Figures and data of each study in a folder of its own, linked relative to results.md.
     link = f"results/{args.name}"
     assets = docs / link
-    summaries = {cell: summarize(runs) for cell, runs in results.items()}
-    columns = [s for s in STALENESS if any(c.staleness == s for c in results)]
-    baseline = {c: r for c, r in results.items() if c.group == "baseline"}
-    # The variants' figure: KPO variants with GRPO and plain KPO for reference.
-    extended = {c.staleness for c in results if c.group != "baseline"}
-    beyond = {
-        c: r
-        for c, r in results.items()
-        if c.staleness in extended and (c.group != "baseline" or c.method.key in ("grpo", "kpo"))
-    }
-    figures = [
-        plots.plot_training_curves(baseline, columns, assets / "curves.png"),
-        plots.plot_accuracy(baseline, columns, assets / "accuracy.png"),
-    ]
-    beyond_columns = [s for s in columns if s in extended]
-    if beyond_columns:
-        figures.append(plots.plot_training_curves(beyond, beyond_columns, assets / "variants.png"))
+    results = study.results
+    settings = [s for s in (*STRESSES, GENTLE) if any(c.setting is s for c in results)]
+    methods = [m for m in ARMS if any(c.method is m for c in results)]
+    runs = [r for rs in results.values() for r in rs]
     block = [
         f"## Study `{args.name}`: {_relative(args.config)}",
         "",
         "### How these numbers were made",
         "",
         f"- Command: `python {' '.join(shlex.quote(a) for a in _run_command())}`",
-        f"- Grid: {'full' if args.full else 'reduced'}; {args.seeds} seeds per cell; "
-        f"{base.pipeline.steps} learner steps per run; held-out accuracy on "
-        f"{args.eval_prompts} unseen prompts at each checkpoint.",
-        f"- Base spec: `{_relative(args.config)}` with the cell's estimator and staleness "
-        f"setting{'; overrides: ' + ', '.join(args.overrides) if args.overrides else ''}.",
+        f"- Seeds: {', '.join(f'{p} {seeds_of(p, args)}' for p in PHASES)}, shared by every "
+        f"arm; {base.pipeline.steps} learner steps per run; held-out accuracy, truncation and "
+        f"KL from the starting model on {args.eval_prompts} unseen prompts every "
+        f"{base.pipeline.checkpoint_every} steps.",
+        f"- Base spec: `{_relative(args.config)}` with the cell's estimator and setting"
+        f"{'; overrides: ' + ', '.join(args.overrides) if args.overrides else ''}.",
         f"- Machine: {machine_line()}.",
-        f"- Time: {sum(r.seconds for runs in results.values() for r in runs) / 60:.1f} min of "
-        "runs and evaluations in all; the invocation that wrote this report took "
-        f"{seconds / 60:.1f} min (finished runs are reused).",
+        f"- Time: {sum(r.seconds for r in runs) / 60:.1f} min of runs and evaluations in all "
+        f"({len(runs)} runs); the invocation that wrote this report took {seconds / 60:.1f} min "
+        "(finished runs are reused).",
         f"- Raw per-step metrics of every run: `{_relative(assets / 'metrics')}/<cell>.csv`; "
-        "held-out accuracy: `evals.csv` there.",
+        "held-out evaluations: `evals.csv` there.",
         "",
-        *report.settings_table(list(results)),
+        *report.settings_table(methods, settings),
         "",
-        "### Estimators on fresh and stale batches",
-        "",
-        *report.outcome_table([summaries[c] for c in baseline]),
-        "",
-        f"![training curves]({link}/curves.png)",
-        "",
-        f"![held-out accuracy]({link}/accuracy.png)",
+        *report.outcome_rules(),
         "",
     ]
-    anchor_cells = [c for c in baseline if c.method.key in ("grpo", "kpo")]
-    for group, title in GROUP_SECTIONS.items():
-        cells = [c for c in results if c.group == group]
-        if not cells:
-            continue
-        # Each section with plain KPO and GRPO at the same staleness settings, for reference.
-        shown = {c.staleness for c in cells}
-        rows = [c for c in anchor_cells if c.staleness in shown] + cells
-        block += [f"### {title}", "", *report.outcome_table([summaries[c] for c in rows]), ""]
-    if beyond_columns:
-        block += [f"![KPO variants]({link}/variants.png)", ""]
-    pairs = [
-        (summaries[b], summaries[p])
-        for p in results
-        if p.group == "reference"
-        for b in results
-        if b.method.key == "kpo" and b.staleness == p.staleness
-    ]
-    if pairs:
+    figures: list[Path] = []
+    if pilot:
         block += [
-            "### KPO against behaviour vs proximal log-probs",
+            "### Pilot: GRPO under each stress",
             "",
-            *report.reference_table(pairs),
+            *report.pilot_table(list(pilot.values())),
             "",
         ]
-    block += ["### Collapses", "", *report.collapse_notes(list(summaries.values())), ""]
+    if choice is not None:
+        verdict = (
+            f"GRPO collapsed in {choice.collapsed} of {choice.seeds} seeds under "
+            f"{choice.setting.label}: the main phase runs there."
+            if choice.collapses
+            else f"GRPO collapsed in at most {choice.collapsed} of {choice.seeds} seeds under "
+            f"any stress (most under {choice.setting.label}, where the main phase runs): the "
+            "claim that KPO holds where GRPO collapses cannot be tested at this scale."
+        )
+        block += [verdict, ""]
+    for setting, summaries in phases.items():
+        if not summaries:
+            continue
+        cells = list(summaries)
+        baseline = next((summaries[c] for c in cells if c.method is GRPO), None)
+        name = setting.key
+        shown = {c: results[c] for c in cells}
+        figures += [
+            plots.plot_accuracy(shown, [setting], assets / f"accuracy-{name}.png"),
+            plots.plot_training_curves(shown, [setting], assets / f"curves-{name}.png"),
+        ]
+        block += [
+            f"### Every arm under {setting.label}",
+            "",
+            *report.arms_table(list(summaries.values()), baseline),
+            "",
+            f"![held-out accuracy]({link}/accuracy-{name}.png)",
+            "",
+            f"![training curves]({link}/curves-{name}.png)",
+            "",
+        ]
+    if sum(bool(s) for s in phases.values()) > 1:
+        by_setting = {s: list(v.values()) for s, v in phases.items() if v}
+        block += [
+            "### Collapses pooled across settings",
+            "",
+            *report.pooled_table(by_setting, methods, GRPO),
+            "",
+        ]
+    in_phases = [s for v in phases.values() for s in v.values()]
+    # GRPO's pilot runs under the chosen stress are listed with the main phase's.
+    every = [*(s for c, s in pilot.items() if not any(c in v for v in phases.values())), *in_phases]
+    block += ["### Runs that did not learn or collapsed", "", *report.outcome_notes(every), ""]
     block += _dynamics_section(results, assets, link, figures, args.filter_lengths)
     report.write_metrics_csv(results, assets / "metrics")
     document = docs / "results.md"
@@ -231,8 +316,8 @@ def _dynamics_section(
     figures: list[Path],
     lengths: Sequence[int],
 ) -> list[str]:
-    """Ratio diagnostics of the recorded GRPO log-ratios per staleness, and the long-sequence
-    filter comparison on the stalest of them."""
+    """Ratio diagnostics of the recorded GRPO log-ratios per setting, and the long-sequence
+    filter comparison on the last of them."""
     tables, sizes, examples = {}, {}, {}
     sample = None
     for cell, runs in results.items():
@@ -242,7 +327,7 @@ def _dynamics_section(
             sample = dynamics.load_ratios([r.path for r in runs])
         except ValueError:
             continue
-        name = cell.staleness.label
+        name = cell.setting.label
         tables[name] = dynamics.diagnostics_table(sample)
         sizes[name] = (sample.responses, sample.tokens)
         examples[name] = dynamics.example_sequence(sample)
@@ -297,18 +382,41 @@ def main(argv: Sequence[str] | None = None) -> None:
         pattern = re.compile(args.only)
     except re.error as error:
         raise SystemExit(f"error: --only {args.only!r}: {error}") from None
-    cells = [c for c in grid(args.full) if pattern.search(c.key)]
-    if not cells:
+    every_cell = [*pilot_cells(), *(c for s in (*STRESSES, GENTLE) for c in arm_cells(s))]
+    if not any(pattern.search(c.key) for c in every_cell):
         raise SystemExit(f"error: no cell key matches {args.only!r}")
     args.name = args.name or args.config.stem
     if not re.fullmatch(r"[A-Za-z0-9._-]+", args.name):
         raise SystemExit(f"error: --name {args.name!r}: use letters, digits, '.', '_', '-'")
     args.out = args.out or ROOT / "runs" / args.name
-    print(f"{len(cells)} cells x {args.seeds} seeds, {base.pipeline.steps} steps per run")
-    results = run_grid(base, cells, args)
-    if not results:
+    wanted = PHASES if args.phase == "all" else (args.phase,)
+    start = not args.report_only
+    study = Study(base, args)
+    try:
+        pilot_seeds = seeds_of("pilot", args)
+        print(f"pilot: GRPO under {len(STRESSES)} stresses x {pilot_seeds} seeds", flush=True)
+        pilot_runs = study.run(pilot_cells(), pilot_seeds, start and "pilot" in wanted)
+        pilot = summaries_of(pilot_runs, pilot_seeds)
+        complete = len(pilot) == len(STRESSES) and all(
+            len(s.outcomes) == pilot_seeds for s in pilot.values()
+        )
+        choice = pick_stress({c.setting: s for c, s in pilot.items()}) if complete else None
+        if "main" in wanted and choice is None and start:
+            raise SystemExit("error: the main phase needs the whole pilot: run --phase pilot")
+        phases: dict[Setting, dict[Cell, CellSummary]] = {}
+        for phase, setting in (("main", choice.setting if choice else None), ("gentle", GENTLE)):
+            if setting is None:
+                continue
+            seeds = seeds_of(phase, args)
+            print(f"{phase}: {len(ARMS)} arms under {setting.label} x {seeds} seeds", flush=True)
+            found = study.run(arm_cells(setting), seeds, start and phase in wanted)
+            # GRPO's pilot runs under the chosen stress are its first seeds here.
+            phases[setting] = summaries_of({c: study.results[c] for c in found}, seeds)
+    finally:
+        study.close()
+    if not study.results:
         raise SystemExit(f"no finished runs under {args.out}")
-    write_report(base, results, args, time.perf_counter() - started)
+    write_report(base, study, pilot, choice, phases, time.perf_counter() - started)
 
 
 if __name__ == "__main__":

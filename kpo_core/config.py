@@ -9,6 +9,7 @@ arXiv 2605.07331, GSPO 2507.18671, GMPO 2507.20673.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Annotated, ClassVar, Literal, get_args
 
@@ -73,20 +74,110 @@ class GeometricEstimator(_ClippedEstimator):
     default_loss_agg_mode: ClassVar[LossAggMode] = "seq-mean-token-mean"
 
 
+# The response length the paper's constants (Q/R = 1e-6, clip 3e-4/4e-4) were set for.
+PAPER_RESPONSE_LENGTH = 4096
+# P0 -> infinity in practice: far above any R, so the first gain rounds to 1 (float64: 1 - 1e-6).
+DIFFUSE_P0_PER_R = 1e6
+
+
 class KalmanEstimator(_ClippedEstimator):
-    """KPO: token log-ratios smoothed by a causal Kalman filter, as straight-through weights."""
+    """KPO: token log-ratios smoothed by a causal Kalman filter, as straight-through weights.
+
+    The filter depends on a token's position t only through t sqrt(q/r) (SPEC.md), so constants
+    set for responses of `constants_length` tokens act the same on responses of L tokens with
+    q_L = q (constants_length / L)^2 and a clip window widened by the noise factor
+    sqrt(constants_length / L): `reference_length: L` (or `auto`, the run's max_new_tokens).
+    """
 
     name: Literal["kalman"] = "kalman"
     q: float = Field(1e-6, ge=0.0, description="process noise variance Q")
     r: float = Field(1.0, gt=0.0, description="measurement noise variance R")
-    p0: float = Field(0.0, ge=0.0, description="initial state variance")
+    p0: float | Literal["diffuse"] = Field(
+        0.0,
+        description="initial state variance (>= 0), or `diffuse` (P0 = 1e6 R: gains about 1/t "
+        "at first, so the filtered value is the running mean of the log-ratios)",
+    )
     x0: float = Field(0.0, description="initial state mean (log-ratio)")
     gradient: GradientMode = "straight_through"
     clipped: bool = True
     clip_low: float = Field(3e-4, ge=0.0, lt=1.0)
     clip_high: float = Field(4e-4, ge=0.0)
     max_log_ratio: float = Field(10.0, gt=0.0, description="cap on log rho before exp")
+    reference_length: int | Literal["auto"] | None = Field(
+        None,
+        description="response length L to match q and the clip window to (q_L = q (C/L)^2, "
+        "clip x sqrt(C/L), C = constants_length); `auto`: the run's generation.max_new_tokens; "
+        "null: q and clip as given",
+    )
+    constants_length: int = Field(
+        PAPER_RESPONSE_LENGTH,
+        gt=0,
+        description="response length q and the clip window are set for (the paper's 4,096)",
+    )
+    clip_mode: Literal["ratio", "posterior"] = Field(
+        "ratio",
+        description="ratio: the filtered ratio within [1 - clip_low, 1 + clip_high]; posterior: "
+        "log rho_t within [-k_low sqrt(K_t), k_high sqrt(K_t)] with k = clip / (q/r)^(1/4), a "
+        "window in posterior standard deviations that equals the ratio window once the gain is "
+        "steady (for `p0: diffuse`)",
+    )
+    token_clip: tuple[float, float] | None = Field(
+        None,
+        description="[low, high]: a token whose raw ratio leaves [1 - low, 1 + high] in the "
+        "direction of its advantage also gets no gradient (PPO's token trust region as a backstop)",
+    )
     default_loss_agg_mode: ClassVar[LossAggMode] = "seq-mean-token-mean"
+
+    @model_validator(mode="after")
+    def _options_consistent(self) -> KalmanEstimator:
+        if isinstance(self.p0, float) and not (math.isfinite(self.p0) and self.p0 >= 0.0):
+            raise ValueError(f"p0 must be >= 0 or 'diffuse', got {self.p0}")
+        if self.clip_mode == "posterior" and not self.clipped:
+            raise ValueError("clip_mode 'posterior' is a clip window: it needs clipped: true")
+        if self.clip_mode == "posterior" and self.q == 0.0:
+            raise ValueError("clip_mode 'posterior' needs q > 0 (its window is in sqrt(q/r))")
+        if isinstance(self.reference_length, int) and self.reference_length < 1:
+            raise ValueError(f"reference_length must be >= 1, got {self.reference_length}")
+        if self.token_clip is not None:
+            low, high = self.token_clip
+            if not (0.0 <= low < 1.0 and high >= 0.0):
+                raise ValueError(
+                    f"token_clip [low, high] needs 0 <= low < 1 and high >= 0, got [{low}, {high}]"
+                )
+        return self
+
+    def with_response_length(self, max_new_tokens: int) -> KalmanEstimator:
+        """This config with `reference_length: auto` resolved to the run's response limit."""
+        if self.reference_length != "auto":
+            return self
+        return self.model_copy(update={"reference_length": max_new_tokens})
+
+    @property
+    def length_factor(self) -> float:
+        """C / L: how much shorter the reference length is than the constants' (1 if none)."""
+        if self.reference_length is None:
+            return 1.0
+        if self.reference_length == "auto":
+            raise ValueError(
+                "reference_length 'auto' is the run's generation.max_new_tokens: resolve it with "
+                "with_response_length(n), or give a number"
+            )
+        return self.constants_length / self.reference_length
+
+    @property
+    def effective_q(self) -> float:
+        """q_L = q (C / L)^2: the same t sqrt(q/r) at the reference length as at C tokens."""
+        return self.q * self.length_factor**2
+
+    @property
+    def effective_clip(self) -> tuple[float, float]:
+        """(low, high) widened by the noise factor sqrt(C / L); low stays below 1."""
+        factor = self.length_factor**0.5
+        return min(self.clip_low * factor, 1.0 - 1e-6), self.clip_high * factor
+
+    @property
+    def effective_p0(self) -> float:
+        return DIFFUSE_P0_PER_R * self.r if self.p0 == "diffuse" else float(self.p0)
 
 
 class CumulativeEstimator(_ClippedEstimator):
@@ -112,10 +203,11 @@ class OffPolicyCorrection(StrictModel):
     """Decoupled PPO (AReaL): weight each token's loss by the detached w = pi_ref / pi_behaviour.
 
     `tis_cap` truncates w at C (TIS); `mis_low`/`mis_high` zero the weight outside [lo, hi]
-    (IcePop/MIS). `level="sequence"` uses the product of a response's token weights.
+    (IcePop/MIS). `level="sequence"` uses the product of a response's token weights, which
+    collapses (or explodes) on long responses; `level="sequence-mean"` their geometric mean.
     """
 
-    level: Literal["token", "sequence"] = "token"
+    level: Literal["token", "sequence", "sequence-mean"] = "token"
     tis_cap: float | None = Field(None, gt=0.0)
     mis_low: float | None = Field(None, ge=0.0)
     mis_high: float | None = Field(None, gt=0.0)
@@ -156,6 +248,14 @@ class AlgorithmConfig(StrictModel):
     @property
     def resolved_loss_agg_mode(self) -> LossAggMode:
         return self.loss_agg_mode or self.estimator.default_loss_agg_mode
+
+    def with_response_length(self, max_new_tokens: int) -> AlgorithmConfig:
+        """This config with settings that follow the response length (KPO's
+        `reference_length: auto`) resolved to `max_new_tokens`."""
+        if not isinstance(self.estimator, KalmanEstimator):
+            return self
+        estimator = self.estimator.with_response_length(max_new_tokens)
+        return self.model_copy(update={"estimator": estimator})
 
 
 def describe_validation_error(

@@ -14,7 +14,13 @@ over the count n of valid tokens so far, and the filter is the first-order linea
 
     x_t = a_t x_{t-1} + b_t,   a_t = 1 - K[n_t] m_t,   b_t = K[n_t] m_t z_t.
 
-`method="parallel"` evaluates it without a loop over tokens, in two levels:
+`method="parallel"` evaluates it without a loop over tokens. When every row's valid tokens are
+a prefix of it (right padding, the common case), the n-th valid token is at position n - 1 in
+every row, so a_t is one table along the sequence shared by all rows, and the recurrence is
+solved by batched matmuls with fixed block matrices of products of a (the section "Right
+padding" below): the tables are cached across calls, and the padded tail takes the held state.
+Any other mask (left padding, interior holes, packed sequences) takes the general path, in two
+levels:
 1. Blocks of C tokens are solved in closed form with cumulative sums of log a_t measured from the
    block's own end, x_t = e^(S_t - S_end) * cumsum(e^(S_end - S_r) b_r), so every exponent stays
    within the block's total decay. C is chosen from the gain table so that this decay is at most
@@ -22,11 +28,12 @@ over the count n of valid tokens so far, and the filter is the first-order linea
 2. The blocks' (decay, end value) pairs form a short recurrence of the same kind, solved by a
    Hillis-Steele doubling scan over (a, b) pairs, (a2, b2) o (a1, b1) = (a2 a1, a2 b1 + b2),
    which only multiplies and adds.
-The map z -> x is linear, so the backward pass is the same scan run backwards in time (a custom
+The map z -> x is linear, so on both paths the backward pass is the transposed map (a custom
 autograd function), not autograd through the forward. The paper's official code instead uses
-x_t = A_t (x0 + sum_s b_s / A_s) with A_t = prod(1 - K) clamped at 1e-30, which divides by
-vanishing products and departs from the exact recursion beyond ~70k tokens; it is kept here as
-`method="closed_form"` for comparison only.
+x_t = A_t (x0 + sum_s b_s / A_s) with A_t = prod(1 - K), which divides by vanishing products
+(docs/kpo_core.md, "Where the official code differs from ours"). `method="closed_form"` keeps
+that form, with A_t floored at 1e-30, for comparison only: it stays finite but departs from the
+exact recursion beyond ~70k tokens at Q/R = 1e-6.
 
 Two generalisations keep the parallel evaluation, for noise schedules of your own:
 - Per-response measurement noise r [...]: one gain table per distinct value, gathered per row.
@@ -42,10 +49,14 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any, Literal
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 FilterMethod = Literal["parallel", "sequential", "closed_form"]
 Noise = float | Tensor
@@ -142,16 +153,62 @@ def _compute_dtype(z: Tensor) -> torch.dtype:
     return torch.float64 if z.dtype == torch.float64 else torch.float32
 
 
+# Tables derived from the gain table (per q, r, p0, dtype and device), built once and reused:
+# rebuilding them costs as much as filtering a small batch. Each is built for a capacity of
+# tokens and sliced to the length at hand, so one entry serves every padded width up to it, and
+# a slice of a larger build holds exactly the values a smaller build would (the same call gives
+# the same result whatever ran before). Least recently used entries are dropped beyond the bound.
+_TABLE_CACHE_ENTRIES = 16
+_table_cache: OrderedDict[tuple[Any, ...], tuple[int, Any]] = OrderedDict()
+_table_lock = threading.Lock()  # not _gain_lock: a build reads the gain table
+
+
+def _cached_table(key: tuple[Any, ...], n: int, build: Callable[[int], Any]) -> Any:
+    """The table cached under `key` for at least n tokens, (re)built by build(capacity)."""
+    with _table_lock:
+        entry = _table_cache.get(key)
+        if entry is None or entry[0] < n:
+            capacity = max(n, 4096, 2 * entry[0] if entry is not None else 0)
+            entry = (capacity, build(capacity))
+            _table_cache[key] = entry
+        _table_cache.move_to_end(key)
+        while len(_table_cache) > _TABLE_CACHE_ENTRIES:
+            _table_cache.popitem(last=False)
+        return entry[1]
+
+
+def _log_a(gains: Tensor) -> Tensor:
+    return torch.log1p(-gains).clamp_min(_LOG_ZERO)
+
+
+@dataclass(frozen=True)
+class _Lookup:
+    """Per-valid-token lookup of the general path: row 0 a masked token, row n the n-th valid."""
+
+    gain_log_a: Tensor  # [capacity + 1, 2]: (K, log a), in the compute dtype
+    max_decay: list[float]  # max_decay[n - 1]: the largest -log a among the first n gains
+
+
+def _lookup(
+    q: float, r: float, p0: float, n: int, dtype: torch.dtype, device: torch.device
+) -> _Lookup:
+    def build(capacity: int) -> _Lookup:
+        gains = kalman_gains(capacity, q, r, p0)
+        log_a = _log_a(gains)
+        # Row 0 is a masked token (K = 0, a = 1), so that one gather with index n_t m_t covers
+        # valid and masked tokens alike.
+        table = torch.stack([gains, log_a], -1)
+        table = torch.cat([table.new_zeros(1, 2), table]).to(dtype=dtype, device=device)
+        return _Lookup(table, (-log_a).cummax(0).values.tolist())
+
+    return cast(_Lookup, _cached_table(("lookup", q, r, p0, dtype, device), n, build))
+
+
 def _recurrence_terms(
-    z: Tensor, mask: Tensor, table: Tensor, dtype: torch.dtype
+    z: Tensor, mask: Tensor, lookup: Tensor, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gain, log a_t and b_t = K m z of x_t = a_t x_{t-1} + b_t, all [..., T] in `dtype`."""
     valid = mask.to(torch.bool)
-    # Row 0 of the lookup is a masked token (K = 0, a = 1), row n the n-th valid token, so that
-    # one gather with index n_t * m_t covers both cases.
-    gains = torch.cat([table.new_zeros(1), table])
-    log_a_table = torch.log1p(-gains).clamp_min(_LOG_ZERO)
-    lookup = torch.stack([gains, log_a_table], -1).to(dtype=dtype, device=z.device)
     count = valid.to(torch.int32).cumsum(-1, dtype=torch.int32)
     index = (count * valid).flatten()
     gain, log_a = lookup.index_select(0, index).reshape(*z.shape, 2).unbind(-1)
@@ -213,6 +270,7 @@ class _LinearRecurrence(torch.autograd.Function):
         return _scan(log_a, b, block)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad_x: Tensor) -> tuple[None, Tensor, None]:
         (log_a,) = ctx.saved_tensors
         # (L^T g)_s = g_s + a_{s+1} (L^T g)_{s+1}: the same recurrence backwards in time, with
@@ -220,6 +278,180 @@ class _LinearRecurrence(torch.autograd.Function):
         log_a_reversed = torch.nn.functional.pad(log_a.flip(-1)[:, :-1], (1, 0))
         grad_b = _scan(log_a_reversed, grad_x.flip(-1), ctx.block).flip(-1)
         return None, grad_b, None
+
+
+# --- Right padding: every row's valid tokens are a prefix -------------------------------------
+#
+# Then the n-th valid token sits at position n - 1 in every row, so a_t = 1 - K[t] is one table
+# along the sequence, shared by all rows, and b_t = K[t] m_t z_t. Treating the padding as
+# observations z = 0 with the gains of those positions changes nothing before it (the filter is
+# causal); the padded positions are then overwritten with the state held from the row's last
+# valid token. With one a_t for all rows, the solve of each block of C tokens is a fixed C x C
+# matrix, W_j[r, t] = prod_{r<k<=t} a_k (r <= t), so
+#   level 1: local_block = b_block @ W_j, one batched matmul over the blocks;
+#   level 2: the states at the block ends obey a recurrence of the same kind, with a = the
+#            block's decay prod a_k, again shared by all rows: solved the same way, recursively;
+# and x_t = local_t + prod_{block start<=k<=t} a_k * (state at the previous block's end).
+# Every matrix entry is a product of numbers in [0, 1] computed in float64: nothing overflows,
+# underflows to a wrong value or is divided, whatever the block size and Q/R. The backward pass
+# multiplies by the transposes.
+
+_PREFIX_BLOCK = 16  # C: the cheapest block for the batched matmul
+
+
+@dataclass(frozen=True)
+class _Level:
+    weights: Tensor  # [blocks, C, C]: W_j[r, t], zero below the diagonal (r > t)
+    prefix: Tensor  # [blocks, C]: prod of a from the block's start through t
+
+
+@dataclass(frozen=True)
+class _PrefixPlan:
+    levels: tuple[_Level, ...]  # tokens, blocks of tokens, blocks of blocks, ... down to 1 block
+    gains: Tensor  # [capacity]: K[t]
+    from_start: Tensor  # [capacity]: prod_{k<=t} a_k, the weight of x0 in x_t
+
+
+def _build_levels(log_a: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """(W, prefix) in float64 for every level, from log a [n] of the tokens (float64)."""
+    c = _PREFIX_BLOCK
+    upper = torch.ones(c, c, dtype=torch.bool).triu()  # r <= t
+    levels = []
+    while True:
+        n_blocks = -(-log_a.numel() // c)
+        # Padding (a = 1) only ever follows the tokens it was added to.
+        padded = torch.nn.functional.pad(log_a, (0, n_blocks * c - log_a.numel()))
+        decay = padded.view(n_blocks, c).cumsum(-1)  # log prod of a from the block's start
+        exponent = (decay[:, None, :] - decay[:, :, None]).masked_fill(~upper, -math.inf)
+        levels.append((exponent.exp(), decay.exp()))
+        if n_blocks == 1:
+            return levels
+        log_a = decay[:, -1]
+
+
+def _prefix_plan(
+    q: float, r: float, p0: float, n: int, dtype: torch.dtype, device: torch.device
+) -> _PrefixPlan:
+    def build(capacity: int) -> _PrefixPlan:
+        gains = kalman_gains(capacity, q, r, p0)
+        log_a = _log_a(gains)
+        levels = tuple(
+            _Level(*(t.to(dtype=dtype, device=device) for t in level))
+            for level in _build_levels(log_a)
+        )
+        from_start = log_a.cumsum(0).exp()
+        return _PrefixPlan(
+            levels, gains.to(dtype=dtype, device=device), from_start.to(dtype=dtype, device=device)
+        )
+
+    return cast(_PrefixPlan, _cached_table(("prefix", q, r, p0, dtype, device), n, build))
+
+
+def _blocks(x: Tensor, c: int) -> Tensor:
+    """[N, n] -> [N, blocks, C], zero-padded to whole blocks."""
+    pad = (-x.shape[-1]) % c
+    x = torch.nn.functional.pad(x, (0, pad)) if pad else x.contiguous()
+    return x.view(x.shape[0], -1, c)
+
+
+def _shared_solve(levels: tuple[_Level, ...], b: Tensor) -> Tensor:
+    """x = L b for rows b [N, n], with the a_t of `levels` shared by all rows, from x_{-1} = 0."""
+    level = levels[0]
+    n_rows, n = b.shape
+    c = level.weights.shape[-1]
+    blocks = _blocks(b, c)
+    n_blocks = blocks.shape[1]
+    # The block index is the batch of the matmul and the rows its M dimension: one small GEMM per
+    # block, read straight from the [N, blocks, C] layout.
+    local = torch.bmm(blocks.transpose(0, 1), level.weights[:n_blocks])  # [blocks, N, C]
+    if n_blocks == 1:
+        return local[0, :, :n]
+    end = _shared_solve(levels[1:], local[:, :, -1].t())  # [N, blocks]: state at block ends
+    incoming = torch.nn.functional.pad(end[:, :-1], (1, 0))
+    # out= writes the result in row order [N, blocks, C] (the matmul's output is block-major).
+    x = b.new_empty(n_rows, n_blocks, c)
+    torch.addcmul(local.transpose(0, 1), level.prefix[:n_blocks], incoming.unsqueeze(-1), out=x)
+    return x.view(n_rows, -1)[:, :n]
+
+
+def _shared_solve_transposed(levels: tuple[_Level, ...], g: Tensor) -> Tensor:
+    """y = L^T g for rows g [N, n]: the adjoint of `_shared_solve`."""
+    level = levels[0]
+    n_rows, n = g.shape
+    c = level.weights.shape[-1]
+    blocks = _blocks(g, c)
+    n_blocks = blocks.shape[1]
+    weights = level.weights[:n_blocks]
+    local = torch.bmm(blocks.transpose(0, 1), weights.transpose(1, 2))  # [blocks, N, C]
+    if n_blocks == 1:
+        return local[0, :, :n]
+    # Block j's incoming state reaches x_t with weight prefix_j[t] = a_start W_j[0, t], so its
+    # gradient is a_start * local_j[0]: no separate reduction over the block.
+    to_incoming = local[:, :, 0].t() * level.prefix[:n_blocks, 0]  # [N, blocks]
+    # ... and that state is the end of block j - 1, which the level above solved.
+    to_end = _shared_solve_transposed(
+        levels[1:], torch.nn.functional.pad(to_incoming[:, 1:], (0, 1))
+    )
+    # The end state of block j reads b_r with weight W_j[r, C - 1].
+    y = g.new_empty(n_rows, n_blocks, c)
+    torch.addcmul(local.transpose(0, 1), to_end.unsqueeze(-1), weights[:, :, -1], out=y)
+    return y.view(n_rows, -1)[:, :n]
+
+
+class _PrefixFilter(torch.autograd.Function):
+    """The filter over right-padded rows [N, T]: z -> x, linear in z (see the section above)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        z: Tensor,
+        valid: Tensor,
+        weight: Tensor,
+        lengths: Tensor,
+        plan: _PrefixPlan,
+        x0: float,
+    ) -> Tensor:
+        n = z.shape[-1]
+        gain = weight * plan.gains[:n]  # K_t m_t
+        # Masking by a multiply is several times cheaper than torch.where on CPU. But 0 * inf is
+        # NaN, and padded log-probs may be -inf or NaN: one sum tells whether any entry is
+        # non-finite (or large enough to overflow it), and then where() it is.
+        if bool(torch.isfinite(z.sum())):
+            b = z * gain
+        else:
+            b = torch.where(valid, z, 0.0) * plan.gains[:n]
+        x = _shared_solve(plan.levels, b)
+        if x0 != 0.0:
+            x = torch.addcmul(x, plan.from_start[:n], x.new_tensor(x0))
+        last = (lengths - 1).clamp_min(0).unsqueeze(-1)
+        held = torch.where(lengths.unsqueeze(-1) > 0, x.gather(-1, last), x0)
+        ctx.save_for_backward(weight, gain, last)
+        ctx.plan = plan
+        # lerp is exact at weights 0 and 1: x on valid tokens, the held state on padding.
+        return torch.lerp(held, x, weight)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_x: Tensor) -> tuple[Tensor, None, None, None, None, None]:
+        weight, gain, last = ctx.saved_tensors
+        # The state held at padded positions is x at the row's last valid token: their gradient
+        # goes there. (A row with no valid token holds x0; adding at index 0 is harmless, as z
+        # there has gain 0.)
+        grad = grad_x * weight
+        held_grad = (grad_x - grad).sum(-1, keepdim=True)
+        grad.scatter_add_(-1, last, held_grad)
+        return _shared_solve_transposed(ctx.plan.levels, grad) * gain, None, None, None, None, None
+
+
+def _prefix_lengths(weight: Tensor) -> Tensor | None:
+    """Per-row counts of valid tokens if every row of the 0/1 weight [N, T] is a prefix."""
+    # A prefix row never steps up from 0 to 1. (Float arithmetic: comparisons of bool or uint8
+    # tensors are several times slower on CPU.)
+    if weight.shape[-1] > 1 and bool((weight[:, 1:] - weight[:, :-1]).max() > 0):
+        return None
+    # Partial sums of 0/1 are integers, exact in the float's mantissa up to its 2^24 or 2^53.
+    sum_dtype = torch.float64 if weight.shape[-1] >= 2**24 else weight.dtype
+    return weight.sum(-1, dtype=sum_dtype).to(torch.int64)
 
 
 def _terms_from_gains(
@@ -285,7 +517,8 @@ def _riccati_scan(q: Tensor, r: Tensor, mask: Tensor, p0: float) -> Tensor:
 
 def _parallel_gains(mask: Tensor, q: Noise, r: Noise, p0: float) -> Tensor:
     """Per-token gains [N, T] float64 of the rows of the mask flattened to [N, T]."""
-    rows = mask.reshape(-1, mask.shape[-1])
+    # An explicit row count: reshape(-1, 0) is ambiguous for a mask with no tokens.
+    rows = mask.reshape(math.prod(mask.shape[:-1]), mask.shape[-1])
     n = rows.shape[0]
     r_rows = (
         r.reshape(n) if isinstance(r, Tensor) else torch.full((n,), float(r), dtype=torch.float64)
@@ -311,15 +544,25 @@ def _filter_parallel(z: Tensor, mask: Tensor, q: Noise, r: Noise, p0: float, x0:
         log_a, b = _terms_from_gains(z, mask, gains, dtype)
         max_decay = float(-log_a.min()) if log_a.numel() else 0.0
     else:
-        table = kalman_gains(max(z.shape[-1], 1), q, r, p0)
-        _, log_a, b = _recurrence_terms(z, mask, table, dtype)
-        max_decay = float(-torch.log1p(-table).clamp_min(_LOG_ZERO).min())
+        n = z.shape[-1]
+        valid = mask.to(torch.bool).reshape(-1, n)
+        # A 0/1 float mask, through uint8: that conversion is vectorised on CPU, bool's is not.
+        weight = valid.view(torch.uint8).to(dtype)
+        lengths = _prefix_lengths(weight)
+        if lengths is not None:  # right padding (the common case): the section above
+            plan = _prefix_plan(q, r, p0, n, dtype, z.device)
+            rows = z.to(dtype).reshape(valid.shape)
+            x: Tensor = _PrefixFilter.apply(rows, valid, weight, lengths, plan, x0)  # type: ignore[no-untyped-call]
+            return x.reshape(z.shape)
+        lookup = _lookup(q, r, p0, n, dtype, z.device)
+        _, log_a, b = _recurrence_terms(z, mask, lookup.gain_log_a[: n + 1], dtype)
+        max_decay = lookup.max_decay[n - 1]
     if x0 != 0.0:
         # x_0 = a_0 x0 + b_0: folding x0 into the first term lets the scan start from zero.
         b = b + torch.nn.functional.pad(log_a[..., :1].exp() * x0, (0, b.shape[-1] - 1))
     block = _block_size(max_decay, dtype)
     rows = b.reshape(-1, b.shape[-1])
-    x: Tensor = _LinearRecurrence.apply(log_a.reshape(rows.shape), rows, block)  # type: ignore[no-untyped-call]
+    x = _LinearRecurrence.apply(log_a.reshape(rows.shape), rows, block)  # type: ignore[no-untyped-call]
     return x.reshape(z.shape)
 
 
@@ -353,12 +596,14 @@ def _filter_sequential(z: Tensor, mask: Tensor, q: Noise, r: Noise, p0: float, x
 def _filter_closed_form(
     z: Tensor, mask: Tensor, q: Noise, r: Noise, p0: float, x0: float
 ) -> Tensor:
-    # The official implementation's form, for comparison only: float32 prefix products clamped
-    # at 1e-30 and a division by them.
+    # The official implementation's form, for comparison only: float32 prefix products and a
+    # division by them, here floored at 1e-30 (without a floor 1 / prod overflows float32 about
+    # 89 / sqrt(Q/R) tokens in; docs/kpo_core.md).
     if isinstance(q, Tensor) or isinstance(r, Tensor):
         raise ValueError("method 'closed_form' takes scalar q and r only")
-    table = kalman_gains(max(z.shape[-1], 1), q, r, p0)
-    gain, _, b = _recurrence_terms(z, mask, table, torch.float32)
+    n = z.shape[-1]
+    lookup = _lookup(q, r, p0, n, torch.float32, z.device).gain_log_a[: n + 1]
+    gain, _, b = _recurrence_terms(z, mask, lookup, torch.float32)
     prefix = (1.0 - gain).cumprod(-1).clamp_min(1e-30)
     return prefix * (x0 + (b / prefix).cumsum(-1))
 

@@ -69,6 +69,10 @@ def clipped_surrogate(
         capped = (adv < 0) & (loss > cap)
         loss = torch.where(adv < 0, torch.minimum(loss, cap), loss)
         clipped = clipped | capped
+    if estimate.backstop is not None:
+        # The value stays (the loss reads the same), the gradient goes: as PPO's clipped term.
+        loss = torch.where(estimate.backstop, loss.detach(), loss)
+        clipped = clipped | estimate.backstop
     return torch.where(mask, loss, 0.0), clipped & mask
 
 
@@ -254,7 +258,7 @@ def policy_loss(
 
     `options` are the fields of that estimator's config (e.g. clip_low, clip_high, dual_clip_c,
     q, r, p0, x0, gradient, clipped) plus the off-policy options tis_cap, mis_low, mis_high and
-    tis_level ("token" | "sequence"), which apply when `behaviour_logp` is given.
+    tis_level ("token" | "sequence" | "sequence-mean"), which apply when `behaviour_logp` is given.
     `nonfinite="raise"` (default) rejects NaN/inf in valid tokens; "mask" drops those tokens and
     reports their count as `nonfinite_tokens`. `extreme_ratio_tokens` counts the valid tokens
     whose |log-ratio| or |log-weight| exceeds `kpo_core.ratios.MAX_ABS_LOG_RATIO`.

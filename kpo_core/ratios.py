@@ -11,7 +11,9 @@ differentiable tensor plus the clip window the surrogate in `kpo_core.losses` ap
 - `geometric` (GMPO, arXiv 2507.20673): rho = exp(clamp(mean z~, -20, 20)), z~ the sign-trick
   log-space clip.
 - `kalman` (KPO, arXiv 2602.10609): rho_t = exp(min(sg(x_t) + logp_t - sg(logp_t), 10)), x the
-  Kalman-filtered z; or autograd through x with `gradient="through_filter"`.
+  Kalman-filtered z; or autograd through x with `gradient="through_filter"`. Options: constants
+  matched to a reference length, a diffuse prior with a clip in posterior standard deviations,
+  and PPO's token clip as a backstop (`KalmanEstimator`).
 - `cumulative` (CTPO, arXiv 2605.07331): rho_t = exp(min(sg(c_t) + logp_t - sg(logp_t), 10)),
   c_t = sum_{k<=t} m_k z_k, clipped to [exp(-eps_low sqrt n_t), exp(eps_high sqrt n_t)].
 
@@ -25,6 +27,7 @@ gradient. A valid token with |z| > `MAX_ABS_LOG_RATIO` is an extreme token
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
@@ -42,7 +45,7 @@ from kpo_core.config import (
     SequenceEstimator,
     TokenEstimator,
 )
-from kpo_core.kalman import kalman_filter, kalman_gains
+from kpo_core.kalman import filter_gains, kalman_filter
 
 Bound = Tensor | float | None
 
@@ -61,7 +64,8 @@ class RatioEstimate:
     ratio: [B, T] with the estimator's gradient path. clip_low/clip_high: the ratio window
     (scalars or [B, T]); None for an unclipped surrogate -A * rho. dual_clip: ratio cap for A < 0.
     clipped: [B, T] bool for estimators that clip inside the ratio (GMPO), else None (the
-    surrogate decides). metrics: estimator-specific floats.
+    surrogate decides). backstop: [B, T] bool of tokens that get no gradient on top of the
+    window (KPO's `token_clip`), counted as clipped. metrics: estimator-specific floats.
     """
 
     ratio: Tensor
@@ -70,6 +74,7 @@ class RatioEstimate:
     dual_clip: Bound = None
     clipped: Tensor | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    backstop: Tensor | None = None
 
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
@@ -191,31 +196,62 @@ def kalman_ratio(
     logp: Tensor, ref_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: KalmanEstimator
 ) -> RatioEstimate:
     z = masked_log_ratio(logp, ref_logp, mask)
+    q, p0 = cfg.effective_q, cfg.effective_p0
     if cfg.gradient == "straight_through":
         # The paper's code: observations detached, filtered value as a straight-through weight.
-        x = kalman_filter(z.detach(), mask, cfg.q, cfg.r, cfg.p0, cfg.x0)
+        x = kalman_filter(z.detach(), mask, q, cfg.r, p0, cfg.x0)
         log_rho = straight_through(x, logp)
     else:
-        x = kalman_filter(z, mask, cfg.q, cfg.r, cfg.p0, cfg.x0)
+        x = kalman_filter(z, mask, q, cfg.r, p0, cfg.x0)
         log_rho = x
     rho = log_rho.clamp(max=cfg.max_log_ratio).exp()
-    gain = _mean_gain(mask, cfg)
-    filtered = x.detach().clamp(max=cfg.max_log_ratio).exp()
-    metrics = {
-        "kalman_gain_mean": gain,
-        "filtered_ratio_mean": float(filtered[mask].mean()) if bool(mask.any()) else 1.0,
-    }
+    gains = filter_gains(mask, q, cfg.r, p0)
+    metrics = _kalman_metrics(x.detach(), gains, mask, cfg.max_log_ratio)
+    backstop = None
+    if cfg.token_clip is not None:
+        backstop = token_backstop(z.detach(), advantages, mask, *cfg.token_clip)
+        metrics["token_backstop_fraction"] = _fraction(backstop, mask)
     if not cfg.clipped:
-        return RatioEstimate(rho, None, None, metrics=metrics)
-    return RatioEstimate(rho, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high, metrics=metrics)
+        return RatioEstimate(rho, None, None, metrics=metrics, backstop=backstop)
+    low, high = cfg.effective_clip
+    if cfg.clip_mode == "ratio":
+        return RatioEstimate(rho, 1.0 - low, 1.0 + high, metrics=metrics, backstop=backstop)
+    # The posterior standard deviation of x_t is sqrt(K_t R); in units of sqrt(R) the window
+    # k sqrt(K_t) with k = eps / (q/r)^(1/4) meets eps where K_t reaches sqrt(q/r), its
+    # steady state, and is wider while the filter has seen few tokens.
+    spread = gains.sqrt().to(logp.dtype) / (q / cfg.r) ** 0.25
+    return RatioEstimate(
+        rho, torch.exp(-low * spread), torch.exp(high * spread), metrics=metrics, backstop=backstop
+    )
 
 
-def _mean_gain(mask: Tensor, cfg: KalmanEstimator) -> float:
-    counts = valid_counts(mask)[mask]
-    if counts.numel() == 0:
-        return 0.0
-    table = kalman_gains(int(counts.max()), cfg.q, cfg.r, cfg.p0)
-    return float(table[(counts - 1).cpu()].mean())
+def token_backstop(
+    log_ratio: Tensor, advantages: Tensor, mask: Tensor, low: float, high: float
+) -> Tensor:
+    """[B, T] bool: valid tokens whose raw ratio exp(z) left [1 - low, 1 + high] in the
+    direction their advantage pushes (PPO's clip condition), which then get no gradient."""
+    above = (advantages > 0) & (log_ratio > math.log1p(high))
+    below = (advantages < 0) & (log_ratio < math.log1p(-low))
+    return (above | below) & mask
+
+
+def _fraction(flags: Tensor, mask: Tensor) -> float:
+    return float(flags.sum()) / max(int(mask.sum()), 1)
+
+
+def _kalman_metrics(
+    x: Tensor, gains: Tensor, mask: Tensor, max_log_ratio: float
+) -> dict[str, float]:
+    if not bool(mask.any()):
+        return {"kalman_gain_mean": 0.0, "kalman_shrinkage_mean": 0.0, "filtered_ratio_mean": 1.0}
+    # With x0 = 0 the filtered value is a weighted sum of the log-ratios so far whose weights
+    # add up to W_t = 1 - prod(1 - K): how far the filter has moved from its prior.
+    shrinkage = -torch.expm1(torch.log1p(-gains).cumsum(-1))
+    return {
+        "kalman_gain_mean": float(gains[mask].mean()),
+        "kalman_shrinkage_mean": float(shrinkage[mask].mean()),
+        "filtered_ratio_mean": float(x.clamp(max=max_log_ratio).exp()[mask].mean()),
+    }
 
 
 @register_estimator("cumulative", CumulativeEstimator)
@@ -238,13 +274,16 @@ def behaviour_weights(
     """Detached decoupled-PPO weights w = pi_ref / pi_behaviour, [B, T], with TIS/MIS applied.
 
     Token level: w_t = exp(ref_logp_t - behaviour_logp_t). Sequence level: the product of a
-    response's token weights, broadcast to its tokens. Truncation min(w, tis_cap) comes first,
+    response's token weights, broadcast to its tokens; sequence-mean level: their geometric
+    mean exp(mean log w). Truncation min(w, tis_cap) comes first,
     then weights outside [mis_low, mis_high] are zeroed (the token stays in the denominators).
     """
     with torch.no_grad():
         log_w = masked_log_ratio(ref_logp, behaviour_logp, mask)
         if cfg.level == "sequence":
             log_w = log_w.sum(-1, keepdim=True).expand_as(log_w)
+        elif cfg.level == "sequence-mean":
+            log_w = _sequence_mean(log_w, mask).expand_as(log_w)
         w = log_w.clamp(max=MAX_ABS_LOG_RATIO).exp()
         metrics: dict[str, float] = {}
         valid = mask.sum().clamp_min(1)

@@ -337,10 +337,23 @@ RATIOS = Group(
             note="KPO (`kalman`) only.",
         ),
         _record(
+            "kalman_shrinkage_mean",
+            "",
+            "Mean over valid tokens of W_t = 1 - prod(1 - K): the weight the filtered log-ratio "
+            "gives the observations so far (0: still the prior, 1: none left on it).",
+            note="KPO (`kalman`) only.",
+        ),
+        _record(
             "filtered_ratio_mean",
             "",
             "Mean filtered ratio exp(x_t) over valid tokens.",
             note="KPO (`kalman`) only.",
+        ),
+        _record(
+            "token_backstop_fraction",
+            "",
+            "Fraction of valid tokens the token backstop took the gradient from.",
+            note="KPO with `token_clip` only; also counted in clip_fraction.",
         ),
         _record(
             "behaviour_weight_mean",

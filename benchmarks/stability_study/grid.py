@@ -1,4 +1,9 @@
-"""The cells of the stability study: estimator x staleness setting, and the run spec of each."""
+"""The cells of the stability study: estimator x setting, in three phases, and each run's spec.
+
+- pilot: GRPO under each stress setting, to find one where GRPO collapses;
+- main: every arm at the stress setting the pilot picked (`stress_setting`);
+- gentle: every arm at a gentle synchronous setting, to show that each one learns.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,8 @@ from typing import Any
 from services.spec import RunSpec
 
 
-# Methods and staleness settings are module constants, compared and hashed by identity (their
-# dict fields are not hashable).
+# Methods and settings are module constants, compared and hashed by identity (their dict fields
+# are not hashable).
 @dataclass(frozen=True, eq=False)
 class Method:
     """An estimator configuration with the reference its ratios are taken against."""
@@ -23,75 +28,102 @@ class Method:
 
 
 @dataclass(frozen=True, eq=False)
-class Staleness:
-    """How stale the batches are: the pipeline settings of one column of the grid."""
+class Setting:
+    """The training conditions of one column of the grid: overrides of the base spec's
+    sections (`pipeline`, `learner`), field by field."""
 
     key: str
     label: str
-    pipeline: dict[str, Any]
+    overrides: dict[str, dict[str, Any]]
+
+    @property
+    def max_staleness(self) -> int:
+        return int(self.overrides.get("pipeline", {}).get("max_staleness", 0))
 
 
 @dataclass(frozen=True)
 class Cell:
     method: Method
-    staleness: Staleness
-    # baseline: the paper's estimators; reference: behaviour vs proximal ratios; ablation: KPO
-    # with another loss aggregation.
-    group: str
+    setting: Setting
 
     @property
     def key(self) -> str:
-        return f"{self.method.key}__{self.staleness.key}"
+        return f"{self.method.key}__{self.setting.key}"
 
 
-BASELINES = (
-    Method("grpo", "GRPO (token)", {"name": "token"}),
+# The paper's constants, pinned so that the arm keeps them whatever the estimator's defaults.
+_KPO_PAPER = {"name": "kalman", "q": 1e-6, "r": 1.0, "p0": 0.0, "reference_length": None}
+GRPO = Method("grpo", "GRPO (token)", {"name": "token"})
+ARMS = (
+    GRPO,
     Method("gspo", "GSPO (sequence)", {"name": "sequence"}),
-    Method("gmpo", "GMPO (geometric)", {"name": "geometric"}),
-    Method("kpo", "KPO clipped", {"name": "kalman"}),
-    Method("kpo-unclipped", "KPO unclipped", {"name": "kalman", "clipped": False}),
     Method("ctpo", "CTPO (cumulative)", {"name": "cumulative"}),
-)
-# Decoupled PPO (AReaL): ratios against the proximal policy, stale samples weighted by
-# pi_prox / pi_behaviour truncated at 2.
-PROXIMAL = Method(
-    "kpo-proximal",
-    "KPO clipped, proximal + decoupled weights",
-    {"name": "kalman"},
-    reference="proximal",
-    off_policy={"tis_cap": 2.0},
+    Method("kpo-paper", "KPO, paper constants", _KPO_PAPER),
+    Method(
+        "kpo-matched",
+        "KPO, length-matched",
+        {**_KPO_PAPER, "reference_length": "auto"},
+    ),
+    Method(
+        "kpo-matched-unclipped",
+        "KPO, length-matched, unclipped",
+        {**_KPO_PAPER, "reference_length": "auto", "clipped": False},
+    ),
+    Method(
+        "kpo-diffuse",
+        "KPO, diffuse prior, posterior-sd clip",
+        {**_KPO_PAPER, "p0": "diffuse", "clip_mode": "posterior"},
+    ),
+    # q = 0 with P0 = 0: every gain is 0, the filtered log-ratio stays at 0 and the ratio is 1:
+    # REINFORCE on the (stale) batch, no importance correction, no trust region.
+    Method("kpo-q0", "control: KPO with q = 0 (REINFORCE)", {**_KPO_PAPER, "q": 0.0}),
 )
 
-# KPO's default aggregation (seq-mean-token-mean, the official code's) weights each token by
-# 1 / its response's length; token-mean does not.
-TOKEN_MEAN = Method(
-    "kpo-token-mean", "KPO clipped, token-mean", {"name": "kalman"}, loss_agg_mode="token-mean"
+_STALE_8 = {"mode": "async", "max_staleness": 8, "lead_batches": 8}
+STRESSES = (
+    Setting(
+        "lr3e-4-stale-8",
+        "lr 3e-4, max_staleness 8",
+        {"learner": {"lr": 3e-4}, "pipeline": _STALE_8},
+    ),
+    Setting(
+        "stale-16",
+        "lr 1.5e-4, max_staleness 16",
+        {"pipeline": {"mode": "async", "max_staleness": 16, "lead_batches": 16}},
+    ),
+    Setting(
+        "mb8-stale-8",
+        "lr 1.5e-4, 8 minibatches, max_staleness 8",
+        {"learner": {"minibatches": 8}, "pipeline": _STALE_8},
+    ),
 )
-
-SYNC = Staleness("sync", "synchronous", {"mode": "sync", "max_staleness": 0})
-STALE_2 = Staleness(
-    "stale-2", "max_staleness 2", {"mode": "async", "max_staleness": 2, "lead_batches": 2}
+GENTLE = Setting(
+    "gentle-sync",
+    "lr 5e-5, synchronous",
+    {"learner": {"lr": 5e-5}, "pipeline": {"mode": "sync", "max_staleness": 0}},
 )
-STALE_8 = Staleness(
-    "stale-8", "max_staleness 8", {"mode": "async", "max_staleness": 8, "lead_batches": 8}
-)
-STALENESS = (SYNC, STALE_2, STALE_8)
+SETTINGS = (*STRESSES, GENTLE)
+PHASES = ("pilot", "main", "gentle")
 
 
-def grid(full: bool) -> list[Cell]:
-    """Every cell: all baselines at every staleness; the proximal reference at max_staleness 8
-    (the reduced grid) or at 2 and 8 (`full`); the aggregation ablation synchronous and at 8
-    (or at every staleness)."""
-    cells = [Cell(m, s, "baseline") for s in STALENESS for m in BASELINES]
-    stale = (STALE_2, STALE_8) if full else (STALE_8,)
-    cells += [Cell(PROXIMAL, s, "reference") for s in stale]
-    ablated = STALENESS if full else (SYNC, STALE_8)
-    cells += [Cell(TOKEN_MEAN, s, "ablation") for s in ablated]
-    return cells
+def pilot_cells() -> list[Cell]:
+    return [Cell(GRPO, setting) for setting in STRESSES]
+
+
+def arm_cells(setting: Setting) -> list[Cell]:
+    return [Cell(method, setting) for method in ARMS]
+
+
+def setting_named(key: str) -> Setting:
+    for setting in SETTINGS:
+        if setting.key == key:
+            return setting
+    valid = ", ".join(s.key for s in SETTINGS)
+    raise ValueError(f"unknown setting {key!r}; valid settings: {valid}")
 
 
 def cell_spec(base: RunSpec, cell: Cell, seed: int) -> RunSpec:
-    """`base` with the cell's estimator, reference and pipeline settings, and `seed`."""
+    """`base` with the cell's estimator, reference and setting applied, and `seed`."""
     data = base.model_dump(mode="json")
     data["name"] = f"{cell.key}-s{seed}"[:63]
     data["seed"] = seed
@@ -99,9 +131,10 @@ def cell_spec(base: RunSpec, cell: Cell, seed: int) -> RunSpec:
     data["algorithm"]["reference"] = cell.method.reference
     data["algorithm"]["off_policy"] = dict(cell.method.off_policy)
     data["algorithm"]["loss_agg_mode"] = cell.method.loss_agg_mode
+    for section, fields in cell.setting.overrides.items():
+        data[section].update(fields)
     pipeline = data["pipeline"]
-    pipeline.update(cell.staleness.pipeline)
-    # Let the staleness setting size the buffer (the base spec resolved it for its own).
+    # Let the setting size the buffer (the base spec resolved it for its own).
     pipeline["buffer_groups"] = 0
     if pipeline["mode"] == "sync":
         pipeline["lead_batches"] = 0

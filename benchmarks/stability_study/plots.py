@@ -15,7 +15,7 @@ from torch import Tensor
 
 from services.pipeline.plots import moving_average
 from stability_study.filter_accuracy import FilterComparison
-from stability_study.grid import Cell, Staleness
+from stability_study.grid import Cell, Setting
 from stability_study.runner import RunResult
 from stability_study.summary import curve
 
@@ -23,7 +23,8 @@ CURVE_PANELS = (
     ("reward_mean", "reward (moving average)", True, False),
     ("entropy", "entropy", True, False),
     ("clip_fraction", "clip fraction", True, False),
-    ("approx_kl", "KL to the reference (k3)", True, True),
+    ("approx_kl", "KL to the behaviour policy (k3)", True, True),
+    ("kalman_shrinkage_mean", "KPO shrinkage W", False, False),
 )
 
 
@@ -55,21 +56,21 @@ def _band(
 
 
 def plot_training_curves(
-    results: Mapping[Cell, Sequence[RunResult]], columns: Sequence[Staleness], path: Path
+    results: Mapping[Cell, Sequence[RunResult]], columns: Sequence[Setting], path: Path
 ) -> Path:
-    """Rows: reward, entropy, clip fraction, KL; columns: staleness; a line per method (mean
-    over seeds; band: the seeds' range)."""
+    """Rows: reward, entropy, clip fraction, KL, shrinkage; columns: settings; a line per
+    method (mean over seeds; band: the seeds' range)."""
     figure, axes = plt.subplots(
-        len(CURVE_PANELS), len(columns), figsize=(5 * len(columns), 11), sharex=True
+        len(CURVE_PANELS), len(columns), figsize=(5 * len(columns), 13), sharex=True
     )
     axes = np.atleast_2d(axes).reshape(len(CURVE_PANELS), len(columns))
-    for col, staleness in enumerate(columns):
-        cells = [c for c in results if c.staleness == staleness]
+    for col, setting in enumerate(columns):
+        cells = [c for c in results if c.setting is setting]
         for row, (key, title, smooth, log_scale) in enumerate(CURVE_PANELS):
             axis = axes[row, col]
             for cell in cells:
                 _band(axis, results[cell], key, smooth, log_scale, cell.method.label)
-            axis.set_title(f"{title}: {staleness.label}", fontsize=9)
+            axis.set_title(f"{title}: {setting.label}", fontsize=9)
             if log_scale:
                 axis.set_yscale("log")
             axis.grid(alpha=0.3)
@@ -79,19 +80,20 @@ def plot_training_curves(
 
 
 def plot_accuracy(
-    results: Mapping[Cell, Sequence[RunResult]], columns: Sequence[Staleness], path: Path
+    results: Mapping[Cell, Sequence[RunResult]], columns: Sequence[Setting], path: Path
 ) -> Path:
-    """Held-out accuracy by learner step, mean +- standard deviation over seeds."""
+    """Held-out accuracy by learner step, mean +- standard deviation over seeds; one panel per
+    setting."""
     figure, axes = plt.subplots(1, len(columns), figsize=(5 * len(columns), 4), sharey=True)
-    for axis, staleness in zip(np.atleast_1d(axes), columns, strict=True):
+    for axis, setting in zip(np.atleast_1d(axes), columns, strict=True):
         for cell, runs in results.items():
-            if cell.staleness != staleness:
+            if cell.setting is not setting:
                 continue
             steps = sorted(set.intersection(*(set(r.accuracy) for r in runs)))
             values = np.array([[r.accuracy[s] for s in steps] for r in runs])
             std = values.std(0, ddof=1) if len(runs) > 1 else np.zeros(len(steps))
             axis.errorbar(steps, values.mean(0), yerr=std, label=cell.method.label, capsize=3)
-        axis.set_title(f"held-out accuracy: {staleness.label}", fontsize=9)
+        axis.set_title(f"held-out accuracy: {setting.label}", fontsize=9)
         axis.set_xlabel("learner step")
         axis.grid(alpha=0.3)
     np.atleast_1d(axes)[0].legend(fontsize=7)
@@ -103,7 +105,7 @@ def plot_ratio_dynamics(
     windows: Mapping[str, Mapping[str, Mapping[str, Any]]],
     path: Path,
 ) -> Path:
-    """Top: one recorded response's raw and filtered ratios per staleness. Bottom: window-wise
+    """Top: one recorded response's raw and filtered ratios per setting. Bottom: window-wise
     off-policy frequency (up + down) of raw vs filtered ratios."""
     names = list(examples)
     figure, axes = plt.subplots(2, len(names), figsize=(5 * len(names), 7))

@@ -14,14 +14,23 @@ from pathlib import Path
 from typing import Any
 
 from stability_study.filter_accuracy import FilterComparison
-from stability_study.grid import Cell
+from stability_study.grid import Cell, Method, Setting
 from stability_study.runner import RunResult
+from stability_study.stats import fisher_exact
 from stability_study.summary import (
     ACCURACY_DROP,
+    COLLAPSED,
+    DID_NOT_LEARN,
+    ENTROPY_BLOWUP,
     ENTROPY_FRACTION,
+    HEAD,
+    KL_FACTOR,
+    LEARNED,
+    LEARNED_GAIN,
     TAIL,
     TRUNCATION,
     CellSummary,
+    paired_difference,
 )
 
 
@@ -51,6 +60,8 @@ CSV_COLUMNS = (
     "step_seconds",
     "wall_seconds",
     "kalman_gain_mean",
+    "kalman_shrinkage_mean",
+    "token_backstop_fraction",
     "filtered_ratio_mean",
     "raw_switch_frequency",
     "filtered_switch_frequency",
@@ -70,7 +81,7 @@ PAPER_DYNAMICS = {
 
 
 def write_metrics_csv(results: Mapping[Cell, Sequence[RunResult]], directory: Path) -> list[Path]:
-    """One CSV per cell (a row per seed and step) and evals.csv (held-out accuracy)."""
+    """One CSV per cell (a row per seed and step) and evals.csv (held-out evaluations)."""
     directory.mkdir(parents=True, exist_ok=True)
     written = []
     for cell, runs in results.items():
@@ -85,12 +96,15 @@ def write_metrics_csv(results: Mapping[Cell, Sequence[RunResult]], directory: Pa
     evals = directory / "evals.csv"
     with evals.open("w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["cell", "method", "staleness", "seed", "step", "held_out_accuracy"])
+        writer.writerow(
+            ["cell", "method", "setting", "seed", "step", "accuracy", "truncated", "kl_from_start"]
+        )
         for cell, runs in results.items():
             for run in runs:
-                for step, value in sorted(run.accuracy.items()):
+                for step, e in sorted(run.evaluations.items()):
                     writer.writerow(
-                        [cell.key, cell.method.key, cell.staleness.key, run.seed, step, value]
+                        [cell.key, cell.method.key, cell.setting.key, run.seed, step]
+                        + [_cell_value(v) for v in (e.accuracy, e.truncated, e.kl_from_start)]
                     )
     return [*written, evals]
 
@@ -112,69 +126,116 @@ def _accuracy_path(summary: CellSummary) -> str:
     return " → ".join(f"{summary.accuracy[s].mean:.3f}" for s in steps)
 
 
-def outcome_table(summaries: Sequence[CellSummary]) -> list[str]:
+def _outcomes(summary: CellSummary) -> str:
+    return f"{summary.count(COLLAPSED)} / {summary.count(LEARNED)} / {summary.count(DID_NOT_LEARN)}"
+
+
+def pilot_table(summaries: Sequence[CellSummary]) -> list[str]:
+    """GRPO under each stress setting."""
     headers = [
-        "method",
-        "staleness",
-        "measured staleness",
-        f"reward, last {TAIL} steps",
+        "setting",
+        "collapsed / learned / did not learn",
         "held-out accuracy by eval step",
-        "accuracy gain",
-        f"entropy, last {TAIL}",
+        "accuracy gain [95% CI]",
+        "KL from start, end",
+        "truncated, end",
         "clip fraction",
-        "KL mean",
-        "KL max",
-        "collapsed",
-        "learner s/step",
+        "KL to behaviour",
+        "measured staleness",
     ]
     rows = [
         [
-            s.cell.method.label,
-            s.cell.staleness.label,
-            f"{s.staleness.mean:.2f}",
-            s.reward_tail.format(),
+            s.cell.setting.label,
+            _outcomes(s),
             _accuracy_path(s),
-            s.accuracy_gain.format(),
-            s.entropy_tail.format(),
+            s.gain.format(),
+            s.kl_from_start.format(),
+            s.truncated.format(),
             s.clip_fraction.format(4),
-            s.kl_mean.format(),
-            f"{s.kl_max:.3g}",
-            f"{s.collapsed}/{s.seeds}",
-            f"{s.step_seconds.mean:.2f}",
+            s.kl_behaviour.format(),
+            f"{s.staleness.mean:.2f}",
         ]
         for s in summaries
     ]
     return _table(headers, rows)
 
 
-def reference_table(pairs: Sequence[tuple[CellSummary, CellSummary]]) -> list[str]:
-    """Behaviour vs proximal reference for KPO, with the learner time the behaviour saves."""
-    headers = ["staleness", "reference", "accuracy gain", "reward", "KL mean", "s/step", "saved"]
+def arms_table(summaries: Sequence[CellSummary], baseline: CellSummary | None) -> list[str]:
+    """Every arm under one setting; differences and tests against `baseline` (GRPO)."""
+    headers = [
+        "arm",
+        "accuracy gain [95% CI]",
+        "minus GRPO's, paired [95% CI]",
+        "collapsed / learned / did not learn",
+        "collapses vs GRPO: Fisher p",
+        "held-out accuracy by eval step",
+        "clip fraction",
+        "shrinkage W",
+        "KL to behaviour",
+        "KL from start, end",
+        "truncated, end",
+        f"entropy, last {TAIL}",
+    ]
     rows = []
-    for behaviour, proximal in pairs:
-        saved = 1.0 - behaviour.step_seconds.mean / proximal.step_seconds.mean
-        for summary, name, note in (
-            (behaviour, "behaviour (no recomputation)", f"{saved:.0%}"),
-            (proximal, "proximal + decoupled weights", ""),
-        ):
-            rows.append(
-                [
-                    summary.cell.staleness.label,
-                    name,
-                    summary.accuracy_gain.format(),
-                    summary.reward_tail.format(),
-                    summary.kl_mean.format(),
-                    f"{summary.step_seconds.mean:.2f}",
-                    note,
-                ]
+    for s in summaries:
+        difference = None if baseline is None else paired_difference(s, baseline)
+        shown = s is not baseline and difference is not None and baseline is not None
+        rows.append(
+            [
+                s.cell.method.label,
+                s.gain.format(),
+                difference.format() if shown and difference is not None else "",
+                _outcomes(s),
+                f"{collapse_test(s, baseline):.2f}" if shown and baseline is not None else "",
+                _accuracy_path(s),
+                s.clip_fraction.format(4),
+                s.shrinkage.format() if s.cell.method.estimator["name"] == "kalman" else "",
+                s.kl_behaviour.format(),
+                s.kl_from_start.format(),
+                s.truncated.format(),
+                s.entropy_tail.format(),
+            ]
+        )
+    return _table(headers, rows)
+
+
+def collapse_test(arm: CellSummary, baseline: CellSummary) -> float:
+    """Fisher's exact p of collapsed vs not, arm against baseline."""
+    a, b = arm.count(COLLAPSED), len(arm.outcomes) - arm.count(COLLAPSED)
+    c, d = baseline.count(COLLAPSED), len(baseline.outcomes) - baseline.count(COLLAPSED)
+    return fisher_exact(a, b, c, d)
+
+
+def pooled_table(
+    by_setting: Mapping[Setting, Sequence[CellSummary]], methods: Sequence[Method], baseline: Method
+) -> list[str]:
+    """Collapse counts of each arm under every setting, pooled, with Fisher's test against
+    the baseline's pooled counts."""
+    settings = list(by_setting)
+    counts: dict[Method, list[tuple[int, int]]] = {m: [] for m in methods}
+    for setting in settings:
+        found = {s.cell.method: s for s in by_setting[setting]}
+        for method in methods:
+            summary = found.get(method)
+            counts[method].append(
+                (summary.count(COLLAPSED), len(summary.outcomes)) if summary else (0, 0)
             )
+    pooled = {m: (sum(c for c, _ in v), sum(n for _, n in v)) for m, v in counts.items()}
+    base_c, base_n = pooled[baseline]
+    headers = ["arm", *(f"collapsed: {s.label}" for s in settings), "pooled", "Fisher p vs GRPO"]
+    rows = []
+    for method in methods:
+        c, n = pooled[method]
+        p = "" if method is baseline else f"{fisher_exact(c, n - c, base_c, base_n - base_c):.2f}"
+        cells = [f"{k}/{total}" if total else "" for k, total in counts[method]]
+        rows.append([method.label, *cells, f"{c}/{n}", p])
     return _table(headers, rows)
 
 
 def dynamics_table(
     tables: Mapping[str, Mapping[str, Mapping[str, Any]]], sizes: Mapping[str, tuple[int, int]]
 ) -> list[str]:
-    headers = ["staleness", "ratios", "responses/tokens", *PAPER_DYNAMICS]
+    headers = ["setting", "ratios", "responses/tokens", *PAPER_DYNAMICS]
     rows = []
     for name, by_filter in tables.items():
         responses, tokens = sizes[name]
@@ -219,44 +280,58 @@ def filter_table(rows: Sequence[FilterComparison]) -> list[str]:
     )
 
 
-def settings_table(cells: Sequence[Cell]) -> list[str]:
-    """What each method and staleness setting changes in the base spec."""
-    methods = {c.method.key: c.method for c in cells}
-    settings = {c.staleness.key: c.staleness for c in cells}
+def settings_table(methods: Sequence[Method], settings: Sequence[Setting]) -> list[str]:
+    """What each arm and setting changes in the base spec."""
     rows = [
         [
-            f"method `{m.key}`",
+            f"arm `{m.key}`",
             m.label,
             f"`algorithm.estimator: {json.dumps(m.estimator)}`"
             + (f", `reference: {m.reference}`" if m.reference != "behaviour" else "")
             + (f", `off_policy: {json.dumps(m.off_policy)}`" if m.off_policy else "")
             + (f", `loss_agg_mode: {m.loss_agg_mode}`" if m.loss_agg_mode else ""),
         ]
-        for m in methods.values()
+        for m in methods
     ]
     rows += [
-        [f"staleness `{s.key}`", s.label, f"`pipeline: {json.dumps(s.pipeline)}`"]
-        for s in settings.values()
+        [
+            f"setting `{s.key}`",
+            s.label,
+            ", ".join(
+                f"`{section}: {json.dumps(fields)}`" for section, fields in s.overrides.items()
+            ),
+        ]
+        for s in settings
     ]
     return _table(["cell part", "name", "applied to the base spec"], rows)
 
 
-def collapse_notes(summaries: Sequence[CellSummary]) -> list[str]:
-    lines = [
-        f"A run counts as collapsed when its final held-out accuracy is more than "
-        f"{ACCURACY_DROP} below the best it reached (the starting model included), or its "
-        f"entropy over the last {TAIL} steps is below {ENTROPY_FRACTION:.0%} of the first "
-        f"steps', or more than {TRUNCATION:.0%} of its responses in the last {TAIL} steps hit "
-        "the length limit.",
-        "",
+def outcome_rules() -> list[str]:
+    return [
+        f"A run **collapsed** when its final held-out accuracy is more than {ACCURACY_DROP} "
+        "below the best it reached (the starting model included) *and* it shows a symptom: "
+        f"more than {TRUNCATION:.0%} of responses truncated (last evaluation or last {TAIL} "
+        f"steps), entropy over the last {TAIL} steps above {ENTROPY_BLOWUP:g}x or below "
+        f"{ENTROPY_FRACTION:.0%} of the first {HEAD} steps', or a final KL from the starting "
+        f"model above {KL_FACTOR:g}x the median of every run under the same setting. It "
+        f"**learned** when it did not collapse and gained at least {LEARNED_GAIN} held-out "
+        "accuracy; otherwise it **did not learn**.",
     ]
-    found = [s for s in summaries if s.reasons]
-    if not found:
-        return [*lines, "No run met the criterion."]
-    for summary in found:
-        label = f"{summary.cell.method.label}, {summary.cell.staleness.label}"
-        lines.append(f"- {label}: {'; '.join(summary.reasons)}")
-    return lines
+
+
+def outcome_notes(summaries: Sequence[CellSummary]) -> list[str]:
+    """One line per cell with a run that collapsed or did not learn, naming why."""
+    lines = []
+    for summary in summaries:
+        parts = [
+            f"seed {seed} {o.kind}: {'; '.join(o.reasons)}"
+            for seed, o in sorted(summary.outcomes.items())
+            if o.kind != LEARNED
+        ]
+        if parts:
+            label = f"{summary.cell.method.label}, {summary.cell.setting.label}"
+            lines.append(f"- {label}: {' | '.join(parts)}")
+    return lines or ["Every run learned."]
 
 
 def replace_block(document: Path, name: str, block: Sequence[str], title: str) -> None:

@@ -30,6 +30,7 @@ from services.pipeline.outputs import (
     read_metrics,
 )
 from services.spec import RunSpec
+from stability_study.evaluate import Evaluation
 from stability_study.grid import Cell, cell_spec
 
 EVALS_FILE = "evals.json"
@@ -37,14 +38,18 @@ EVALS_FILE = "evals.json"
 
 @dataclass(frozen=True)
 class RunResult:
-    """One finished run: its per-step records and held-out accuracy by step (0 = start)."""
+    """One finished run: its per-step records and held-out evaluations by step (0 = start)."""
 
     cell: Cell
     seed: int
     path: Path
     records: list[MetricsRecord]
-    accuracy: dict[int, float]
+    evaluations: dict[int, Evaluation]
     seconds: float  # the run and its evaluations
+
+    @property
+    def accuracy(self) -> dict[int, float]:
+        return {step: e.accuracy for step, e in self.evaluations.items()}
 
 
 def run_path(out: Path, cell: Cell, seed: int) -> Path:
@@ -56,11 +61,14 @@ def load_result(out: Path, cell: Cell, seed: int) -> RunResult | None:
     path = run_path(out, cell, seed)
     try:
         evals = json.loads((path / EVALS_FILE).read_text(encoding="utf-8"))
-        accuracy = {int(step): float(value) for step, value in evals["accuracy"].items()}
+        evaluations = {
+            int(step): Evaluation(**{k: float(v) for k, v in values.items()})
+            for step, values in evals["evaluations"].items()
+        }
         seconds = float(evals["seconds"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    return RunResult(cell, seed, path, read_metrics(path), accuracy, seconds)
+    return RunResult(cell, seed, path, read_metrics(path), evaluations, seconds)
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -74,8 +82,8 @@ def run_one(
     cell: Cell,
     seed: int,
     out: Path,
-    initial_accuracy: float,
-    accuracy_of: Callable[[Path], float],
+    initial: Evaluation,
+    evaluate: Callable[[Path], Evaluation],
 ) -> RunResult:
     """Run (cell, seed) to its last step, evaluate each checkpoint, and record the result.
 
@@ -90,15 +98,18 @@ def run_one(
     state = execute_run(spec, RunDirectory(path))
     if state != "succeeded":
         raise RuntimeError(f"run {cell.key} seed {seed} ended {state}; see {path}")
-    accuracy = {0: initial_accuracy}
+    evaluations = {0: initial}
     checkpoints = path / CHECKPOINTS_DIR
     for step, checkpoint in list_checkpoints(checkpoints):
         # Each checkpoint evaluated as the Hugging Face model it exports to.
         with tempfile.TemporaryDirectory() as tmp:
-            accuracy[step] = accuracy_of(export_model(checkpoint / LEARNER_DIR, Path(tmp) / "m"))
+            evaluations[step] = evaluate(export_model(checkpoint / LEARNER_DIR, Path(tmp) / "m"))
     shutil.rmtree(checkpoints, ignore_errors=True)
     shutil.rmtree(path / MODEL_DIR, ignore_errors=True)
     seconds = time.perf_counter() - started
-    evals = {"accuracy": {str(step): value for step, value in accuracy.items()}, "seconds": seconds}
+    evals = {
+        "evaluations": {str(step): e.as_json() for step, e in evaluations.items()},
+        "seconds": seconds,
+    }
     _write_json(path / EVALS_FILE, evals)
-    return RunResult(cell, seed, path, read_metrics(path), accuracy, seconds)
+    return RunResult(cell, seed, path, read_metrics(path), evaluations, seconds)

@@ -1,17 +1,22 @@
-"""Per-cell figures over seeds, and the collapse criterion.
+"""Per-run outcomes and per-cell figures over seeds.
 
-A run counts as collapsed when any of these holds (each names a failure seen in RL of LLMs):
-- held-out accuracy at the end is more than ACCURACY_DROP below the best it reached (step 0,
-  the starting model, included): training destroyed what the model could do;
-- mean token entropy over the last TAIL steps is below ENTROPY_FRACTION of the first steps':
-  the policy collapsed onto a few outputs;
-- over the last TAIL steps more than TRUNCATION of the responses hit max_new_tokens: the model
-  stopped ending its answers (end-of-sequence decay).
+Each run ends in one of three outcomes, decided from its held-out evaluations (every
+`checkpoint_every` steps, step 0 the starting model) and its training records:
+- collapsed: its final accuracy is more than ACCURACY_DROP below the best it reached, *and* it
+  shows a symptom of a collapse: more than TRUNCATION of the responses run into the length limit
+  (at the last evaluation or over the last TAIL steps), its entropy over the last TAIL steps is
+  above ENTROPY_BLOWUP or below ENTROPY_FRACTION times its first HEAD steps', or its KL from the
+  starting model at the end is more than KL_FACTOR times the median of every run under the same
+  setting (far past the others);
+- learned: not collapsed, and its final accuracy is at least LEARNED_GAIN above the start's
+  (about 2 paired standard errors on 512 prompts);
+- did not learn: everything else, including a run that drifted down without a symptom.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,12 +24,18 @@ import numpy as np
 
 from stability_study.grid import Cell
 from stability_study.runner import RunResult
+from stability_study.stats import bootstrap_interval
 
 TAIL = 10
 HEAD = 5
 ACCURACY_DROP = 0.05
-ENTROPY_FRACTION = 0.3
 TRUNCATION = 0.5
+ENTROPY_BLOWUP = 2.0
+ENTROPY_FRACTION = 0.3
+KL_FACTOR = 4.0
+LEARNED_GAIN = 0.03
+
+COLLAPSED, LEARNED, DID_NOT_LEARN = "collapsed", "learned", "did not learn"
 
 
 @dataclass(frozen=True)
@@ -48,7 +59,24 @@ class Spread:
         return f"{self.mean:.{digits}f} ± {self.std:.{digits}f}"
 
 
-def _values(result: RunResult, key: str) -> list[float]:
+@dataclass(frozen=True)
+class Interval:
+    """A mean over seeds with its bootstrap 95% interval."""
+
+    mean: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Interval:
+        low, high = bootstrap_interval(values)
+        return cls(float(np.mean(values)), low, high)
+
+    def format(self, digits: int = 3) -> str:
+        return f"{self.mean:+.{digits}f} [{self.low:+.{digits}f}, {self.high:+.{digits}f}]"
+
+
+def values_of(result: RunResult, key: str) -> list[float]:
     return [float(r[key]) for r in result.records if r.get(key) is not None]
 
 
@@ -56,64 +84,119 @@ def _mean(values: Sequence[float]) -> float:
     return float(np.mean(values)) if values else math.nan
 
 
-def collapse_reasons(result: RunResult) -> list[str]:
-    """Why `result` counts as collapsed (module doc); empty when it did not."""
-    reasons = []
-    steps = sorted(result.accuracy)
-    if steps:
-        best = max(result.accuracy.values())
-        final = result.accuracy[steps[-1]]
-        if final < best - ACCURACY_DROP:
-            reasons.append(f"held-out accuracy {final:.3f} vs best {best:.3f}")
-    entropy = _values(result, "entropy")
-    if len(entropy) > HEAD + TAIL:
-        start, end = _mean(entropy[:HEAD]), _mean(entropy[-TAIL:])
-        if end < ENTROPY_FRACTION * start:
-            reasons.append(f"entropy {end:.3f} vs {start:.3f} at the start")
-    truncated = _mean(_values(result, "truncated_fraction")[-TAIL:])
+def final_step(result: RunResult) -> int:
+    return max(result.evaluations)
+
+
+def accuracy_gain(result: RunResult) -> float:
+    """Final minus starting held-out accuracy: paired (same prompts, same sampling seed)."""
+    return result.accuracy[final_step(result)] - result.accuracy[0]
+
+
+def final_kl_from_start(result: RunResult) -> float:
+    return result.evaluations[final_step(result)].kl_from_start
+
+
+def symptoms(result: RunResult, kl_median: float) -> list[str]:
+    """The signs of a collapse `result` shows (module doc); `kl_median` is that of every run
+    under the same setting."""
+    found = []
+    final = result.evaluations[final_step(result)]
+    truncated = max(final.truncated, _mean(values_of(result, "truncated_fraction")[-TAIL:]))
     if truncated > TRUNCATION:
-        reasons.append(f"{truncated:.0%} of responses truncated")
-    return reasons
+        found.append(f"{truncated:.0%} of responses truncated")
+    entropy = values_of(result, "entropy")
+    if len(entropy) >= HEAD + TAIL:
+        start, end = _mean(entropy[:HEAD]), _mean(entropy[-TAIL:])
+        if end > ENTROPY_BLOWUP * start or end < ENTROPY_FRACTION * start:
+            found.append(f"entropy {end:.3f} vs {start:.3f} at the start")
+    if kl_median > 0 and final.kl_from_start > KL_FACTOR * kl_median:
+        found.append(f"KL from the start {final.kl_from_start:.3f} vs median {kl_median:.3f}")
+    return found
+
+
+@dataclass(frozen=True)
+class Outcome:
+    kind: str  # COLLAPSED, LEARNED or DID_NOT_LEARN
+    reasons: tuple[str, ...]
+
+
+def outcome(result: RunResult, kl_median: float) -> Outcome:
+    """How `result` ended (module doc)."""
+    best = max(result.accuracy.values())
+    final = result.accuracy[final_step(result)]
+    fell = final < best - ACCURACY_DROP
+    found = symptoms(result, kl_median)
+    if fell and found:
+        return Outcome(COLLAPSED, (f"held-out accuracy {final:.3f} vs best {best:.3f}", *found))
+    if accuracy_gain(result) >= LEARNED_GAIN:
+        return Outcome(LEARNED, ())
+    why = [f"accuracy {result.accuracy[0]:.3f} -> {final:.3f}"]
+    if fell:
+        why.append(f"fell from {best:.3f} without a collapse symptom")
+    return Outcome(DID_NOT_LEARN, tuple(why + found))
+
+
+def setting_kl_median(results: Sequence[RunResult]) -> float:
+    """The median final KL from the start over `results` (every run under one setting)."""
+    values = [final_kl_from_start(r) for r in results]
+    return float(statistics.median(values)) if values else math.nan
 
 
 @dataclass(frozen=True)
 class CellSummary:
     cell: Cell
-    seeds: int
+    seeds: tuple[int, ...]
+    gains: dict[int, float]  # accuracy gain by seed
+    gain: Interval
+    accuracy: dict[int, Spread]  # held-out accuracy by evaluation step
     reward_tail: Spread  # mean reward of the last TAIL steps
-    accuracy: dict[int, Spread]  # held-out accuracy by step
-    accuracy_gain: Spread  # final minus initial held-out accuracy
     entropy_tail: Spread
     clip_fraction: Spread  # mean over steps
-    kl_mean: Spread  # approx_kl (k3 against the reference) averaged over steps
-    kl_max: float  # the largest per-step approx_kl of any seed
+    shrinkage: Spread  # kalman_shrinkage_mean over steps (KPO only)
+    kl_behaviour: Spread  # approx_kl (k3 against the behaviour policy) averaged over steps
+    kl_from_start: Spread  # at the last evaluation
+    truncated: Spread  # at the last evaluation
     staleness: Spread  # measured staleness_mean averaged over steps
-    step_seconds: Spread  # learner seconds per step
-    collapsed: int
-    reasons: tuple[str, ...]
+    step_seconds: Spread
+    outcomes: dict[int, Outcome]  # by seed
+
+    def count(self, kind: str) -> int:
+        return sum(o.kind == kind for o in self.outcomes.values())
 
 
-def summarize(results: Sequence[RunResult]) -> CellSummary:
-    """The figures of one cell from its runs (one per seed)."""
+def summarize(results: Sequence[RunResult], kl_median: float) -> CellSummary:
+    """The figures of one cell from its runs (one per seed); `kl_median` as in `outcome`."""
     if not results:
         raise ValueError("a cell summary needs at least one run")
     steps = sorted(set.intersection(*(set(r.accuracy) for r in results)))
-    reasons = [(r.seed, collapse_reasons(r)) for r in results]
+    gains = {r.seed: accuracy_gain(r) for r in results}
+    last = [r.evaluations[final_step(r)] for r in results]
     return CellSummary(
         cell=results[0].cell,
-        seeds=len(results),
-        reward_tail=Spread.of([_mean(_values(r, "reward_mean")[-TAIL:]) for r in results]),
+        seeds=tuple(r.seed for r in results),
+        gains=gains,
+        gain=Interval.of(list(gains.values())),
         accuracy={s: Spread.of([r.accuracy[s] for r in results]) for s in steps},
-        accuracy_gain=Spread.of([r.accuracy[steps[-1]] - r.accuracy[steps[0]] for r in results]),
-        entropy_tail=Spread.of([_mean(_values(r, "entropy")[-TAIL:]) for r in results]),
-        clip_fraction=Spread.of([_mean(_values(r, "clip_fraction")) for r in results]),
-        kl_mean=Spread.of([_mean(_values(r, "approx_kl")) for r in results]),
-        kl_max=max(max(_values(r, "approx_kl"), default=math.nan) for r in results),
-        staleness=Spread.of([_mean(_values(r, "staleness_mean")) for r in results]),
-        step_seconds=Spread.of([_mean(_values(r, "step_seconds")) for r in results]),
-        collapsed=sum(bool(found) for _, found in reasons),
-        reasons=tuple(f"seed {seed}: {'; '.join(found)}" for seed, found in reasons if found),
+        reward_tail=Spread.of([_mean(values_of(r, "reward_mean")[-TAIL:]) for r in results]),
+        entropy_tail=Spread.of([_mean(values_of(r, "entropy")[-TAIL:]) for r in results]),
+        clip_fraction=Spread.of([_mean(values_of(r, "clip_fraction")) for r in results]),
+        shrinkage=Spread.of([_mean(values_of(r, "kalman_shrinkage_mean")) for r in results]),
+        kl_behaviour=Spread.of([_mean(values_of(r, "approx_kl")) for r in results]),
+        kl_from_start=Spread.of([e.kl_from_start for e in last]),
+        truncated=Spread.of([e.truncated for e in last]),
+        staleness=Spread.of([_mean(values_of(r, "staleness_mean")) for r in results]),
+        step_seconds=Spread.of([_mean(values_of(r, "step_seconds")) for r in results]),
+        outcomes={r.seed: outcome(r, kl_median) for r in results},
     )
+
+
+def paired_difference(arm: CellSummary, baseline: CellSummary) -> Interval | None:
+    """The arm's gain minus the baseline's on the seeds both ran, with its bootstrap interval."""
+    shared = sorted(set(arm.gains) & set(baseline.gains))
+    if not shared:
+        return None
+    return Interval.of([arm.gains[s] - baseline.gains[s] for s in shared])
 
 
 def curve(

@@ -66,6 +66,8 @@ class LearnerGroup:
         if learner.world_size > 1:
             self.placement = placement_group([dict(bundle)] * learner.world_size, "PACK")
         self.ranks: list[Any] = []
+        # KPO's `reference_length: auto` is the run's response limit.
+        algorithm = spec.algorithm.with_response_length(spec.generation.max_new_tokens)
         for rank in range(learner.world_size):
             options: dict[str, Any] = {
                 "num_cpus": learner.num_cpus,
@@ -76,7 +78,7 @@ class LearnerGroup:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     self.placement, placement_group_bundle_index=rank
                 )
-            args = (model_path, learner, spec.algorithm, spec.generation.temperature, spec.seed)
+            args = (model_path, learner, algorithm, spec.generation.temperature, spec.seed)
             self.ranks.append(
                 Learner.options(**options).remote(
                     *args,

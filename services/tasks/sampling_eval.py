@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import cast
 
 import torch
+from torch import Tensor
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation.utils import GenerationMixin
 
@@ -13,7 +15,27 @@ from services.messages import Prompt
 from services.tasks.answers import is_correct
 
 
-def sample_responses(
+@dataclass(frozen=True)
+class SampledBatch:
+    """Prompts (left-padded) followed by one sampled response each.
+
+    sequences, attention_mask: [B, P + N]; the first `prompt_width` columns are the prompts.
+    response_mask: [B, N], True on each response's tokens up to and including its first EOS.
+    ended: [B], True where the response ended with EOS within max_new_tokens.
+    """
+
+    sequences: Tensor
+    attention_mask: Tensor
+    prompt_width: int
+    response_mask: Tensor
+    ended: Tensor
+
+    @property
+    def responses(self) -> Tensor:
+        return self.sequences[:, self.prompt_width :]
+
+
+def sample_batches(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     prompts: Sequence[Prompt],
@@ -22,8 +44,8 @@ def sample_responses(
     max_new_tokens: int,
     temperature: float = 1.0,
     batch_size: int = 128,
-) -> list[str]:
-    """Sample one response per prompt from the full softmax at `temperature`.
+) -> list[SampledBatch]:
+    """Sample one response per prompt from the full softmax at `temperature`, in batches.
 
     No top-k or top-p truncation: this is the distribution the RL policy samples from. The
     global torch RNG is seeded inside a fork, so the result depends only on `seed` and the
@@ -41,7 +63,7 @@ def sample_responses(
     )
     was_training = model.training
     model.train(False)
-    texts: list[str] = []
+    batches: list[SampledBatch] = []
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -57,10 +79,45 @@ def sample_responses(
                 ).to(model.device)
                 # PreTrainedModel does not declare `generate`; every causal LM class mixes it in.
                 out = cast(GenerationMixin, model).generate(**enc, generation_config=config)
-                new = out[:, enc["input_ids"].shape[1] :]
-                texts.extend(tokenizer.batch_decode(new, skip_special_tokens=True))
+                batches.append(_sampled_batch(out, enc["attention_mask"], tokenizer.eos_token_id))
     finally:
         model.train(was_training)
+    return batches
+
+
+def _sampled_batch(sequences: Tensor, prompt_mask: Tensor, eos_id: int) -> SampledBatch:
+    width = prompt_mask.shape[1]
+    is_eos = sequences[:, width:] == eos_id
+    # A token belongs to the response while no EOS came before it (the EOS itself included).
+    eos_before = is_eos.long().cumsum(-1) - is_eos.long()
+    response_mask = eos_before == 0
+    attention = torch.cat([prompt_mask.bool(), response_mask], 1).long()
+    return SampledBatch(sequences, attention, width, response_mask, is_eos.any(-1))
+
+
+def sample_responses(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Prompt],
+    *,
+    seed: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    batch_size: int = 128,
+) -> list[str]:
+    """The text of one sampled response per prompt (`sample_batches`)."""
+    batches = sample_batches(
+        model,
+        tokenizer,
+        prompts,
+        seed=seed,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        batch_size=batch_size,
+    )
+    texts: list[str] = []
+    for batch in batches:
+        texts.extend(tokenizer.batch_decode(batch.responses, skip_special_tokens=True))
     return texts
 
 

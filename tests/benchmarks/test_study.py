@@ -16,84 +16,167 @@ from services.pipeline.driver import RATIO_DIR
 from services.pipeline.specs import load_run_spec
 from services.spec import RunSpec
 from stability_study import dynamics, filter_accuracy, report
+from stability_study.evaluate import Evaluation
 from stability_study.grid import (
-    BASELINES,
-    PROXIMAL,
-    STALE_8,
-    SYNC,
-    TOKEN_MEAN,
+    ARMS,
+    GENTLE,
+    GRPO,
+    SETTINGS,
+    STRESSES,
     Cell,
+    arm_cells,
     cell_spec,
-    grid,
+    pilot_cells,
+    setting_named,
 )
 from stability_study.runner import EVALS_FILE, RunResult
-from stability_study.summary import Spread, collapse_reasons, summarize
+from stability_study.stats import bootstrap_interval, fisher_exact
+from stability_study.summary import (
+    COLLAPSED,
+    DID_NOT_LEARN,
+    LEARNED,
+    Spread,
+    outcome,
+    paired_difference,
+    summarize,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 STUDY_CONFIG = ROOT / "examples" / "study.yaml"
 
 
-def test_grid_covers_every_estimator_and_staleness() -> None:
-    reduced, full = grid(full=False), grid(full=True)
-    assert len({c.key for c in reduced}) == len(reduced) == 6 * 3 + 1 + 2
-    assert len({c.key for c in full}) == len(full) == 6 * 3 + 2 + 3
-    names = {c.method.estimator["name"] for c in reduced}
-    assert names == {"token", "sequence", "geometric", "kalman", "cumulative"}
-    assert {c.staleness.key for c in reduced} == {"sync", "stale-2", "stale-8"}
-    # The proximal reference only where batches are stale.
-    assert all(c.staleness.key != "sync" for c in full if c.group == "reference")
-    assert {c.staleness.key for c in reduced if c.group == "ablation"} == {"sync", "stale-8"}
+def test_the_grid_has_the_pilot_and_every_arm_under_each_setting() -> None:
+    assert [c.key for c in pilot_cells()] == [f"grpo__{s.key}" for s in STRESSES]
+    keys = [c.key for s in SETTINGS for c in arm_cells(s)]
+    assert len(set(keys)) == len(keys) == len(ARMS) * len(SETTINGS)
+    names = {m.estimator["name"] for m in ARMS}
+    assert names == {"token", "sequence", "cumulative", "kalman"}
+    # The KPO arms pin the paper's constants, so that a change of defaults cannot move them.
+    for method in ARMS:
+        if method.estimator["name"] == "kalman":
+            assert method.estimator["r"] == 1.0 and "reference_length" in method.estimator
+    assert setting_named("gentle-sync") is GENTLE
+    with pytest.raises(ValueError, match="unknown setting 'x'; valid settings: lr3e-4-stale-8"):
+        setting_named("x")
 
 
-def test_cell_specs_apply_estimator_reference_and_staleness() -> None:
+def test_cell_specs_apply_the_arm_and_the_settings_overrides() -> None:
     base = load_run_spec(STUDY_CONFIG)
-    stale = cell_spec(base, Cell(PROXIMAL, STALE_8, "reference"), seed=2)
-    assert stale.seed == 2
-    assert stale.algorithm.reference == "proximal"
-    assert stale.algorithm.off_policy.tis_cap == 2.0
-    assert (stale.pipeline.mode, stale.pipeline.max_staleness) == ("async", 8)
-    assert stale.pipeline.lead_batches == 8
-    assert stale.pipeline.buffer_groups == 9 * base.pipeline.batch_groups
-    sync = cell_spec(base, Cell(BASELINES[0], SYNC, "baseline"), seed=0)
-    assert (sync.pipeline.mode, sync.pipeline.max_staleness, sync.pipeline.lead_batches) == (
+    stressed = cell_spec(base, Cell(ARMS[4], STRESSES[0]), seed=2)  # kpo-matched, lr 3e-4
+    assert stressed.seed == 2 and stressed.learner.lr == 3e-4
+    assert (stressed.pipeline.mode, stressed.pipeline.max_staleness) == ("async", 8)
+    assert stressed.pipeline.lead_batches == 8
+    assert stressed.pipeline.buffer_groups == 9 * base.pipeline.batch_groups
+    estimator = stressed.algorithm.estimator
+    assert estimator.name == "kalman" and estimator.reference_length == "auto"
+    resolved = stressed.algorithm.with_response_length(stressed.generation.max_new_tokens)
+    assert resolved.estimator.effective_q == pytest.approx(1e-6 * (4096 / 96) ** 2)  # type: ignore[union-attr]
+    gentle = cell_spec(base, Cell(GRPO, GENTLE), seed=0)
+    assert (gentle.pipeline.mode, gentle.pipeline.lead_batches, gentle.learner.lr) == (
         "sync",
         0,
-        0,
+        5e-5,
     )
-    assert sync.algorithm.estimator.name == "token"
-    assert sync.algorithm.loss_agg_mode is None  # the estimator's own default
-    token_mean = cell_spec(base, Cell(TOKEN_MEAN, SYNC, "ablation"), seed=0)
-    assert token_mean.algorithm.resolved_loss_agg_mode == "token-mean"
     # What the study never changes comes from the base spec.
-    assert stale.learner == base.learner and stale.generation == base.generation
+    assert gentle.generation == base.generation
+    assert stressed.learner.minibatches == base.learner.minibatches
+    # Every arm is a valid spec under every setting.
+    for setting in SETTINGS:
+        for cell in arm_cells(setting):
+            assert cell_spec(base, cell, 0).name.startswith(cell.key[:40])
 
 
 def fake_result(
-    entropy: list[float], truncated: list[float], accuracy: dict[int, float], seed: int = 0
+    accuracy: list[float],
+    entropy: list[float] | None = None,
+    truncated: float = 0.0,
+    kl: float = 0.1,
+    seed: int = 0,
 ) -> RunResult:
+    entropy = entropy or [0.2] * 30
     records = [
-        {"step": i + 1, "entropy": e, "truncated_fraction": t, "reward_mean": 0.2}
-        for i, (e, t) in enumerate(zip(entropy, truncated, strict=True))
+        {"step": i + 1, "entropy": e, "truncated_fraction": truncated, "reward_mean": 0.2}
+        for i, e in enumerate(entropy)
     ]
-    cell = Cell(BASELINES[0], SYNC, "baseline")
-    return RunResult(cell, seed, Path("."), records, accuracy, 1.0)
+    evaluations = {
+        10 * i: Evaluation(a, truncated, 0.0 if i == 0 else kl) for i, a in enumerate(accuracy)
+    }
+    return RunResult(Cell(GRPO, STRESSES[0]), seed, Path("."), records, evaluations, 1.0)
 
 
-def test_collapse_criterion_names_each_failure_and_spares_a_healthy_run() -> None:
-    steady = [0.2] * 30
-    healthy = fake_result(steady, [0.0] * 30, {0: 0.2, 25: 0.25, 50: 0.23})
-    assert collapse_reasons(healthy) == []
-    forgot = fake_result(steady, [0.0] * 30, {0: 0.2, 25: 0.3, 50: 0.2})
-    assert collapse_reasons(forgot) == ["held-out accuracy 0.200 vs best 0.300"]
-    entropy = fake_result([0.2] * 20 + [0.05] * 10, [0.0] * 30, {0: 0.2, 50: 0.2})
-    assert collapse_reasons(entropy)[0].startswith("entropy 0.050")
-    endless = fake_result(steady, [0.0] * 20 + [0.8] * 10, {0: 0.2, 50: 0.2})
-    assert collapse_reasons(endless) == ["80% of responses truncated"]
-    summary = summarize([healthy, forgot])
-    assert summary.collapsed == 1 and summary.reasons == (
-        "seed 0: held-out accuracy 0.200 vs best 0.300",
+def test_outcomes_split_collapse_from_not_learning() -> None:
+    learned = fake_result([0.2, 0.25, 0.24])
+    assert outcome(learned, 0.1).kind == LEARNED
+    # A fall without a symptom did not learn; the same fall with one collapsed.
+    fell = fake_result([0.2, 0.3, 0.2])
+    assert outcome(fell, 0.1) == outcome(fell, 0.1)
+    assert outcome(fell, 0.1).kind == DID_NOT_LEARN
+    assert "fell from 0.300 without a collapse symptom" in outcome(fell, 0.1).reasons
+    endless = fake_result([0.2, 0.3, 0.1], truncated=0.8)
+    assert outcome(endless, 0.1).reasons == (
+        "held-out accuracy 0.100 vs best 0.300",
+        "80% of responses truncated",
     )
-    assert summary.accuracy_gain.mean == pytest.approx(0.015)
+    blowup = fake_result([0.2, 0.1], entropy=[0.2] * 20 + [0.5] * 10)
+    assert outcome(blowup, 0.1).kind == COLLAPSED
+    assert outcome(blowup, 0.1).reasons[1] == "entropy 0.500 vs 0.200 at the start"
+    drifted = fake_result([0.2, 0.1], kl=0.9)
+    assert outcome(drifted, 0.3).kind == DID_NOT_LEARN  # 0.9 < 4 x 0.3
+    assert outcome(drifted, 0.2).reasons[1] == "KL from the start 0.900 vs median 0.200"
+    flat = fake_result([0.2, 0.21])
+    assert outcome(flat, 0.1).kind == DID_NOT_LEARN
+
+
+def test_cell_summaries_pair_seeds_and_count_outcomes() -> None:
+    arm = [fake_result([0.2, 0.3], seed=0), fake_result([0.2, 0.1], truncated=0.9, seed=1)]
+    grpo = [fake_result([0.2, 0.25], seed=0), fake_result([0.2, 0.22], seed=1)]
+    mine, theirs = summarize(arm, 0.1), summarize(grpo, 0.1)
+    assert (mine.count(COLLAPSED), mine.count(LEARNED)) == (1, 1)
+    assert mine.gains == pytest.approx({0: 0.1, 1: -0.1})
+    difference = paired_difference(mine, theirs)
+    assert difference is not None
+    assert difference.mean == pytest.approx(((0.1 - 0.05) + (-0.1 - 0.02)) / 2)
+    assert difference.low <= difference.mean <= difference.high
+    assert report.collapse_test(mine, theirs) == pytest.approx(1.0)
+
+
+def test_fisher_exact_and_bootstrap_by_hand() -> None:
+    # 0/3 vs 2/3 collapsed: p = 0.4 (the tables as or less likely: a = 0 and a = 2).
+    assert fisher_exact(0, 3, 2, 1) == pytest.approx(0.4)
+    # Fisher's tea tasting, 3 of 4 right: two-sided p = 34/70.
+    assert fisher_exact(3, 1, 1, 3) == pytest.approx(34 / 70)
+    assert fisher_exact(6, 0, 0, 6) == pytest.approx(2 / 924)
+    with pytest.raises(ValueError, match="counts must be >= 0"):
+        fisher_exact(-1, 1, 1, 1)
+    low, high = bootstrap_interval([0.0, 1.0, 2.0, 3.0])
+    assert 0.0 <= low < 1.5 < high <= 3.0
+    assert bootstrap_interval([0.5]) == (0.5, 0.5)
+    assert bootstrap_interval([0.0, 1.0, 2.0, 3.0]) == (low, high)  # seeded
+
+
+def test_the_pilot_picks_the_stress_where_grpo_collapses_most() -> None:
+    import study
+
+    def summary(setting: int, accuracies: list[list[float]]) -> object:
+        runs = [
+            RunResult(Cell(GRPO, STRESSES[setting]), seed, Path("."), r.records, r.evaluations, 1.0)
+            for seed, r in enumerate(fake_result(a, truncated=0.9) for a in accuracies)
+        ]
+        return summarize(runs, 0.1)
+
+    collapsing = [[0.2, 0.3, 0.1]] * 2 + [[0.2, 0.21, 0.2]]  # two collapse (truncation, fall)
+    mild = [[0.2, 0.3, 0.1]] + [[0.2, 0.21, 0.2]] * 2
+    pilot = {STRESSES[0]: summary(0, mild), STRESSES[1]: summary(1, collapsing)}
+    choice = study.pick_stress(pilot)  # type: ignore[arg-type]
+    assert (choice.setting, choice.collapsed, choice.seeds, choice.collapses) == (
+        STRESSES[1],
+        2,
+        3,
+        True,
+    )
+    pilot = {STRESSES[0]: summary(0, mild), STRESSES[2]: summary(2, mild)}
+    choice = study.pick_stress(pilot)  # type: ignore[arg-type]
+    assert choice.collapsed == 1 and not choice.collapses
 
 
 def test_spread_is_mean_and_sample_deviation() -> None:
@@ -170,41 +253,48 @@ def test_filter_comparison_shows_the_closed_form_drifting(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_the_study_runs_a_cell_end_to_end_and_reports_it(
+@pytest.mark.timeout(900)
+def test_the_study_runs_two_arms_end_to_end_and_reports_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import study  # benchmarks/study.py
 
     out, docs = tmp_path / "out", tmp_path / "docs"
     argv = [
-        "--only", "^grpo__sync$", "--seeds", "1", "--eval-prompts", "16", "--name", "tiny",
+        "--phase", "gentle", "--only", "^(grpo|kpo-matched)__gentle-sync$", "--seeds", "1",
+        "--eval-prompts", "16", "--name", "tiny",
         "--set", "pipeline.steps=4", "--set", "pipeline.checkpoint_every=2",
         "--set", "learner.record_ratios_every=2",
         "--out", str(out), "--docs", str(docs), "--filter-lengths", "1024",
     ]  # fmt: skip
     monkeypatch.setattr(sys, "argv", ["study.py", *argv])
     study.main(argv)
-    run = out / "runs" / "grpo__sync" / "seed-0"
+    run = out / "runs" / "kpo-matched__gentle-sync" / "seed-0"
     evals = json.loads((run / EVALS_FILE).read_text())
-    assert sorted(int(s) for s in evals["accuracy"]) == [0, 2, 4]
+    assert sorted(int(s) for s in evals["evaluations"]) == [0, 2, 4]
+    assert set(evals["evaluations"]["4"]) == {"accuracy", "truncated", "kl_from_start"}
+    assert evals["evaluations"]["0"]["kl_from_start"] == 0.0
+    assert evals["evaluations"]["4"]["kl_from_start"] > 0.0  # it trained away from the start
     assert not (run / "checkpoints").exists()  # evaluated, then removed
     assert sorted(p.name for p in (run / RATIO_DIR).iterdir()) == [
         "step-000002.pt",
         "step-000004.pt",
     ]
     document = (docs / "results.md").read_text()
-    assert "| GRPO (token) | synchronous |" in document
-    assert "## Ratio dynamics: raw vs filtered" in document
-    assert "## Study `tiny`" in document and "](results/tiny/curves.png)" in document
-    for figure in ("curves.png", "accuracy.png", "ratio_dynamics.png", "filter_accuracy.png"):
+    assert "### Every arm under lr 5e-5, synchronous" in document
+    assert "| KPO, length-matched |" in document and "| GRPO (token) |" in document
+    assert "### Ratio dynamics: raw vs filtered" in document
+    assert "## Study `tiny`" in document and "](results/tiny/accuracy-gentle-sync.png)" in document
+    for figure in ("curves-gentle-sync.png", "accuracy-gentle-sync.png", "ratio_dynamics.png"):
         assert (docs / "results" / "tiny" / figure).stat().st_size > 10_000
-    with (docs / "results" / "tiny" / "metrics" / "grpo__sync.csv").open() as handle:
+    with (docs / "results" / "tiny" / "metrics" / "kpo-matched__gentle-sync.csv").open() as handle:
         rows = list(csv.DictReader(handle))
     assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]
     assert all(float(r["staleness_mean"]) == 0.0 for r in rows)
+    # Length-matched at 96 tokens, the filter has moved well off its prior (W >> 0.002).
+    assert all(float(r["kalman_shrinkage_mean"]) > 0.3 for r in rows)
 
-    # A second invocation reuses the finished run and rewrites only the generated block.
+    # A second invocation reuses the finished runs and rewrites only the generated block.
     stamp = (run / EVALS_FILE).stat().st_mtime_ns
     (docs / "results.md").write_text(document + "\nHand-written reading.\n")
     study.main([*argv, "--report-only"])
@@ -219,6 +309,8 @@ def test_bad_study_arguments_are_messages_naming_the_problem(tmp_path: Path) -> 
         study.main(["--only", "nothing", "--report-only"])
     with pytest.raises(SystemExit, match=r"--only '\(': "):
         study.main(["--only", "(", "--report-only"])
+    with pytest.raises(SystemExit, match="the main phase needs the whole pilot"):
+        study.main(["--phase", "main", "--out", str(tmp_path / "empty")])
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("learner:\n  lr: -1\n")

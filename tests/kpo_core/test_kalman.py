@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kpo_core import kalman
 from kpo_core.kalman import kalman_filter, kalman_gains, steady_state_gain
 
 Q_OVER_R = (1e-8, 1e-6, 1e-4, 1e-2, 1.0)
@@ -210,3 +211,154 @@ def test_property_parallel_equals_sequential(
 def test_steady_state_formula() -> None:
     # s = 1: K_inf = (-1 + sqrt 5) / 2, the golden-ratio conjugate.
     assert steady_state_gain(1.0, 1.0) == pytest.approx((math.sqrt(5) - 1) / 2, rel=1e-12)
+
+
+# --- Right padding: the prefix path ----------------------------------------------------------
+
+
+def right_padded(lengths: list[int], length: int) -> torch.Tensor:
+    return torch.arange(length) < torch.tensor(lengths)[:, None]
+
+
+def with_interior_row(z: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append a row with a hole: the batch is then no longer right-padded (the general path)."""
+    hole = torch.ones(1, mask.shape[1], dtype=torch.bool)
+    hole[0, 0] = False
+    return torch.cat([z, z[:1]]), torch.cat([mask, hole])
+
+
+def test_prefix_masks_are_detected() -> None:
+    def lengths_of(mask: torch.Tensor) -> list[int] | None:
+        found = kalman._prefix_lengths(mask.view(torch.uint8).to(torch.float32))
+        return None if found is None else found.tolist()
+
+    assert lengths_of(right_padded([0, 3, 5], 5)) == [0, 3, 5]
+    assert lengths_of(right_padded([1], 1)) == [1]
+    assert lengths_of(torch.tensor([[False, True, True]])) is None  # left padding
+    assert lengths_of(torch.tensor([[True, False, True]])) is None  # interior hole
+
+
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 100, 257])
+def test_prefix_path_equals_general_path_and_recursion(length: int) -> None:
+    generator = torch.Generator().manual_seed(length)
+    lengths = [0, length, *torch.randint(1, length + 1, (3,), generator=generator).tolist()]
+    mask = right_padded(lengths, length)
+    z = torch.randn(len(lengths), length, generator=generator, dtype=torch.float64)
+    upstream = torch.randn(z.shape, generator=generator, dtype=torch.float64)
+    z_general, mask_general = with_interior_row(z, mask)
+    for q, p0, x0 in [(1e-6, 0.0, 0.0), (1e-2, 1.0, 0.3), (1.0, 1e6, -0.5), (0.0, 0.0, 0.2)]:
+        zg = z.clone().requires_grad_()
+        x = kalman_filter(zg, mask, q, 1.0, p0, x0)
+        (x * upstream).sum().backward()
+        zs = z.clone().requires_grad_()
+        expected = kalman_filter(zs, mask, q, 1.0, p0, x0, method="sequential")
+        (expected * upstream).sum().backward()
+        general = kalman_filter(z_general, mask_general, q, 1.0, p0, x0)[: len(lengths)]
+        torch.testing.assert_close(x, expected, rtol=0, atol=1e-10)
+        torch.testing.assert_close(x, general, rtol=0, atol=1e-12)
+        assert zg.grad is not None and zs.grad is not None
+        torch.testing.assert_close(zg.grad, zs.grad, rtol=0, atol=1e-12)
+        assert torch.all(zg.grad[~mask] == 0)
+        assert torch.all(x[0] == x0)  # the all-masked row holds x0
+
+
+def test_prefix_path_ignores_padding_contents() -> None:
+    mask = right_padded([5, 40, 0], 40)
+    z = torch.randn(3, 40, generator=torch.Generator().manual_seed(2))
+    clean = kalman_filter(z.masked_fill(~mask, 0.0), mask, 1e-2, 1.0)
+    for fill in (float("nan"), float("inf"), float("-inf"), 1e30):
+        zg = z.masked_fill(~mask, fill).requires_grad_()
+        x = kalman_filter(zg, mask, 1e-2, 1.0)
+        torch.testing.assert_close(x, clean, rtol=0, atol=0)
+        x.sum().backward()
+        assert zg.grad is not None and torch.all(zg.grad[~mask] == 0)
+
+
+def test_prefix_tables_are_reused_across_lengths_dtypes_and_noise() -> None:
+    kalman._table_cache.clear()
+    generator = torch.Generator().manual_seed(4)
+    z = torch.randn(2, 5000, generator=generator, dtype=torch.float64)
+    lengths = [5000, 3111]
+    results = {}
+    # Short, then long (the cached tables grow past their first capacity), then short again,
+    # in float64 and float32 and for two noise levels: each against the recursion.
+    for q in (1e-3, 1e-5):
+        for length in (50, 5000, 50):
+            for dtype in (torch.float64, torch.float32):
+                used = [min(n, length) for n in lengths]
+                mask = right_padded(used, length)
+                x = kalman_filter(z[:, :length].to(dtype), mask, q, 1.0)
+                for row in range(len(used)):
+                    expected = scalar_reference(
+                        z[row, :length].to(dtype).double().tolist(),
+                        mask[row].tolist(),
+                        q,
+                        1.0,
+                        0.0,
+                        0.0,
+                    )
+                    error = (
+                        (x[row].double() - torch.tensor(expected, dtype=torch.float64)).abs().max()
+                    )
+                    assert error < (1e-12 if dtype == torch.float64 else 1e-6), (q, length, dtype)
+                key = (q, length, dtype)
+                if key in results:  # a slice of the grown tables gives the very same values
+                    assert torch.equal(results[key], x)
+                results[key] = x
+
+
+@pytest.mark.parametrize("q", [1e-6, 1e-4, 1e-2])
+def test_prefix_path_matches_recursion_at_131072_tokens(q: float) -> None:
+    length = 131_072
+    z = 0.5 * torch.randn(2, length, generator=torch.Generator().manual_seed(7))
+    lengths = [length, 100_000]
+    mask = right_padded(lengths, length)
+    x = kalman_filter(z, mask, q, 1.0).double()
+    for row in range(2):
+        expected = scalar_reference(z[row].double().tolist(), mask[row].tolist(), q, 1.0, 0.0, 0.0)
+        assert (x[row] - torch.tensor(expected, dtype=torch.float64)).abs().max() < 1e-6
+
+
+# --- The official code -----------------------------------------------------------------------
+
+
+def official_closed_form(z: torch.Tensor, mask: torch.Tensor, q: float) -> torch.Tensor:
+    """The official form as written: gains by position, masked tokens observed as z = 0, no floor
+    on the products, in z's dtype."""
+    gains = kalman_gains(z.shape[-1], q, 1.0).to(z.dtype)
+    products = torch.cumprod(1.0 - gains, -1)
+    return products * torch.cumsum(gains * z * mask / products, -1)
+
+
+def test_official_form_treats_padding_as_zero_observations() -> None:
+    generator = torch.Generator().manual_seed(8)
+    z = torch.randn(2, 60, generator=generator, dtype=torch.float64)
+    right = right_padded([30, 60], 60)
+    left = right.flip(-1)
+    for mask, agrees in ((right, True), (left, False)):
+        official = official_closed_form(z, mask, 1e-2)
+        ours = kalman_filter(z, mask, 1e-2, 1.0)
+        error = (official - ours)[mask].abs().max().item()
+        assert (error < 1e-12) == agrees, error
+
+
+@pytest.mark.parametrize("q", [5e-4, 1e-3, 1e-2])
+def test_official_float32_form_overflows_near_87_over_sqrt_q(q: float) -> None:
+    onset_scale = 87.0 / math.sqrt(q)
+    length = int(1.5 * onset_scale)
+    z = 0.5 * torch.randn(1, length, generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(z, dtype=torch.bool)
+    products = torch.cumprod(1.0 - kalman_gains(length, q, 1.0).float(), -1)
+    official = official_closed_form(z, mask, q)
+    # 1 / prod(1 - K) overflows float32 (e^88.7) about 3% past 87 / sqrt(Q/R), the output
+    # turns inf soon after, and once the product underflows to 0 (e^-103) it is NaN.
+    overflow = int(torch.isinf(1.0 / products).nonzero()[0, 0])
+    non_finite = int((~torch.isfinite(official[0])).nonzero()[0])
+    underflow = int((products == 0).nonzero()[0, 0])
+    assert 1.0 < overflow / onset_scale < 1.05
+    assert overflow <= non_finite < 1.1 * onset_scale
+    assert 1.15 < underflow / onset_scale < 1.25
+    assert torch.isnan(official[0, underflow:]).all()
+    # Ours stays finite, and so does our closed form (its floor of 1e-30 makes it drift instead).
+    assert torch.isfinite(kalman_filter(z, mask, q, 1.0)).all()
+    assert torch.isfinite(kalman_filter(z, mask, q, 1.0, method="closed_form")).all()

@@ -91,7 +91,7 @@ def learner_record() -> dict[str, float]:
     model_dir = resolve_model("tiny-arith")
     algorithm = AlgorithmConfig.model_validate(
         {
-            "estimator": {"name": "kalman"},
+            "estimator": {"name": "kalman", "token_clip": [0.2, 0.28]},
             "reference": "proximal",
             "off_policy": {"tis_cap": 2.0, "mis_low": 0.5, "mis_high": 4.0},
         }

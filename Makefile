@@ -69,9 +69,10 @@ bench-integrations:
 demo: $(STAMP)
 	$(VENV)/bin/kpo run examples/demo.yaml --out runs/demo-$$(date +%Y%m%d-%H%M%S)
 
-# The stability study: every estimator on fresh and stale batches, 3 seeds (the reduced grid,
-# under an hour on 2 cores); rewrites docs/results.md's tables, figures and per-step CSVs.
-# Extra flags through STUDY_ARGS, e.g. STUDY_ARGS=--full. Runs are kept in runs/study and reused.
+# The stability study (docs/results.md): a pilot of GRPO under three stresses, then every arm
+# under the strongest stress (6 seeds) and a gentle synchronous setting (3 seeds); about two
+# hours on 2 cores. Rewrites docs/results.md's block, figures and per-step CSVs. Extra flags
+# through STUDY_ARGS, e.g. STUDY_ARGS='--phase pilot'. Runs are kept in runs/study and reused.
 study: $(STAMP)
 	$(PY) benchmarks/study.py $(STUDY_ARGS)
 

@@ -10,9 +10,12 @@ from fastapi import FastAPI
 
 from services.api.app import create_app
 from services.api.settings import ApiSettings
-from services.store import store_from_env
+from services.store import open_store
 from tests.services.api.launchers import RecordingLauncher
 
 
 def app() -> FastAPI:
-    return create_app(ApiSettings(), store_from_env(), RecordingLauncher())
+    settings = ApiSettings()
+    return create_app(
+        settings, open_store(settings.store_url, settings.data_dir), RecordingLauncher()
+    )

@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _timing import print_table
 
 from services.api.client import SseEvent, parse_sse
-from services.api.ray_head import HEAD_FILE, LocalRayHead, free_port
+from services.jobs.ray_head import HEAD_FILE, LocalRayHead, free_port
 from services.pipeline.outputs import json_safe
 from services.pipeline.specs import load_run_spec
 

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
-import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, NoReturn, cast
+from typing import TYPE_CHECKING, Annotated, NoReturn, cast
 
 import typer
 import yaml
@@ -19,6 +19,7 @@ from pydantic import ValidationError
 import kpo_core
 from kpo_core.config import AlgorithmConfig, describe_validation_error
 from services.api.client import DEFAULT_SERVER, ApiClient, ApiError, ServerUnreachable
+from services.api.settings import ApiSettings, ClientSettings
 from services.pipeline.outputs import (
     CONFIG_FILE,
     ProgressPrinter,
@@ -41,9 +42,11 @@ from services.store import (
     StoreError,
     StoreUnavailable,
     open_store,
-    store_from_env,
 )
 from services.store.factory import DEFAULT_DATA_DIR
+
+if TYPE_CHECKING:
+    from services.jobs.settings import JobSettings
 
 app = typer.Typer(help="KPO-RL: asynchronous RL for LLMs with Kalman-filtered ratios.")
 config_app = typer.Typer(help="Inspect and validate configuration files.")
@@ -252,13 +255,11 @@ ServerOption = Annotated[
 
 def _api_client(server: str) -> ApiClient:
     """A client of `server`, with the token of KPO_API_TOKEN (or the file KPO_API_TOKEN_FILE)."""
-    token = os.environ.get("KPO_API_TOKEN")
-    token_file = os.environ.get("KPO_API_TOKEN_FILE")
-    if not token and token_file:
-        try:
-            token = Path(token_file).expanduser().read_text(encoding="utf-8").strip()
-        except OSError as error:
-            fail(f"KPO_API_TOKEN_FILE {token_file}: {error}")
+    settings = ClientSettings()
+    try:
+        token = settings.token()
+    except OSError as error:
+        fail(f"KPO_API_TOKEN_FILE {settings.api_token_file}: {error}")
     return ApiClient(server, token)
 
 
@@ -327,8 +328,8 @@ def runs(
     """List runs, newest first."""
     with _api_client(server) as client, _reporting_api_errors():
         page = client.list_runs(status, limit)
-    for run in page["runs"]:
-        name = run["spec"].get("name", "")
+    for run in page["runs"]:  # summaries: the spec's name, not the spec
+        name = run.get("name") or ""
         typer.echo(f"{run['id']}  {run['status']:<9}  {_when(run['created_at'])}  {name}")
 
 
@@ -374,6 +375,15 @@ def _when(timestamp: str) -> str:
 def serve(
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="port to listen on")] = 8000,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=65535,
+            help="serve /metrics on this port of its own, unguarded, instead of on the API's "
+            "(default KPO_METRICS_PORT; unset: on the API's port, guarded like reads)",
+        ),
+    ] = None,
     insecure: Annotated[
         bool, typer.Option(help="allow a non-loopback address without an API token")
     ] = False,
@@ -381,23 +391,36 @@ def serve(
         int | None,
         typer.Option(min=1, help="CPUs of the local Ray head, if one is started; default >= 4"),
     ] = None,
+    stop: Annotated[
+        bool,
+        typer.Option(
+            "--stop",
+            help="stop the local Ray head of KPO_DATA_DIR instead (its live runs are cancelled "
+            "first, each with a checkpoint) and exit",
+        ),
+    ] = False,
 ) -> None:
     """Run the control plane: the REST API, the dashboard, and runs as Ray jobs.
 
     Runs go to the Ray cluster at RAY_ADDRESS, or to a local Ray head this command starts (and
-    leaves running, so that runs survive a restart of the control plane).
+    leaves running, so that runs survive a restart of the control plane; `--stop` ends it).
+    Settings come from KPO_* variables (README.md lists them).
     """
     import logging
 
-    import uvicorn
+    from services.jobs.settings import JobSettings
 
-    from services.api.app import create_app
-    from services.api.launcher import launcher_from_env
-    from services.api.settings import ApiSettings
+    if stop:
+        _stop_local_ray_head()
+        return
 
     try:
         settings = ApiSettings()
+        job_settings = JobSettings()
+        if metrics_port is not None:
+            settings = settings.model_copy(update={"metrics_port": metrics_port})
         token = settings.token()
+        settings.trusted_hosts(token is not None, host)  # refuses `*` without a token
     except (ValidationError, ValueError) as error:
         fail(f"settings: {error}")
     if token is None and not _is_loopback(host) and not insecure:
@@ -405,30 +428,89 @@ def serve(
             f"refusing to serve on {host} without an API token: set KPO_API_TOKEN (or "
             "KPO_API_TOKEN_FILE), listen on 127.0.0.1, or pass --insecure"
         )
+    if settings.metrics_port == port:
+        fail(f"the metrics port must differ from the API's ({port}): /metrics is served apart")
     # Only for a server that will run: a refused one leaves the caller's logging alone.
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     try:
-        store = store_from_env()
+        store = open_store(settings.store_url, settings.data_dir)
     except ValueError as error:
         fail(str(error))
     try:
-        try:
-            launcher = launcher_from_env(settings.data_dir, settings.store_url, head_cpus=ray_cpus)
-        except (RuntimeError, OSError, ValueError) as error:
-            fail(f"cannot set up Ray: {error}", 1)
-        launcher.start_reconciler(store)
-        try:
-            uvicorn.run(
-                create_app(settings, store, launcher),
-                host=host,
-                port=port,
-                # Open event streams must not hold a shutdown (or a restart) up for long.
-                timeout_graceful_shutdown=5,
-            )
-        finally:
-            launcher.close()
+        _serve_with(settings, job_settings, store, (host, port), ray_cpus)
     finally:
         _close_quietly(store)
+
+
+def _stop_local_ray_head() -> None:
+    """`kpo serve --stop`: end the local Ray head that `kpo serve` started for KPO_DATA_DIR."""
+    from services.jobs.launcher import stop_local_head
+    from services.jobs.settings import JobSettings
+
+    try:
+        data_dir = ApiSettings().data_dir
+        ray_address = JobSettings().ray_address
+    except ValidationError as error:
+        fail(f"settings: {error}")
+    if ray_address:
+        fail(
+            "RAY_ADDRESS names a Ray cluster: `kpo serve --stop` stops only the local Ray head "
+            "that `kpo serve` starts when RAY_ADDRESS is unset"
+        )
+    try:
+        done = stop_local_head(data_dir)
+    except (RuntimeError, OSError) as error:  # HeadFileError included: a record not to trust
+        fail(f"cannot stop the local Ray head: {error}", 1)
+    typer.echo(f"[kpo] {done}")
+
+
+def _serve_with(
+    settings: ApiSettings,
+    job_settings: JobSettings,
+    store: Store,
+    address: tuple[str, int],
+    ray_cpus: int | None,
+) -> None:
+    """Start Ray's side (the launcher and its reconciler), the metrics server if it has a port,
+    and the API on `address`; stop them again when uvicorn returns."""
+    import uvicorn
+
+    from services.api.app import create_app
+    from services.api.metrics_server import MetricsServer
+    from services.jobs.launcher import launcher_from_env
+    from services.jobs.reconciler import Reconciler
+
+    host, port = address
+    try:
+        launcher = launcher_from_env(
+            settings.data_dir, settings.store_url, job_settings, head_cpus=ray_cpus
+        )
+    except (RuntimeError, OSError, ValueError) as error:
+        fail(f"cannot set up Ray: {error}", 1)
+    with contextlib.ExitStack() as running:
+        running.callback(launcher.close)
+        reconciler = Reconciler(launcher, store)
+        reconciler.start()
+        running.callback(reconciler.close)
+        api = create_app(settings, store, launcher, bind_host=host)
+        if settings.metrics_port is not None:
+            try:
+                metrics = MetricsServer(
+                    api.state.registry, host, settings.metrics_port, api.state.trusted_hosts
+                )
+            except OSError as error:
+                fail(f"cannot serve /metrics on port {settings.metrics_port}: {error}", 1)
+            running.enter_context(metrics)
+        uvicorn.run(
+            api,
+            host=host,
+            port=port,
+            # Open event streams must not hold a shutdown (or a restart) up for long.
+            timeout_graceful_shutdown=5,
+            # Connections and requests at once; past it uvicorn answers 503 at once rather than
+            # queue without bound (KPO_MAX_CONCURRENCY > KPO_MAX_STREAMS).
+            limit_concurrency=settings.max_concurrency,
+        )
 
 
 def _is_loopback(host: str) -> bool:

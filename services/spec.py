@@ -7,23 +7,33 @@ naming the key, and a bad value is an error naming the field and the valid value
 field accepts (generation backends, verifiers, dataset formats) are read from the services'
 registries, so a bad name in a run file is a validation error listing the valid ones rather
 than a failure inside an actor, and no second list has to be kept in step.
+
+Every count, list and free-text string has an upper bound (the MAX_* constants below): a run
+spec may come from any client of the API, and none may ask the cluster for an unbounded amount
+of work, memory, disk or scheduling. The bounds are far above what a run of a 4B-8B model on a
+large GPU cluster asks for; past one, the error names the field and the bound.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
     Field,
     JsonValue,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from kpo_core.config import AlgorithmConfig, StrictModel
-from services.generation.registry import backend_names
+from services.generation.registry import backend_names, backend_options
 from services.reward.registry import builtin_verifier_names
 from services.tasks.dataset_files import DatasetFormat
 
@@ -38,6 +48,69 @@ else:
 
 
 BUILTIN_MODELS: tuple[str, ...] = ("tiny-arith",)
+
+# --- upper bounds shared by several fields ------------------------------------------------------
+
+# Actors of one kind (generation workers, verifier actors, learner ranks): a 1,024-GPU cluster.
+MAX_ACTORS = 1024
+# CPUs one actor reserves: Ray places an actor on one node, and no node has this many cores.
+MAX_CPUS_PER_ACTOR = 1024
+# GPUs one actor reserves, and the GPUs one vLLM engine spans (tensor_parallel_size): an actor
+# lives on one node, and nodes hold 8 or 16; anything above is unschedulable, never useful.
+MAX_GPUS_PER_ACTOR = 64
+# Custom Ray resources of one actor: how many names, and how much of each. Ray stores amounts as
+# fixed-point integers, so an unbounded (or infinite) amount is not even representable.
+MAX_CUSTOM_RESOURCES = 16
+MAX_CUSTOM_RESOURCE_AMOUNT = 1_000_000
+# Tokens of one response (generation and eval max_new_tokens): 128K, the longest context of
+# 4B-8B models (Llama 3.1, Qwen3 with YaRN); a response cannot outgrow its model's context.
+MAX_RESPONSE_TOKENS = 131_072
+# Learner steps, and every setting counted in steps (warm-up, checkpoint and eval periods): soak
+# and load benchmarks ask for 10M steps to mean "more than it will ever make"; a run is cancelled.
+MAX_STEPS = 10_000_000
+# Rows generated at once: G responses per prompt (GRPO uses 4-64, pass@k studies a few hundred)
+# and prompts in flight per worker (a vLLM engine schedules a few thousand sequences).
+MAX_GROUP_SIZE = 1024
+MAX_PROMPTS_PER_BATCH = 4096
+# Groups per learner step (DAPO-scale runs use 512 prompts per step).
+MAX_BATCH_GROUPS = 16_384
+# Learner versions a group may lag behind (asynchronous RL uses 1-8); lead_batches is at most it.
+MAX_STALENESS = 256
+# Rollout buffer capacity: as large as the default buffer of the largest lead and batch, so that
+# every default `buffer_groups` resolves within it.
+MAX_BUFFER_GROUPS = (MAX_STALENESS + 1) * MAX_BATCH_GROUPS
+# Padded tokens of one learner forward (micro_batch_tokens) and response positions projected to
+# the vocabulary at once (logprob_chunk_tokens): 16M tokens, beyond any GPU's memory already, so
+# the bound costs nothing and only keeps absurd numbers out of the packing arithmetic.
+MAX_TOKEN_BUDGET = 16_777_216
+# Seeds: 32 bits, which every generator the run seeds accepts (torch, Python's random, vLLM's
+# engine); the per-group sampling seeds the run derives are 32 bits as well.
+MAX_SEED = 2**32 - 1
+# Items of a list of names (LoRA target modules, tracker tags).
+MAX_LIST_ITEMS = 256
+# Characters of a path or URI (Linux's PATH_MAX), of a name (a device, a split, a git revision, a
+# tracker project or run, a module: 255 is the longest file name), and of free text (a system
+# prompt: about 8K tokens, and it is repeated in every prompt of the run).
+MAX_PATH_CHARS = 4096
+MAX_NAME_CHARS = 256
+MAX_TEXT_CHARS = 32_768
+# Sampling temperature: far past any useful value (sampling is uniform long before), but finite.
+MAX_TEMPERATURE = 100.0
+
+PathText = Annotated[str, StringConstraints(min_length=1, max_length=MAX_PATH_CHARS)]
+NameText = Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS)]
+# An item of a list of names: only bounded, as list items were before the bounds.
+NameItem = Annotated[str, StringConstraints(max_length=MAX_NAME_CHARS)]
+
+# The attention kernels a spec may ask transformers for. transformers takes any other string as
+# the name of a hub kernel repository (e.g. `kernels-community/...`) that it downloads and runs,
+# so a free string would let a client run code of its choosing. All four are transformers'
+# own: AttentionInterface maps flash_attention_2 and flash_attention_3 to its built-in
+# flash_attention_forward, over the installed flash-attn (2) or flash_attn_interface (3,
+# FlashAttention-3 for Hopper) package; only if that package is missing does transformers fall
+# back to its fixed kernels-community build of the same kernel (FLASH_ATTN_KERNEL_FALLBACK),
+# never to a repository named by the spec.
+AttnImplementation = Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3"]
 
 
 class ArithTask(StrictModel):
@@ -66,7 +139,7 @@ class JsonlTask(StrictModel):
     """Prompts from a local JSONL file of {"prompt": ..., "answer": ...} lines, cycled in epochs."""
 
     name: Literal["jsonl"] = "jsonl"
-    path: str = Field(min_length=1, description="path of the JSONL file on the driver's machine")
+    path: PathText = Field(description="path of the JSONL file on the driver's machine")
     shuffle: bool = Field(True, description="reshuffle every epoch (seeded by the run seed)")
 
 
@@ -75,17 +148,14 @@ class DatasetTask(StrictModel):
     come in (services/tasks/dataset_files.py), cycled in epochs."""
 
     name: Literal["dataset"] = "dataset"
-    path: str = Field(
-        min_length=1,
+    path: PathText = Field(
         description="a .jsonl, .json or .parquet file, or a directory written by datasets' "
         "save_to_disk, on the driver's machine",
     )
     format: DatasetFormat | None = Field(
         None, description="the file's format; detected from its columns when left out"
     )
-    split: str = Field(
-        "train", min_length=1, description="the split taken from a directory holding several"
-    )
+    split: NameText = Field("train", description="the split taken from a directory holding several")
     shuffle: bool = Field(True, description="reshuffle every epoch (seeded by the run seed)")
     chat_template: Literal["auto", "always", "never"] = Field(
         "auto",
@@ -95,37 +165,89 @@ class DatasetTask(StrictModel):
     system_prompt: str | None = Field(
         None,
         min_length=1,
+        max_length=MAX_TEXT_CHARS,
         description="a system message put before each string prompt rendered as a chat",
     )
-    eval_path: str | None = Field(
+    eval_path: PathText | None = Field(
         None,
-        min_length=1,
         description="held-out prompts for eval: a file or directory as `path` takes, in the "
         "same format",
     )
-    eval_split: str = Field(
+    eval_split: NameText = Field(
         "test",
-        min_length=1,
         description="the held-out split of a directory (eval_path's, or path's without one)",
     )
 
 
 TaskConfig = Annotated[ArithTask | JsonlTask | DatasetTask, Field(discriminator="name")]
+# A backend option's value: a scalar (nested engine arguments go in `generation.engine`). A string
+# is at most a path long (the vLLM `tokenizer` option is one), checked with the option's name.
 BackendOption = str | int | float | bool
+
+# Options of `generation.options` that other keys of the spec own (the pipeline passes them to
+# the generation worker itself): the error points to the key to set instead.
+_OPTIONS_SET_ELSEWHERE: dict[str, str] = {
+    "in_flight_updates": "pipeline.in_flight_updates",
+    "recompute_kv": "pipeline.recompute_kv",
+    "engine_kwargs": "generation.engine",
+}
+
+# vLLM engine arguments a run spec may not pass through `generation.engine`: the ones that run
+# code on the GPU nodes from wherever the model came from, and the ones the backend itself sets
+# (its weight loading and behaviour log-probs depend on them). Options it takes by name
+# (registry.backend_options) are refused there too, pointing to `generation.options`.
+_ENGINE_ARGS_REFUSED: dict[str, str] = {
+    "trust_remote_code": "it runs the model repository's own code on every GPU node",
+    "worker_cls": "it replaces the class vLLM runs on every GPU",
+    "worker_extension_cls": "the backend sets it (the class that loads new weights)",
+    "logprobs_mode": "the backend sets it (behaviour log-probs after temperature)",
+    "model": "the run's model is the spec's `model`",
+}
+
+# Values of the backend options that are counts, fractions or a kernel name. Which names each
+# backend takes is declared once, in services/generation/registry.py; this only bounds values,
+# by name (the same name means the same thing in every backend). Options not listed here (dtype,
+# device, tokenizer, the booleans) are scalars checked by their backend when it starts.
+# Strict: a count is an integer, never a boolean or a string.
+_OPTION_VALUES: dict[str, TypeAdapter[Any]] = {
+    "attn_implementation": TypeAdapter(AttnImplementation),
+    "max_batch_rows": TypeAdapter(
+        Annotated[int, Field(strict=True, ge=1, le=MAX_PROMPTS_PER_BATCH * MAX_GROUP_SIZE)]
+    ),
+    "seed": TypeAdapter(Annotated[int, Field(strict=True, ge=0, le=MAX_SEED)]),
+    # Prompt + response: up to 1M tokens (the 1M-context 7B models).
+    "max_model_len": TypeAdapter(Annotated[int, Field(strict=True, ge=1, le=2**20)]),
+    "gpu_memory_utilization": TypeAdapter(Annotated[float, Field(strict=True, gt=0.0, le=1.0)]),
+    # Per device: 1 TiB, above the memory of any accelerator.
+    "kv_cache_memory_bytes": TypeAdapter(Annotated[int, Field(strict=True, ge=1, le=2**40)]),
+    "tensor_parallel_size": TypeAdapter(
+        Annotated[int, Field(strict=True, ge=1, le=MAX_GPUS_PER_ACTOR)]
+    ),
+}
 
 
 RAY_BUILTIN_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
 
 
 def _custom_resources(value: dict[str, float]) -> dict[str, float]:
+    if len(value) > MAX_CUSTOM_RESOURCES:
+        raise ValueError(
+            f"at most {MAX_CUSTOM_RESOURCES} custom resources per actor, got {len(value)}"
+        )
     for name, amount in value.items():
+        if len(name) > MAX_NAME_CHARS:
+            raise ValueError(f"a resource name has at most {MAX_NAME_CHARS} characters")
         if name in RAY_BUILTIN_RESOURCES or name.startswith("accelerator_type:"):
             raise ValueError(
                 f"{name!r} is a resource Ray manages itself: use num_cpus / num_gpus, and "
                 "resources only for custom names such as learner_gpu"
             )
-        if not amount >= 0:
-            raise ValueError(f"resource {name!r} must be a number >= 0, got {amount}")
+        # `not 0 <= amount`: NaN fails it too.
+        if not 0 <= amount <= MAX_CUSTOM_RESOURCE_AMOUNT:
+            raise ValueError(
+                f"resource {name!r} must be a number from 0 to {MAX_CUSTOM_RESOURCE_AMOUNT}, "
+                f"got {amount}"
+            )
     return value
 
 
@@ -137,25 +259,36 @@ class GenerationConfig(StrictModel):
     """Generation actors: how many, where, and how they sample."""
 
     backend: BackendName = "hf"
-    num_workers: int = Field(1, ge=1, description="generation actors")
-    num_cpus: float = Field(1.0, ge=0.0, description="CPUs reserved per generation actor")
-    num_gpus: float = Field(0.0, ge=0.0, description="GPUs reserved per generation actor")
+    num_workers: int = Field(1, ge=1, le=MAX_ACTORS, description="generation actors")
+    num_cpus: float = Field(
+        1.0, ge=0.0, le=MAX_CPUS_PER_ACTOR, description="CPUs reserved per generation actor"
+    )
+    num_gpus: float = Field(
+        0.0, ge=0.0, le=MAX_GPUS_PER_ACTOR, description="GPUs reserved per generation actor"
+    )
     resources: CustomResources = Field(
         default_factory=dict,
         description="custom Ray resources per generation actor, e.g. {generation_gpu: 1}",
     )
     prompts_per_batch: int = Field(
-        8, ge=1, description="prompts in flight per generation worker (each of group_size rows)"
+        8,
+        ge=1,
+        le=MAX_PROMPTS_PER_BATCH,
+        description="prompts in flight per generation worker (each of group_size rows)",
     )
-    group_size: int = Field(8, ge=2, description="G: responses per prompt (GRPO needs >= 2)")
-    temperature: float = Field(1.0, gt=0.0)
+    group_size: int = Field(
+        8, ge=2, le=MAX_GROUP_SIZE, description="G: responses per prompt (GRPO needs >= 2)"
+    )
+    temperature: float = Field(1.0, gt=0.0, le=MAX_TEMPERATURE)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="0 = no top-k truncation")
-    max_new_tokens: int = Field(128, ge=1)
+    # 2^20: above any vocabulary (Gemma 3's is 262,144); a larger k keeps every token anyway.
+    top_k: int = Field(0, ge=0, le=2**20, description="0 = no top-k truncation")
+    max_new_tokens: int = Field(128, ge=1, le=MAX_RESPONSE_TOKENS)
     options: dict[str, BackendOption] = Field(
         default_factory=dict,
-        description="backend constructor options (hf: device, dtype; vllm: dtype, "
-        "tensor_parallel_size, gpu_memory_utilization, ...)",
+        description="backend constructor options (hf: device, dtype, attn_implementation, "
+        "max_batch_rows; vllm: dtype, tensor_parallel_size, gpu_memory_utilization, "
+        "max_model_len, ...); another name is refused, listing the backend's",
     )
     streaming: bool = Field(
         True,
@@ -177,6 +310,58 @@ class GenerationConfig(StrictModel):
         "unchanged, nested mappings included, e.g. {compilation_config: {level: 0}}",
     )
 
+    @field_validator("options")
+    @classmethod
+    def _backend_options(
+        cls, options: dict[str, BackendOption], info: ValidationInfo
+    ) -> dict[str, BackendOption]:
+        # Checked here rather than when the actor starts: an unknown name was a TypeError inside
+        # the backend's constructor, after the run had been accepted and its actors placed.
+        backend = info.data.get("backend")
+        if backend is None:  # the backend itself is invalid, and that error is reported
+            return options
+        valid = backend_options(backend)
+        errors: list[InitErrorDetails] = []
+        checked: dict[str, BackendOption] = {}
+        for name, value in options.items():
+            if name not in valid:
+                errors.append(_unknown_option(backend, name, value, valid))
+                continue
+            if isinstance(value, str) and len(value) > MAX_PATH_CHARS:
+                # Here rather than in BackendOption: a constraint inside the union would report
+                # the value against each of its four types.
+                errors.append(
+                    InitErrorDetails(
+                        type="string_too_long",
+                        loc=(name,),
+                        input=value,
+                        ctx={"max_length": MAX_PATH_CHARS},
+                    )
+                )
+                continue
+            adapter = _OPTION_VALUES.get(name)
+            if adapter is None:
+                checked[name] = value
+                continue
+            try:
+                checked[name] = adapter.validate_python(value)
+            except ValidationError as error:
+                # Each problem keeps pydantic's own message, located at the option itself.
+                errors.extend(
+                    InitErrorDetails(
+                        type=PydanticCustomError(
+                            "backend_option", "{message}", {"message": e["msg"]}
+                        ),
+                        loc=(name, *e["loc"]),
+                        input=value,
+                    )
+                    for e in error.errors()
+                )
+        if errors:
+            # Raised as a ValidationError so each error's location is generation.options.<name>.
+            raise ValidationError.from_exception_data("GenerationConfig.options", errors)
+        return checked
+
     @model_validator(mode="after")
     def _engine_needs_vllm(self) -> GenerationConfig:
         if self.engine and self.backend != "vllm":
@@ -186,14 +371,51 @@ class GenerationConfig(StrictModel):
             )
         return self
 
+    @field_validator("engine")
+    @classmethod
+    def _engine_leaves_the_backend_its_own(
+        cls, engine: dict[str, JsonValue]
+    ) -> dict[str, JsonValue]:
+        for name in engine:
+            if name in _ENGINE_ARGS_REFUSED:
+                raise ValueError(f"engine.{name} may not be set: {_ENGINE_ARGS_REFUSED[name]}")
+            if name in backend_options("vllm"):
+                raise ValueError(
+                    f"engine.{name} is a backend option: set generation.options.{name}"
+                )
+        return engine
+
+
+def _unknown_option(
+    backend: str, name: str, value: object, valid: frozenset[str]
+) -> InitErrorDetails:
+    """The error of an option that backend `backend` does not take, saying what to set instead."""
+    # The error's location names the field (generation.options.<name>); the message says why.
+    elsewhere = _OPTIONS_SET_ELSEWHERE.get(name)
+    if elsewhere is not None:
+        message = f"not a backend option: set {elsewhere}"
+    else:
+        names = ", ".join(sorted(valid)) or "none"
+        message = f"not an option of the {backend} backend; its options are: {names}"
+    return InitErrorDetails(
+        type=PydanticCustomError("backend_option", "{message}", {"message": message}),
+        loc=(name,),
+        input=value,
+    )
+
 
 class RewardConfig(StrictModel):
     """Verifier actors and the verifier they run."""
 
     verifier: VerifierName = "exact"
-    num_workers: int = Field(1, ge=1, description="verifier actors")
-    processes_per_worker: int = Field(1, ge=1, description="check processes per verifier actor")
-    num_cpus: float = Field(0.25, ge=0.0, description="CPUs reserved per verifier actor")
+    num_workers: int = Field(1, ge=1, le=MAX_ACTORS, description="verifier actors")
+    # 256: a process per core of the largest nodes; an actor's processes share its node.
+    processes_per_worker: int = Field(
+        1, ge=1, le=256, description="check processes per verifier actor"
+    )
+    num_cpus: float = Field(
+        0.25, ge=0.0, le=MAX_CPUS_PER_ACTOR, description="CPUs reserved per verifier actor"
+    )
     timeout_s: float = Field(2.0, gt=0.0, description="wall-clock limit of one check")
     format_reward: float = Field(0.0, ge=0.0, lt=1.0, description="added for a well-formed answer")
     call_timeout_s: float = Field(
@@ -216,7 +438,8 @@ class RewardConfig(StrictModel):
 class LoraConfig(StrictModel):
     """Low-rank adapters (PEFT LoRA) on the policy: only the adapters train (docs/pipeline.md)."""
 
-    rank: int = Field(16, ge=1, description="r: each adapter is B [out, r] @ A [r, in]")
+    # 4096: the hidden size of 8B models; a rank above a layer's width adds nothing.
+    rank: int = Field(16, ge=1, le=4096, description="r: each adapter is B [out, r] @ A [r, in]")
     alpha: float = Field(32.0, gt=0.0, description="the adapters' update is scaled by alpha / r")
     dropout: float = Field(
         0.0,
@@ -225,7 +448,7 @@ class LoraConfig(StrictModel):
         description="dropout on the adapters' input in training forwards (never in the "
         "proximal log-probs); > 0 makes even on-policy ratios differ from 1",
     )
-    target_modules: list[str] = Field(
+    target_modules: list[NameItem] = Field(
         default_factory=lambda: [
             "q_proj",
             "k_proj",
@@ -236,6 +459,7 @@ class LoraConfig(StrictModel):
             "down_proj",
         ],
         min_length=1,
+        max_length=MAX_LIST_ITEMS,
         description="suffixes of the module names that get adapters (default: the attention "
         "and MLP projections of Llama/Qwen)",
     )
@@ -252,19 +476,27 @@ class LearnerConfig(StrictModel):
     lr: float = Field(1e-4, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
-    warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up, in steps")
+    warmup_steps: int = Field(
+        0, ge=0, le=MAX_STEPS, description="linear learning-rate warm-up, in steps"
+    )
     max_grad_norm: float | None = Field(1.0, gt=0.0, description="null: no gradient clipping")
-    ppo_epochs: int = Field(1, ge=1, description="passes over each batch")
-    minibatches: int = Field(1, ge=1, description="optimiser steps per pass")
+    # PPO makes 1-4 passes; 64 is far beyond where re-using a batch still helps.
+    ppo_epochs: int = Field(1, ge=1, le=64, description="passes over each batch")
+    # Each minibatch holds at least one response (checked against the batch below); 65,536
+    # optimiser steps per pass is far more than any batch is split into.
+    minibatches: int = Field(1, ge=1, le=65_536, description="optimiser steps per pass")
     strategy: Literal["single", "fsdp2"] = Field(
         "single",
         description="single: one process holds the whole model; fsdp2: world_size ranks shard "
         "parameters, gradients and optimiser state (torch FSDP2)",
     )
-    world_size: int = Field(1, ge=1, le=1024, description="learner ranks (fsdp2), one per GPU")
+    world_size: int = Field(
+        1, ge=1, le=MAX_ACTORS, description="learner ranks (fsdp2), one per GPU"
+    )
     micro_batch_tokens: int = Field(
         0,
         ge=0,
+        le=MAX_TOKEN_BUDGET,
         description="padded tokens per forward pass: each rank's share of a minibatch is "
         "packed into micro-batches under this budget and gradients accumulate (the result "
         "equals the whole minibatch); 0: one forward per minibatch share",
@@ -272,10 +504,11 @@ class LearnerConfig(StrictModel):
     logprob_chunk_tokens: int = Field(
         1024,
         ge=1,
+        le=MAX_TOKEN_BUDGET,
         description="response positions projected to the vocabulary at once when computing "
         "log-probs and entropy (bounds the float32 logits to chunk x vocabulary)",
     )
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = Field(
+    attn_implementation: AttnImplementation = Field(
         "sdpa",
         description="the model's attention kernel; with flash-attention (GPUs, the "
         "flash-attn package) rows are packed without padding",
@@ -288,11 +521,15 @@ class LearnerConfig(StrictModel):
         description="dtype of the forward/backward and of the published weights; master "
         "weights and optimiser state stay float32 (float16 is refused: AdamW's eps underflows)",
     )
-    device: str = Field(
-        "cpu", min_length=1, description="cpu, or cuda (each rank uses the GPU Ray assigns it)"
+    device: NameText = Field(
+        "cpu", description="cpu, or cuda (each rank uses the GPU Ray assigns it)"
     )
-    num_cpus: float = Field(1.0, ge=0.0, description="CPUs reserved per learner rank")
-    num_gpus: float = Field(0.0, ge=0.0, description="GPUs reserved per learner rank")
+    num_cpus: float = Field(
+        1.0, ge=0.0, le=MAX_CPUS_PER_ACTOR, description="CPUs reserved per learner rank"
+    )
+    num_gpus: float = Field(
+        0.0, ge=0.0, le=MAX_GPUS_PER_ACTOR, description="GPUs reserved per learner rank"
+    )
     resources: CustomResources = Field(
         default_factory=dict,
         description="custom Ray resources per learner rank, e.g. {learner_gpu: 1}: the "
@@ -304,6 +541,7 @@ class LearnerConfig(StrictModel):
     record_ratios_every: int = Field(
         0,
         ge=0,
+        le=MAX_STEPS,
         description="every N steps, save the step's token log-ratios under the run "
         "directory's ratios/ (for offline ratio diagnostics); 0: off",
     )
@@ -362,7 +600,10 @@ class PipelineConfig(StrictModel):
         description="sync: generation pauses while the learner trains (the on-policy baseline)",
     )
     max_staleness: int = Field(
-        -1, ge=-1, description="max learner version minus a group's version; -1: 0 (sync), 2"
+        -1,
+        ge=-1,
+        le=MAX_STALENESS,
+        description="max learner version minus a group's version; -1: 0 (sync), 2",
     )
     admission: Literal["staleness", "capacity"] = Field(
         "staleness",
@@ -371,10 +612,13 @@ class PipelineConfig(StrictModel):
         "generation runs ahead until the buffer is full, and groups that age past the bound "
         "are dropped and counted",
     )
-    batch_groups: int = Field(16, ge=1, description="groups (prompts) per learner step")
+    batch_groups: int = Field(
+        16, ge=1, le=MAX_BATCH_GROUPS, description="groups (prompts) per learner step"
+    )
     lead_batches: int = Field(
         0,
         ge=0,
+        le=MAX_STALENESS,
         description="async only. The learner trains only while the buffer holds this many "
         "batches beyond the one it takes, so generation runs that many versions ahead: a "
         "controlled staleness, as with many rollout workers (at most max_staleness)",
@@ -382,20 +626,30 @@ class PipelineConfig(StrictModel):
     buffer_groups: int = Field(
         0,
         ge=0,
+        le=MAX_BUFFER_GROUPS,
         description="rollout buffer capacity in groups; 0: max(4, lead_batches + 1) batches",
     )
-    steps: int = Field(100, ge=1, description="learner steps of the run")
-    checkpoint_every: int = Field(10, ge=0, description="steps between checkpoints; 0: last only")
-    keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept on disk")
+    steps: int = Field(100, ge=1, le=MAX_STEPS, description="learner steps of the run")
+    checkpoint_every: int = Field(
+        10, ge=0, le=MAX_STEPS, description="steps between checkpoints; 0: last only"
+    )
+    # A checkpoint of an 8B model with its optimiser state is about 100 GB, on a volume that all
+    # runs share: 100 of them is already far more than one run should hold.
+    keep_checkpoints: int = Field(2, ge=1, le=100, description="newest checkpoints kept on disk")
+    # Each restart reloads the model and the last checkpoint on the learner's GPUs: a learner
+    # that died 100 times will die again.
     learner_restarts: int = Field(
         2,
         ge=0,
+        le=100,
         description="times the run resumes itself from its last checkpoint after the learner "
         "dies; 0: a dead learner fails the run",
     )
+    # 10,000: ten for each of the most actors a run may have.
     actor_replacements: int = Field(
         10,
         ge=0,
+        le=10 * MAX_ACTORS,
         description="generation and verifier actors that may die (or hang) and be replaced, "
         "in all, before the run fails",
     )
@@ -473,21 +727,21 @@ class WandbTracking(StrictModel):
     config. The API key comes from the environment (WANDB_API_KEY) or `wandb login`, never the
     spec."""
 
-    project: str = Field(min_length=1, description="W&B project to log the run to")
-    entity: str | None = Field(
-        None, min_length=1, description="W&B team or user; default: the API key's default entity"
+    project: NameText = Field(description="W&B project to log the run to")
+    entity: NameText | None = Field(
+        None, description="W&B team or user; default: the API key's default entity"
     )
-    name: str | None = Field(
-        None, min_length=1, description="W&B run name; default: the run id (RUN_DIR's name)"
+    name: NameText | None = Field(
+        None, description="W&B run name; default: the run id (RUN_DIR's name)"
     )
     mode: Literal["online", "offline", "disabled"] = Field(
         "online",
         description="online: stream to the W&B server; offline: files only, for `wandb sync` "
         "later; disabled: log nothing",
     )
-    tags: tuple[str, ...] = Field((), description="W&B run tags")
-    dir: str | None = Field(
-        None, min_length=1, description="W&B writes its files in DIR/wandb; default RUN_DIR"
+    tags: tuple[NameItem, ...] = Field((), max_length=MAX_LIST_ITEMS, description="W&B run tags")
+    dir: PathText | None = Field(
+        None, description="W&B writes its files in DIR/wandb; default RUN_DIR"
     )
 
 
@@ -495,23 +749,22 @@ class MlflowTracking(StrictModel):
     """MLflow: every metrics record as the MLflow run's metrics, the resolved spec as its params.
     Server credentials come from the environment (MLFLOW_TRACKING_TOKEN, ...), never the spec."""
 
-    tracking_uri: str | None = Field(
+    tracking_uri: PathText | None = Field(
         None,
-        min_length=1,
         description="MLflow tracking URI; default: MLFLOW_TRACKING_URI when set, else a file "
         "store in RUN_DIR/mlruns",
     )
-    experiment: str = Field("kpo-rl", min_length=1, description="MLflow experiment (made if new)")
-    run_name: str | None = Field(
-        None, min_length=1, description="MLflow run name; default: the run id (RUN_DIR's name)"
+    experiment: NameText = Field("kpo-rl", description="MLflow experiment (made if new)")
+    run_name: NameText | None = Field(
+        None, description="MLflow run name; default: the run id (RUN_DIR's name)"
     )
 
 
 class TensorboardTracking(StrictModel):
     """TensorBoard: every metrics record as scalars of an event file, the resolved spec as text."""
 
-    log_dir: str | None = Field(
-        None, min_length=1, description="where the event files go; default RUN_DIR/tensorboard"
+    log_dir: PathText | None = Field(
+        None, description="where the event files go; default RUN_DIR/tensorboard"
     )
 
 
@@ -529,15 +782,27 @@ class EvalConfig(StrictModel):
     """Held-out evaluation during a run (services/pipeline/evaluation.py)."""
 
     every: int = Field(
-        10, ge=1, description="evaluate after every this many learner steps (and at the end)"
+        10,
+        ge=1,
+        le=MAX_STEPS,
+        description="evaluate after every this many learner steps (and at the end)",
     )
     samples: int = Field(
         8, ge=1, le=256, description="k: responses per held-out prompt (avg@k, pass@k)"
     )
-    temperature: float = Field(1.0, gt=0.0, description="sampling temperature of evaluation")
-    max_prompts: int = Field(64, ge=1, description="held-out prompts evaluated (the first ones)")
+    temperature: float = Field(
+        1.0, gt=0.0, le=MAX_TEMPERATURE, description="sampling temperature of evaluation"
+    )
+    # 16,384: more than the usual held-out sets (GSM8K's 1,319, MATH's 5,000, MMLU's 14,042),
+    # each evaluated `samples` times at every eval.
+    max_prompts: int = Field(
+        64, ge=1, le=16_384, description="held-out prompts evaluated (the first ones)"
+    )
     max_new_tokens: int | None = Field(
-        None, ge=1, description="response length limit (default: generation.max_new_tokens)"
+        None,
+        ge=1,
+        le=MAX_RESPONSE_TOKENS,
+        description="response length limit (default: generation.max_new_tokens)",
     )
 
 
@@ -547,16 +812,14 @@ class RunSpec(StrictModel):
     name: str = Field(
         "run", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$", description="a label for the run"
     )
-    seed: int = Field(0, ge=0)
-    model: str = Field(
+    seed: int = Field(0, ge=0, le=MAX_SEED)
+    model: PathText = Field(
         "tiny-arith",
-        min_length=1,
         description="a built-in model name (tiny-arith), a local Hugging Face model directory, "
         "or a hub id (org/name), downloaded once by the driver into the Hugging Face cache",
     )
-    model_revision: str | None = Field(
+    model_revision: NameText | None = Field(
         None,
-        min_length=1,
         description="branch, tag or commit of a hub model (default: main)",
     )
     task: TaskConfig = Field(default_factory=ArithTask)

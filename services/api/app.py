@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from fastapi import FastAPI
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import kpo_core
@@ -14,29 +14,58 @@ from services.api.auth import BearerAuth
 from services.api.errors import install_error_handlers
 from services.api.prometheus import ApiMetrics, build_registry
 from services.api.request_guard import RequestBodyGuard
+from services.api.routes_system import ReadinessProbe
 from services.api.settings import ApiSettings
 from services.api.spec_paths import inputs_dir
+from services.api.sse import EventStreams, StreamSlots
+from services.jobs.interface import RunLauncher
 from services.store import Store
 
 
-def create_app(settings: ApiSettings, store: Store, launcher: Any) -> FastAPI:
-    """The API over `store`, launching runs with `launcher` (see services.api.launcher)."""
+def create_app(
+    settings: ApiSettings, store: Store, launcher: RunLauncher, *, bind_host: str = "127.0.0.1"
+) -> FastAPI:
+    """The API over `store`, launching runs with `launcher` (`kpo serve` hands it a
+    `RayJobLauncher`: services.jobs.launcher), served on `bind_host` (which a server without a
+    token answers as a Host, besides its loopback names).
+
+    Raises ValueError for settings that cannot go together (see `ApiSettings.trusted_hosts`).
+    """
+    docs = settings.openapi_docs
     app = FastAPI(
         title="KPO-RL control plane",
         version=kpo_core.__version__,
         description="Submit asynchronous RL runs (KPO, CTPO, GRPO, GSPO, GMPO) and watch them.",
+        # Off by default: the schema maps every operation for whoever reaches the API.
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
     )
+    token = settings.token()
+    app.state.settings = settings
     app.state.store = store
     app.state.launcher = launcher
-    app.state.auth = BearerAuth(settings.token(), settings.auth_reads)
+    app.state.auth = BearerAuth(token, settings.auth_reads)
+    app.state.trusted_hosts = settings.trusted_hosts(token is not None, bind_host)
     app.state.inputs_dir = inputs_dir(settings.data_dir)
     app.state.registry, api_metrics = build_registry(store)
+    app.state.readiness = ReadinessProbe(store, launcher)
+    app.state.streams = EventStreams(
+        StreamSlots(settings.max_streams, settings.max_streams_per_client),
+        settings.stream_lifetime_s,
+    )
     install_error_handlers(app)
     app.include_router(routes_runs.router)
     app.include_router(routes_system.router)
+    if settings.metrics_port is None:  # else `kpo serve` serves it on that port
+        app.include_router(routes_system.metrics_router)
     app.include_router(dashboard.router)
-    # Inside RequestMetrics, so that refused bodies are counted too.
+    # Outermost last. RequestMetrics sees every request, refused ones too; a Host the server
+    # does not answer is refused before anything reads the body.
     app.add_middleware(RequestBodyGuard, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        TrustedHostMiddleware, allowed_hosts=app.state.trusted_hosts, www_redirect=False
+    )
     app.add_middleware(RequestMetrics, api_metrics=api_metrics)
     return app
 

@@ -20,12 +20,14 @@ TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 
 
 class ApiError(Exception):
-    """The server answered with an error status; `message` is what its body says."""
+    """The server answered with an error status; `message` is what its body says, and
+    `retry_after_s` its `Retry-After` in seconds, when it sent one (a 429, a 503)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(f"{message} (HTTP {status})")
         self.status = status
         self.message = message
+        self.retry_after_s = retry_after_s
 
 
 class ServerUnreachable(Exception):
@@ -96,29 +98,36 @@ class ApiClient:
 
     def follow(self, run_id: str, reconnect_s: float = 60.0) -> Iterator[SseEvent]:
         """The run's events until it finishes, reconnecting (with Last-Event-ID) when the stream
-        breaks, e.g. while the control plane restarts; gives up after `reconnect_s` without one.
+        ends before the run does: the server ends every stream after a while
+        (KPO_STREAM_LIFETIME_S), and streams break while the control plane restarts. Gives up
+        after `reconnect_s` without reaching the server.
         """
         last_id: str | None = None
         broken_since: float | None = None
         while True:
+            wait_s = 1.0
             try:
                 for event in self.events(run_id, last_id):
-                    broken_since = None
                     last_id = event.id or last_id
                     yield event
                     if event.kind == "status" and event.data.get("status") in TERMINAL:
                         return
-                problem = "the event stream ended before the run did"
+                # The server ended the stream on its own: reconnect a second later, as its `retry:`
+                # asks.
+                broken_since = None
+                time.sleep(wait_s)
+                continue
             except ServerUnreachable as error:
                 problem = str(error)
             except ApiError as error:
-                if error.status < 500:  # the request is wrong, and stays wrong
+                if error.status < 500 and error.status != 429:  # wrong, and stays wrong
                     raise
                 problem = str(error)
+                wait_s = error.retry_after_s or wait_s
             broken_since = broken_since or time.monotonic()
             if time.monotonic() - broken_since > reconnect_s:
                 raise ServerUnreachable(f"{problem}; gave up after {reconnect_s:.0f} s")
-            time.sleep(1.0)
+            time.sleep(min(wait_s, reconnect_s))
 
     # --- helpers -----------------------------------------------------------------------------
 
@@ -141,7 +150,9 @@ def _api_error(response: httpx.Response) -> ApiError:
         message = str(response.json()["error"]["message"])
     except (ValueError, KeyError, TypeError):
         message = response.text.strip()[:500] or response.reason_phrase
-    return ApiError(response.status_code, message)
+    retry_after = response.headers.get("retry-after", "")
+    seconds = float(retry_after) if retry_after.isdigit() else None
+    return ApiError(response.status_code, message, seconds)
 
 
 def parse_sse(lines: Iterator[str]) -> Iterator[SseEvent]:

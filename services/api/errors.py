@@ -1,7 +1,8 @@
 """Every error leaves the API as JSON: {"error": {"type", "message", "fields"?}}.
 
 Store errors map to statuses here, at the edge, and nowhere else: an unknown run is a 404, an
-illegal status change or a reused idempotency key a 409, an unreachable store a 503. A request
+illegal status change or a reused idempotency key a 409, a run past the cap on active runs a 429
+(with `Retry-After` and the cap as `limit`), an unreachable store a 503. A request
 body that is not a valid RunSpec is a 422 naming each field and, from pydantic, the valid values;
 one that is not JSON at all is a 422 saying where it stops being JSON, and one that is not UTF-8
 (or nested too deeply to read) a 400 saying so.
@@ -23,6 +24,7 @@ from services.store import (
     IdempotencyConflict,
     InvalidCursor,
     InvalidTransition,
+    QuotaExceeded,
     RunNotFound,
     StoreError,
     StoreUnavailable,
@@ -32,12 +34,15 @@ log = logging.getLogger(__name__)
 
 # FastAPI's 400 for a JSON body it could not decode; the cause it chains says why.
 FASTAPI_BODY_ERROR = "There was an error parsing the body"
+# When a client refused for the cap on active runs should ask again: runs last minutes to hours.
+QUOTA_RETRY_AFTER_S = 60
 
 STORE_STATUSES: dict[type[StoreError], tuple[int, str]] = {
     RunNotFound: (status.HTTP_404_NOT_FOUND, "not_found"),
     IdempotencyConflict: (status.HTTP_409_CONFLICT, "idempotency_conflict"),
     InvalidTransition: (status.HTTP_409_CONFLICT, "conflict"),
     InvalidCursor: (status.HTTP_422_UNPROCESSABLE_CONTENT, "invalid_cursor"),
+    QuotaExceeded: (status.HTTP_429_TOO_MANY_REQUESTS, "quota_exceeded"),
     StoreUnavailable: (status.HTTP_503_SERVICE_UNAVAILABLE, "store_unavailable"),
     BufferFull: (status.HTTP_503_SERVICE_UNAVAILABLE, "store_unavailable"),
 }
@@ -104,6 +109,14 @@ async def _store_error(request: Request, error: Exception) -> JSONResponse:
     )
     if code >= 500:
         log.warning("store error on %s %s: %s", request.method, request.url.path, error)
+    if isinstance(error, QuotaExceeded):
+        return error_response(
+            code,
+            kind,
+            f"{error} (KPO_MAX_ACTIVE_RUNS on the server)",
+            headers={"Retry-After": str(QUOTA_RETRY_AFTER_S)},
+            limit=error.limit,
+        )
     return error_response(code, kind, str(error))
 
 
@@ -115,6 +128,7 @@ async def _http(request: Request, error: Exception) -> JSONResponse:
         404: "not_found",
         405: "method_not_allowed",
         413: "payload_too_large",
+        429: "too_many_requests",
         503: "unavailable",
     }.get(error.status_code, "http_error")
     message = str(error.detail)

@@ -3,21 +3,31 @@
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Any
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Header, HTTPException, Query, Request, status
 from fastapi import Path as PathParam
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from services.api.deps import InputsDirDep, LauncherDep, ReadAccess, StoreDep, WriteAccess
+from services.api.deps import (
+    InputsDirDep,
+    LauncherDep,
+    ReadAccess,
+    SettingsDep,
+    StoreDep,
+    WriteAccess,
+)
 from services.api.spec_paths import confined_spec
-from services.api.sse import run_events
+from services.api.sse import EventStreams, SlotResponse, run_events
 from services.spec import RunSpec
-from services.store import TERMINAL_STATUSES, InvalidTransition, RunRecord, RunStatus
+from services.store import TERMINAL_STATUSES, InvalidTransition, RunRecord, RunStatus, Transition
 from services.store.base import RUN_ID_PATTERN
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
 
@@ -29,8 +39,49 @@ RunId = Annotated[
 ]
 
 
+class RunSummary(BaseModel):
+    """A run as the list shows it: the record without its spec (a page holds up to 100 runs, and
+    a spec is kilobytes; `GET /v1/runs/{id}` has it), with the spec's few fields a list shows."""
+
+    id: str
+    status: RunStatus
+    name: str | None  # spec.name
+    model: str | None  # spec.model
+    estimator: str | None  # spec.algorithm.estimator.name
+    mode: str | None  # spec.pipeline.mode: async or sync
+    steps: int | None  # spec.pipeline.steps
+    created_at: datetime
+    transitions: tuple[Transition, ...]
+    error: str | None
+
+    @classmethod
+    def of(cls, run: RunRecord) -> RunSummary:
+        spec = run.spec
+        return cls(
+            id=run.id,
+            status=run.status,
+            name=_field(spec, str, "name"),
+            model=_field(spec, str, "model"),
+            estimator=_field(spec, str, "algorithm", "estimator", "name"),
+            mode=_field(spec, str, "pipeline", "mode"),
+            steps=_field(spec, int, "pipeline", "steps"),
+            created_at=run.created_at,
+            transitions=run.transitions,
+            error=run.error,
+        )
+
+
+def _field(spec: Mapping[str, Any], kind: type[T], *path: str) -> T | None:
+    """The value at `path` in a stored spec if it is a `kind`; None otherwise (a run stored
+    with another spec: the store keeps any mapping)."""
+    value: Any = spec
+    for key in path:
+        value = value.get(key) if isinstance(value, Mapping) else None
+    return value if isinstance(value, kind) and not isinstance(value, bool) else None
+
+
 class RunPage(BaseModel):
-    runs: list[RunRecord]
+    runs: list[RunSummary]
     next_cursor: str | None
 
 
@@ -53,6 +104,7 @@ def create_run(
     store: StoreDep,
     launcher: LauncherDep,
     inputs: InputsDirDep,
+    settings: SettingsDep,
     idempotency_key: Annotated[
         str | None, Header(min_length=1, max_length=255, description="resend-safe key")
     ] = None,
@@ -60,13 +112,20 @@ def create_run(
     """Queue a run of `spec` and launch it as a Ray job.
 
     With an `Idempotency-Key`, sending the same key and body again returns the same run; the
-    same key with another body is a 409.
+    same key with another body is a 409. A key holds until its run has been finished for
+    `KPO_IDEMPOTENCY_TTL_S` (a day). While `KPO_MAX_ACTIVE_RUNS` runs are queued or running, a
+    new run is a 429 with `Retry-After` (a resend of a key still returns its run).
 
     Paths (`model` unless built-in, `task.path`, `generation.options.tokenizer`) are read from
     the server's inputs folder, `KPO_DATA_DIR/inputs`: give them relative to it (the stored spec
     holds the absolute path). Absolute paths elsewhere, `..` and `~` are a 422.
     """
-    run = store.create_run(confined_spec(spec, inputs), idempotency_key)
+    run = store.create_run(
+        confined_spec(spec, inputs),
+        idempotency_key,
+        max_active=settings.max_active_runs or None,
+        idempotency_ttl_s=settings.idempotency_ttl_s,
+    )
     if run.status == RunStatus.QUEUED:
         try:
             launcher.submit(run)
@@ -83,9 +142,10 @@ def list_runs(
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     cursor: Annotated[str | None, Query(max_length=200)] = None,
 ) -> RunPage:
-    """Runs, newest first, a page at a time (`next_cursor` fetches the next page)."""
+    """Runs, newest first, a page at a time (`next_cursor` fetches the next page); summaries
+    without the spec (get one run for it)."""
     runs, next_cursor = store.list_runs(status_filter, limit, cursor)
-    return RunPage(runs=runs, next_cursor=next_cursor)
+    return RunPage(runs=[RunSummary.of(run) for run in runs], next_cursor=next_cursor)
 
 
 @router.get("/{run_id}", response_model=RunRecord, dependencies=[ReadAccess])
@@ -139,7 +199,10 @@ def get_metrics(
     "/{run_id}/events",
     dependencies=[ReadAccess],
     response_class=StreamingResponse,
-    responses={200: {"content": {"text/event-stream": {}}, "description": "event stream"}},
+    responses={
+        200: {"content": {"text/event-stream": {}}, "description": "event stream"},
+        429: {"description": "too many event streams are open (in all, or of this client)"},
+    },
 )
 def stream_events(
     run_id: RunId,
@@ -150,13 +213,26 @@ def stream_events(
 ) -> StreamingResponse:
     """Server-sent events: `status` changes and one `metrics` event per learner step.
 
-    Resume after a reconnect with the `Last-Event-ID` header (or `?last_event_id=`).
+    Resume after a reconnect with the `Last-Event-ID` header (or `?last_event_id=`). A stream
+    ends after `KPO_STREAM_LIFETIME_S` (the client resumes after its `retry:`); a client past
+    its share of open streams, or any past the server's, gets a 429.
     """
     store.get_run(run_id)
     after = last_event_id or last_event_id_query
     store.read_events(run_id, after, 1)  # a bad id is a 422 now, not a broken stream later
-    return StreamingResponse(
-        run_events(request, store, run_id, after),
+    streams: EventStreams = request.app.state.streams
+    client = request.client.host if request.client else "unknown"
+    refused = streams.slots.acquire(client)
+    if refused is not None:
+        raise HTTPException(
+            status.HTTP_429_TOO_MANY_REQUESTS, refused, headers={"Retry-After": "5"}
+        )
+    events = run_events(
+        request, store, run_id, after, limiter=streams.limiter, lifetime_s=streams.lifetime_s
+    )
+    return SlotResponse(
+        events,
+        release=lambda: streams.slots.release(client),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )

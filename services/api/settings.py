@@ -1,7 +1,12 @@
-"""The control plane's settings, read from the environment (and nowhere else)."""
+"""The control plane's settings, read from the environment (and nowhere else): the server's
+(`ApiSettings`) and its clients' (`ClientSettings`, the `kpo` commands that talk to it).
+
+Ray's variables (where the runs' jobs go) are `services.jobs.settings.JobSettings`'s.
+"""
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 
 from pydantic import Field, SecretStr, model_validator
@@ -11,9 +16,16 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 PLACEHOLDER_TOKENS = frozenset({"changeme", "change-me", "secret", "token", "password", "kpo"})
 MIN_TOKEN_LENGTH = 16
 
+# The names a loopback server is reached by (the Host header keeps an IPv6 address's brackets).
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+# Largest request body by default: run specs are a few kilobytes (examples/ as JSON: < 1 KB
+# before defaults, about 2 KB resolved).
+MAX_BODY_BYTES = 256 * 1024
 
-class ApiSettings(BaseSettings):
-    """Environment variables of `kpo serve` (names as in the field aliases)."""
+
+class TokenSettings(BaseSettings):
+    """The API token's variables, read on both sides: the server checks the token, its clients
+    send it (names as in the field aliases)."""
 
     # hide_input_in_errors: a settings error is printed by `kpo serve`, and its input holds the
     # token; the variable's name and the problem are enough.
@@ -25,18 +37,111 @@ class ApiSettings(BaseSettings):
     api_token_file: Path | None = Field(
         None, validation_alias="KPO_API_TOKEN_FILE", description="a file holding the token"
     )
+
+
+class ClientSettings(TokenSettings):
+    """Environment variables of the `kpo` commands that talk to a control plane.
+
+    An empty variable counts as unset; KPO_API_TOKEN wins over KPO_API_TOKEN_FILE (the server
+    refuses both), and a client sends whatever token it is given (the server judges it).
+    """
+
+    model_config = SettingsConfigDict(env_ignore_empty=True)
+
+    def token(self) -> str | None:
+        """The token to send: KPO_API_TOKEN, else the content of the file KPO_API_TOKEN_FILE;
+        None when neither is set. Raises OSError for a file that cannot be read."""
+        if self.api_token is not None:
+            return self.api_token.get_secret_value()
+        if self.api_token_file is not None:
+            return self.api_token_file.expanduser().read_text(encoding="utf-8").strip()
+        return None
+
+
+class ApiSettings(TokenSettings):
+    """Environment variables of `kpo serve`'s API (names as in the field aliases).
+
+    The defaults are the safe ones: reads need the token too, no OpenAPI documentation, a cap on
+    active runs, on request bodies and on event streams. README.md ("The control plane") lists
+    them all.
+    """
+
     auth_reads: bool = Field(
-        False, validation_alias="KPO_AUTH_READS", description="require the token for reads too"
+        True,
+        validation_alias="KPO_AUTH_READS",
+        description="require the token for reads too (runs, metrics, logs, events, /metrics)",
     )
     store_url: str | None = Field(None, validation_alias="KPO_STORE_URL")
     data_dir: Path = Field(Path("~/.kpo"), validation_alias="KPO_DATA_DIR")
-    ray_address: str | None = Field(None, validation_alias="RAY_ADDRESS")
-    max_body_bytes: int = Field(1_000_000, gt=0, validation_alias="KPO_MAX_BODY_BYTES")
+    max_body_bytes: int = Field(
+        MAX_BODY_BYTES, gt=0, validation_alias="KPO_MAX_BODY_BYTES", description="request bodies"
+    )
+    metrics_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        validation_alias="KPO_METRICS_PORT",
+        description="serve /metrics on this port of its own (not on the API's, and unguarded)",
+    )
+    openapi_docs: bool = Field(
+        False, validation_alias="KPO_OPENAPI_DOCS", description="serve /docs, /redoc, /openapi.json"
+    )
+    allowed_hosts: str | None = Field(
+        None,
+        validation_alias="KPO_ALLOWED_HOSTS",
+        description="comma-separated Host header values the API answers (see `trusted_hosts`)",
+    )
+    max_active_runs: int = Field(
+        16, ge=0, validation_alias="KPO_MAX_ACTIVE_RUNS", description="queued + running; 0: no cap"
+    )
+    idempotency_ttl_s: float = Field(
+        86_400.0,
+        gt=0,
+        allow_inf_nan=False,
+        validation_alias="KPO_IDEMPOTENCY_TTL_S",
+        description="how long an Idempotency-Key still returns its run once the run finished",
+    )
+    max_streams: int = Field(
+        64, ge=1, validation_alias="KPO_MAX_STREAMS", description="open event streams, in all"
+    )
+    max_streams_per_client: int = Field(
+        8,
+        ge=1,
+        validation_alias="KPO_MAX_STREAMS_PER_CLIENT",
+        description="open event streams per client IP address",
+    )
+    stream_lifetime_s: float = Field(
+        300.0,
+        gt=0,
+        allow_inf_nan=False,
+        validation_alias="KPO_STREAM_LIFETIME_S",
+        description="an event stream ends after this long; clients resume with Last-Event-ID",
+    )
+    max_concurrency: int = Field(
+        256,
+        ge=1,
+        validation_alias="KPO_MAX_CONCURRENCY",
+        description="connections and requests uvicorn serves at once before answering 503",
+    )
 
     @model_validator(mode="after")
     def _one_token_source(self) -> ApiSettings:
         if self.api_token is not None and self.api_token_file is not None:
             raise ValueError("set KPO_API_TOKEN or KPO_API_TOKEN_FILE, not both")
+        return self
+
+    @model_validator(mode="after")
+    def _streams_fit(self) -> ApiSettings:
+        if self.max_streams_per_client > self.max_streams:
+            raise ValueError(
+                f"KPO_MAX_STREAMS_PER_CLIENT ({self.max_streams_per_client}) must not exceed "
+                f"KPO_MAX_STREAMS ({self.max_streams})"
+            )
+        if self.max_concurrency <= self.max_streams:
+            raise ValueError(
+                f"KPO_MAX_CONCURRENCY ({self.max_concurrency}) must exceed KPO_MAX_STREAMS "
+                f"({self.max_streams}): open streams would leave no room for other requests"
+            )
         return self
 
     def token(self) -> str | None:
@@ -59,3 +164,43 @@ class ApiSettings(BaseSettings):
                 "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
             )
         return value
+
+    def trusted_hosts(self, has_token: bool, bind_host: str) -> list[str]:
+        """The Host header values the API answers (any other is a 400), against DNS rebinding.
+
+        A page on another site can point its own name at 127.0.0.1 and then read a token-less
+        server on the user's machine; its requests carry that name as their Host, so a server
+        without a token answers only its loopback names and `bind_host`. KPO_ALLOWED_HOSTS
+        replaces that list (`*.example.com` patterns allowed); `*`, any host, needs a token,
+        and is the default with one. Raises ValueError for `*` without a token.
+        """
+        if self.allowed_hosts is not None:
+            hosts = [host.strip() for host in self.allowed_hosts.split(",") if host.strip()]
+            if not hosts:
+                raise ValueError("KPO_ALLOWED_HOSTS is empty: name at least one host, or unset it")
+            if "*" in hosts and not has_token:
+                raise ValueError(
+                    "KPO_ALLOWED_HOSTS=* needs an API token (KPO_API_TOKEN or "
+                    "KPO_API_TOKEN_FILE): without one, any web page could reach this server "
+                    "through DNS rebinding; list the server's names instead"
+                )
+            return hosts
+        if has_token:
+            return ["*"]
+        hosts = list(LOOPBACK_HOSTS)
+        bound = _host_header_form(bind_host)
+        if bound is not None and bound not in hosts:
+            hosts.append(bound)
+        return hosts
+
+
+def _host_header_form(bind_host: str) -> str | None:
+    """`bind_host` as a Host header names it; None for an any-address bind (0.0.0.0, ::), which
+    no client sends."""
+    try:
+        address = ipaddress.ip_address(bind_host)
+    except ValueError:
+        return bind_host.lower()
+    if address.is_unspecified:
+        return None
+    return f"[{address}]" if address.version == 6 else str(address)

@@ -2,11 +2,14 @@
 
 Backends are registered by import path and imported only when asked for, so importing this module
 never imports transformers or vllm. A backend class is constructed as `cls(model_path, **options)`.
+The keyword options each built-in backend takes from a run spec are declared here too, so that the
+run spec can refuse an unknown one before any actor starts.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,19 +21,46 @@ _BACKENDS: dict[str, str] = {
     "vllm": "services.generation.vllm_backend:VLLMBackend",
 }
 
+# The constructor keywords of each backend that a run spec's `generation.options` may set: the
+# run spec checks option names against these (services/spec.py), and a test binds them to each
+# constructor's signature so the two cannot drift apart. Keywords the pipeline sets from other
+# keys (the hf backend's `recompute_kv`, the vllm backend's `engine_kwargs`) are not listed.
+_OPTIONS: dict[str, frozenset[str]] = {
+    "hf": frozenset({"device", "dtype", "attn_implementation", "max_batch_rows"}),
+    "vllm": frozenset(
+        {
+            "tokenizer",
+            "dtype",
+            "seed",
+            "max_model_len",
+            "enforce_eager",
+            "gpu_memory_utilization",
+            "kv_cache_memory_bytes",
+            "tensor_parallel_size",
+            "enable_prefix_caching",
+        }
+    ),
+}
+
 
 def backend_names() -> list[str]:
     """Names that `create_backend` accepts, sorted."""
     return sorted(_BACKENDS)
 
 
-def register_backend(name: str, target: str) -> None:
-    """Register (or replace) backend `name` as "package.module:ClassName"."""
+def backend_options(name: str) -> frozenset[str]:
+    """The option names a run spec may give backend `name` (none for an undeclared one)."""
+    return _OPTIONS.get(name, frozenset())
+
+
+def register_backend(name: str, target: str, options: Iterable[str] = ()) -> None:
+    """Register (or replace) backend `name` as "package.module:ClassName", taking `options`."""
     if ":" not in target:
         raise ValueError(
             f"backend target must look like 'package.module:ClassName', got {target!r}"
         )
     _BACKENDS[name] = target
+    _OPTIONS[name] = frozenset(options)
 
 
 def backend_class(name: str) -> type[GenerationBackend]:

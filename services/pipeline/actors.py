@@ -18,6 +18,7 @@ from typing import Any
 import ray
 
 from services.generation.worker import GenerationWorker
+from services.jobs.settings import JobSettings
 from services.learner.group import LearnerGroup, wait_all
 from services.reward.actor import start_verifier_actor
 from services.spec import RunSpec
@@ -66,7 +67,9 @@ def connect_ray(spec: RunSpec) -> None:
     """
     if ray.is_initialized():
         return
-    address = os.environ.get("RAY_ADDRESS")
+    # Read as the launcher reads it (empty counts as unset); in a Ray job, Ray's job supervisor
+    # sets it to the cluster the job runs on.
+    address = JobSettings().ray_address
     if address:
         ray.init(address=address, runtime_env={"env_vars": ACTOR_ENV})
         return

@@ -11,18 +11,20 @@ from services.store.errors import (
     IdempotencyConflict,
     InvalidCursor,
     InvalidTransition,
+    QuotaExceeded,
     RunNotFound,
     StoreError,
     StoreUnavailable,
 )
 from services.store.factory import open_store, store_from_env
-from services.store.lifecycle import NEXT_STATUSES, TERMINAL_STATUSES
+from services.store.lifecycle import ACTIVE_STATUSES, NEXT_STATUSES, TERMINAL_STATUSES
 from services.store.local import LocalStore
 from services.store.records import Event, RunRecord, RunStatus, Transition, event_id_order
 from services.store.redis_store import RedisStore
 from services.store.retry import RetryPolicy
 
 __all__ = [
+    "ACTIVE_STATUSES",
     "MAX_LOG_LINES",
     "NEXT_STATUSES",
     "TERMINAL_STATUSES",
@@ -32,6 +34,7 @@ __all__ = [
     "InvalidCursor",
     "InvalidTransition",
     "LocalStore",
+    "QuotaExceeded",
     "RedisStore",
     "RetryPolicy",
     "RunNotFound",

@@ -20,13 +20,14 @@ call either completes or raises (`StoreUnavailable` when the server cannot be re
 
 from __future__ import annotations
 
+import math
 import re
 import secrets
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Any, ClassVar, Literal, overload
+from typing import Any, ClassVar, Literal, NamedTuple, overload
 
 from services.store.codec import dump_json, fingerprint
 from services.store.errors import InvalidCursor
@@ -40,6 +41,9 @@ MAX_READ_LIMIT = 10_000
 # Steps are stored as Redis stream ids and read by Lua, whose numbers are doubles.
 MAX_STEP = 2**53 - 1
 MAX_IDEMPOTENCY_KEY_LENGTH = 255
+# How long an idempotency key still returns its run once the run has finished: a client resending
+# a request gets its run back for a day, and a key does not hold forever.
+IDEMPOTENCY_TTL_S = 86_400.0
 # Event kinds the store writes itself; callers may not forge them.
 STATUS_EVENT = "status"
 METRICS_EVENT = "metrics"
@@ -51,6 +55,13 @@ _EVENT_KIND = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 # A metrics record as backends receive it: its step and its canonical JSON text.
 EncodedRecord = tuple[int, str]
+
+
+class NewRunLimits(NamedTuple):
+    """What `create_run` checks besides the key, as backends receive it (already validated)."""
+
+    max_active: int | None  # most runs queued or running at once; None: no limit
+    idempotency_ttl_s: float  # how long a key outlives its run's end
 
 
 class Store(ABC):
@@ -65,12 +76,26 @@ class Store(ABC):
 
     # --- runs -------------------------------------------------------------------------------
 
-    def create_run(self, spec: Mapping[str, Any], idempotency_key: str | None = None) -> RunRecord:
+    def create_run(
+        self,
+        spec: Mapping[str, Any],
+        idempotency_key: str | None = None,
+        *,
+        max_active: int | None = None,
+        idempotency_ttl_s: float = IDEMPOTENCY_TTL_S,
+    ) -> RunRecord:
         """Store a new run, `queued`, and return it.
 
         With an idempotency key, a second call with the same key and an equal spec returns the
-        run the first call created; with a different spec it raises `IdempotencyConflict`.
-        The check and the insert are one atomic step in both backends.
+        run the first call created; with a different spec it raises `IdempotencyConflict`. A key
+        holds until its run has been finished (succeeded, failed, cancelled) for
+        `idempotency_ttl_s`; after that the key is free and makes a new run.
+
+        With `max_active`, the run is refused with `QuotaExceeded` while `max_active` runs are
+        already queued or running (a resend of a key that made a run still returns that run).
+
+        The key lookup, the count and the insert are one atomic step in both backends, so
+        concurrent calls neither make two runs for one key nor overshoot `max_active`.
         """
         if not isinstance(spec, Mapping):
             raise TypeError(f"spec must be a mapping, got {type(spec).__name__}")
@@ -80,9 +105,18 @@ class Store(ABC):
             raise ValueError(
                 f"idempotency key must be 1 to {MAX_IDEMPOTENCY_KEY_LENGTH} characters long"
             )
+        if max_active is not None and (isinstance(max_active, bool) or max_active < 1):
+            raise ValueError(f"max_active must be an integer >= 1 or None, got {max_active!r}")
+        if not 0 < idempotency_ttl_s < math.inf:
+            raise ValueError(f"idempotency_ttl_s must be > 0 and finite, got {idempotency_ttl_s}")
         spec_json = dump_json(dict(spec))
         return self._create_run(
-            new_run_id(), spec_json, fingerprint(spec_json), idempotency_key, time.time()
+            new_run_id(),
+            spec_json,
+            fingerprint(spec_json),
+            idempotency_key,
+            time.time(),
+            NewRunLimits(max_active, idempotency_ttl_s),
         )
 
     @abstractmethod
@@ -235,6 +269,7 @@ class Store(ABC):
         spec_fingerprint: str,
         idempotency_key: str | None,
         now: float,
+        limits: NewRunLimits,
     ) -> RunRecord: ...
 
     @abstractmethod

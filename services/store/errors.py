@@ -4,6 +4,7 @@ RunNotFound         -> 404
 IdempotencyConflict -> 409 (or 422: the same key was used with another body)
 InvalidTransition   -> 409
 InvalidCursor       -> 400/422 (a list cursor or event id the store never handed out)
+QuotaExceeded       -> 429 (as many runs as allowed are queued or running)
 StoreUnavailable    -> 503 (the server behind the store cannot be reached right now)
 """
 
@@ -50,6 +51,17 @@ class InvalidTransition(StoreError):
         self.run_id = run_id
         self.current = current
         self.requested = requested
+
+
+class QuotaExceeded(StoreError):
+    """A new run would make more runs active (queued or running) than the caller allows."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"{limit} runs are already queued or running, the most allowed at once; "
+            "wait for one to finish, or cancel one"
+        )
+        self.limit = limit
 
 
 class InvalidCursor(StoreError, ValueError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -12,6 +13,17 @@ from services.store.redis_store import RedisStore
 
 DEFAULT_DATA_DIR = "~/.kpo"
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+# The password of a URL's user info (`scheme://user:PASSWORD@host`), up to the last `@`: a
+# password with an unescaped `@` is hidden whole, at worst with more of the URL.
+_USERINFO_PASSWORD = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:/@]*):.*@")
+# redis-py also reads a password from the query string (`?password=...`).
+_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
+
+
+def redacted_url(url: str) -> str:
+    """`url` with its password, if any, replaced by `***`: what an error may show of it."""
+    url = _USERINFO_PASSWORD.sub(r"\1:***@", url)
+    return _QUERY_PASSWORD.sub(r"\1***", url)
 
 
 def open_store(url: str | None, data_dir: Path | str = DEFAULT_DATA_DIR) -> Store:
@@ -19,15 +31,19 @@ def open_store(url: str | None, data_dir: Path | str = DEFAULT_DATA_DIR) -> Stor
 
     `redis://...`, `rediss://...` (TLS) or `unix://...` selects Redis; a filesystem path selects
     the local store in that directory; None or "" selects the local store in `data_dir`.
+    Raises ValueError for a URL it cannot use; the message never holds the URL's password.
     """
     if not url:
         return LocalStore(Path(data_dir).expanduser())
     if url.startswith(REDIS_SCHEMES):
-        return RedisStore.from_url(url)
+        try:
+            return RedisStore.from_url(url)
+        except ValueError as error:  # redis-py's parse errors: a port, a db number, IPv6
+            raise ValueError(f"store URL {redacted_url(url)!r}: {error}") from None
     if "://" in url:
         raise ValueError(
-            f"store URL {url!r}: use redis://HOST:PORT/DB, rediss://... (TLS), unix://PATH, "
-            "or a directory path for the local store"
+            f"store URL {redacted_url(url)!r}: use redis://HOST:PORT/DB, rediss://... (TLS), "
+            "unix://PATH, or a directory path for the local store"
         )
     return LocalStore(Path(url).expanduser())
 

@@ -22,6 +22,8 @@ NEXT_STATUSES: dict[RunStatus, frozenset[RunStatus]] = {
 }
 
 TERMINAL_STATUSES = frozenset(status for status, nxt in NEXT_STATUSES.items() if not nxt)
+# Runs that hold (or wait for) cluster resources: what a cap on active runs counts.
+ACTIVE_STATUSES = frozenset(NEXT_STATUSES) - TERMINAL_STATUSES
 
 # Statuses that may carry an error message: why a run failed, or why it was cancelled.
 STATUSES_WITH_ERROR = frozenset({RunStatus.FAILED, RunStatus.CANCELLED})

@@ -23,16 +23,19 @@ from services.store.base import (
     METRICS_EVENT,
     STATUS_EVENT,
     EncodedRecord,
+    NewRunLimits,
     Store,
     status_event_data,
 )
 from services.store.codec import append_transition, decode_event, decode_run, transition_entry
-from services.store.errors import IdempotencyConflict, InvalidCursor, RunNotFound
-from services.store.lifecycle import check_transition
+from services.store.errors import IdempotencyConflict, InvalidCursor, QuotaExceeded, RunNotFound
+from services.store.lifecycle import ACTIVE_STATUSES, TERMINAL_STATUSES, check_transition
 from services.store.records import Event, RunRecord, RunStatus
 from services.store.sqlite_schema import DB_FILE_NAME, connect, create_schema
 
 _RUN_COLUMNS = "seq, id, status, spec, created_at, transitions, error"
+_ACTIVE_VALUES = tuple(sorted(status.value for status in ACTIVE_STATUSES))
+_ACTIVE_PLACEHOLDERS = ", ".join("?" * len(_ACTIVE_VALUES))
 
 
 class LocalStore(Store):
@@ -92,17 +95,24 @@ class LocalStore(Store):
         spec_fingerprint: str,
         idempotency_key: str | None,
         now: float,
+        limits: NewRunLimits,
     ) -> RunRecord:
+        # One IMMEDIATE transaction: no other writer, in any process, runs between the key
+        # lookup, the count of active runs and the insert.
         with self._transaction(write=True) as conn:
             if idempotency_key is not None:
-                row = conn.execute(
-                    f"SELECT {_RUN_COLUMNS}, spec_hash FROM runs WHERE idempotency_key = ?",
-                    (idempotency_key,),
+                existing = self._run_of_key(conn, idempotency_key, now, limits.idempotency_ttl_s)
+                if existing is not None:
+                    if existing["spec_hash"] != spec_fingerprint:
+                        raise IdempotencyConflict(idempotency_key, existing["id"])
+                    return decode_run(dict(existing))
+            if limits.max_active is not None:
+                (active,) = conn.execute(
+                    f"SELECT count(*) FROM runs WHERE status IN ({_ACTIVE_PLACEHOLDERS})",
+                    _ACTIVE_VALUES,
                 ).fetchone()
-                if row is not None:
-                    if row["spec_hash"] != spec_fingerprint:
-                        raise IdempotencyConflict(idempotency_key, row["id"])
-                    return decode_run(dict(row))
+                if active >= limits.max_active:
+                    raise QuotaExceeded(limits.max_active)
             conn.execute(
                 "INSERT INTO runs (id, status, spec, spec_hash, idempotency_key, created_at,"
                 " transitions) VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -120,6 +130,26 @@ class LocalStore(Store):
                 conn, run_id, STATUS_EVENT, status_event_data(RunStatus.QUEUED, None), now
             )
             return self._fetch_run(conn, run_id)
+
+    @staticmethod
+    def _run_of_key(
+        conn: sqlite3.Connection, key: str, now: float, ttl_s: float
+    ) -> sqlite3.Row | None:
+        """The row of the run `key` made, or None when none did or the key has expired.
+
+        Expired keys are deleted here, lazily, when they are next used: a key expires once its
+        run has been finished for `ttl_s` (the last transition of a finished run is its end).
+        """
+        row: sqlite3.Row | None = conn.execute(
+            f"SELECT {_RUN_COLUMNS}, spec_hash FROM runs WHERE idempotency_key = ?", (key,)
+        ).fetchone()
+        if row is None or RunStatus(row["status"]) not in TERMINAL_STATUSES:
+            return row
+        _, finished_at = json.loads(row["transitions"])[-1]
+        if now < finished_at + ttl_s:
+            return row
+        conn.execute("UPDATE runs SET idempotency_key = NULL WHERE seq = ?", (row["seq"],))
+        return None
 
     def get_run(self, run_id: str) -> RunRecord:
         with self._transaction(write=False) as conn:

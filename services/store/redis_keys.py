@@ -3,13 +3,15 @@
 Layout under the key prefix P (default `kpo`):
 
     P:run:<id>            hash    the run: id, status, spec, spec_hash, created_at, transitions
-                                  (JSON), error, seq (creation order), last_step
+                                  (JSON), error, seq (creation order), last_step; and, for a run
+                                  made with a key, idem (that key's name) and idem_ttl_ms
     P:run:<id>:metrics    stream  one entry per metrics record, entry id `<step>-1`
     P:run:<id>:events     stream  the run's events (`k` kind, `d` JSON data, `t` time)
     P:run:<id>:logs       list    the last `max_log_lines` log lines
     P:runs, P:runs:<st>   zsets   every run / the runs with status <st>, scored by seq
     P:runs:seq            counter the last seq handed out
-    P:idem:<key>          string  the run an idempotency key created
+    P:idem:<key>          string  the run an idempotency key created; expires idem_ttl_ms
+                                  after that run finished
     P:op:<token>          string  a write (not metrics) that was made, for a day (see
                                   `redis_scripts`)
 """

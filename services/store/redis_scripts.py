@@ -17,13 +17,17 @@ The lifecycle table is not repeated here: the caller passes the statuses a run m
 from __future__ import annotations
 
 # KEYS: op token, run hash, runs index, index of queued runs, sequence counter, events stream,
-#       [idempotency key]
+#       index of running runs, [idempotency key]
 # ARGV: op ttl, run id, spec json, spec hash, created_at, transitions json, status event json,
-#       run-hash key prefix, queued status name, status event kind
+#       run-hash key prefix, queued status name, status event kind, most active runs (0: no
+#       limit), how long (ms) the idempotency key outlives the run's end
+# A resend with a key that made a run returns that run before the cap is looked at; the cap
+# counts the queued and running indexes, in the same script as the insert, so that concurrent
+# creates cannot overshoot it.
 CREATE_RUN = """
 local done = redis.call('GET', KEYS[1])
 if done then return done end
-local idem = KEYS[7]
+local idem = KEYS[8]
 if idem then
   local existing = redis.call('GET', idem)
   if existing then
@@ -33,6 +37,10 @@ if idem then
     return existing
   end
 end
+local limit = tonumber(ARGV[11])
+if limit > 0 and redis.call('ZCARD', KEYS[4]) + redis.call('ZCARD', KEYS[7]) >= limit then
+  return redis.error_reply('KPO_QUOTA ' .. ARGV[11])
+end
 if redis.call('EXISTS', KEYS[2]) == 1 then return redis.error_reply('KPO_DUPLICATE_ID') end
 local seq = redis.call('INCR', KEYS[5])
 redis.call('HSET', KEYS[2], 'id', ARGV[2], 'status', ARGV[9], 'spec', ARGV[3],
@@ -41,25 +49,31 @@ redis.call('HSET', KEYS[2], 'id', ARGV[2], 'status', ARGV[9], 'spec', ARGV[3],
 redis.call('ZADD', KEYS[3], seq, ARGV[2])
 redis.call('ZADD', KEYS[4], seq, ARGV[2])
 redis.call('XADD', KEYS[6], '*', 'k', ARGV[10], 'd', ARGV[7], 't', ARGV[5])
-if idem then redis.call('SET', idem, ARGV[2]) end
+if idem then
+  redis.call('SET', idem, ARGV[2])
+  -- The transition to a finished status sets the key's expiry from these.
+  redis.call('HSET', KEYS[2], 'idem', idem, 'idem_ttl_ms', ARGV[12])
+end
 redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[1])
 return ARGV[2]
 """
 
 # KEYS: op token, run hash, events stream
 # ARGV: op ttl, new status, transition entry json, error ('' for none), status-index key prefix,
-#       status event json, now, status event kind, then every status the run may come from
-# Returns the run hash after the change (HGETALL).
+#       status event json, now, status event kind, '1' when the new status is a finished one
+#       (else '0'), then every status the run may come from
+# Returns the run hash after the change (HGETALL). A run that finishes starts the expiry of the
+# idempotency key that made it (if it still names this run).
 TRANSITION = """
 if not redis.call('GET', KEYS[1]) then
   local current = redis.call('HGET', KEYS[2], 'status')
   if not current then return redis.error_reply('KPO_NOT_FOUND') end
   local allowed = false
-  for i = 9, #ARGV do
+  for i = 10, #ARGV do
     if ARGV[i] == current then allowed = true end
   end
   if not allowed then return redis.error_reply('KPO_ILLEGAL ' .. current) end
-  local run = redis.call('HMGET', KEYS[2], 'id', 'seq', 'transitions')
+  local run = redis.call('HMGET', KEYS[2], 'id', 'seq', 'transitions', 'idem', 'idem_ttl_ms')
   -- Append one element to the stored JSON array, as codec.append_transition does.
   local transitions = string.sub(run[3], 1, -2) .. ',' .. ARGV[3] .. ']'
   redis.call('HSET', KEYS[2], 'status', ARGV[2], 'transitions', transitions)
@@ -67,6 +81,9 @@ if not redis.call('GET', KEYS[1]) then
   redis.call('ZREM', ARGV[5] .. current, run[1])
   redis.call('ZADD', ARGV[5] .. ARGV[2], run[2], run[1])
   redis.call('XADD', KEYS[3], '*', 'k', ARGV[8], 'd', ARGV[6], 't', ARGV[7])
+  if ARGV[9] == '1' and run[4] and redis.call('GET', run[4]) == run[1] then
+    redis.call('PEXPIRE', run[4], run[5])
+  end
   redis.call('SET', KEYS[1], '1', 'EX', ARGV[1])
 end
 return redis.call('HGETALL', KEYS[2])

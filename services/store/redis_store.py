@@ -29,12 +29,19 @@ from services.store.base import (
     METRICS_EVENT,
     STATUS_EVENT,
     EncodedRecord,
+    NewRunLimits,
     Store,
     status_event_data,
 )
 from services.store.codec import decode_event, decode_run, transition_entry
-from services.store.errors import IdempotencyConflict, InvalidCursor, RunNotFound, StoreUnavailable
-from services.store.lifecycle import check_transition, predecessors
+from services.store.errors import (
+    IdempotencyConflict,
+    InvalidCursor,
+    QuotaExceeded,
+    RunNotFound,
+    StoreUnavailable,
+)
+from services.store.lifecycle import TERMINAL_STATUSES, check_transition, predecessors
 from services.store.records import Event, RunRecord, RunStatus
 from services.store.redis_keys import RedisKeys
 from services.store.redis_scripts import (
@@ -119,6 +126,7 @@ class RedisStore(Store):
         spec_fingerprint: str,
         idempotency_key: str | None,
         now: float,
+        limits: NewRunLimits,
     ) -> RunRecord:
         keys = [
             self._keys.new_op(),
@@ -127,6 +135,7 @@ class RedisStore(Store):
             self._keys.by_status(RunStatus.QUEUED),
             self._keys.seq,
             self._keys.events(run_id),
+            self._keys.by_status(RunStatus.RUNNING),
         ]
         if idempotency_key is not None:
             keys.append(self._keys.idempotency(idempotency_key))
@@ -141,6 +150,8 @@ class RedisStore(Store):
             self._keys.run_prefix,
             RunStatus.QUEUED.value,
             STATUS_EVENT,
+            limits.max_active or 0,
+            max(1, round(limits.idempotency_ttl_s * 1000)),
         ]
 
         def write() -> RunRecord:
@@ -150,6 +161,8 @@ class RedisStore(Store):
                 code, detail = _script_error(error)
                 if code == "KPO_CONFLICT" and idempotency_key is not None:
                     raise IdempotencyConflict(idempotency_key, detail) from None
+                if code == "KPO_QUOTA":
+                    raise QuotaExceeded(int(detail)) from None
                 raise
             return self._fetch_run(str(created))
 
@@ -201,6 +214,7 @@ class RedisStore(Store):
             status_event_data(status, error),
             repr(now),
             STATUS_EVENT,
+            "1" if status in TERMINAL_STATUSES else "0",
             *sorted(previous.value for previous in predecessors(status)),
         ]
 

@@ -14,11 +14,11 @@ from typing import Any
 import httpx
 import pytest
 
-from services.api.ray_head import LocalRayHead
+from services.jobs.ray_head import LocalRayHead
 from services.pipeline.checkpoints import latest_checkpoint
 from services.pipeline.job import run_output_dir
 from services.store import RedisStore
-from tests.services.api.live_control_plane import (
+from tests.services.jobs.live_control_plane import (
     all_events,
     control_plane,
     finished,
@@ -28,7 +28,7 @@ from tests.services.api.live_control_plane import (
     steps_of,
     submit,
 )
-from tests.services.api.ray_support import launcher_for, wait_until
+from tests.services.jobs.ray_support import launcher_for, wait_until
 from tests.services.store.redis_server import RedisServer
 
 pytestmark = pytest.mark.timeout(300)

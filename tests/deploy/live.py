@@ -23,8 +23,8 @@ import httpx
 import yaml
 
 from services.api.app import create_app
-from services.api.ray_head import free_port
 from services.api.settings import ApiSettings
+from services.jobs.ray_head import free_port
 from services.pipeline.launch import execute_run
 from services.pipeline.outputs import RunDirectory
 from services.pipeline.specs import load_run_spec

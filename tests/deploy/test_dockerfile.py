@@ -116,6 +116,48 @@ def test_gpu_worker_target_is_cuda_with_the_projects_vllm() -> None:
     assert re.search(r"\bwget\b", runs) and re.search(r"\bbash\b", runs)
 
 
+def test_gpu_worker_standalone_dashboard_is_on_loopback() -> None:
+    """`docker run` of the GPU image starts a Ray head without token authentication: its
+    dashboard and job API (which run any code they are sent) listen on loopback only."""
+    command = yaml.safe_load(stages()["gpu-worker"].values("CMD")[-1])
+    assert command[:3] == ["ray", "start", "--head"], command
+    hosts = [word.split("=", 1)[1] for word in command if word.startswith("--dashboard-host=")]
+    assert hosts == ["127.0.0.1"], command
+    assert "--dashboard-host" not in command  # no second, space-separated form
+
+
+@cache
+def comment_blocks() -> list[str]:
+    """The Dockerfile's comments, each run of consecutive comment lines joined into one text."""
+    blocks: list[str] = []
+    last_line = -2
+    for item in DockerfileParser(str(DOCKERFILE)).structure:
+        if item["instruction"] != "COMMENT":
+            continue
+        if item["startline"] == last_line + 1:
+            blocks[-1] += " " + item["value"]
+        else:
+            blocks.append(item["value"])
+        last_line = item["endline"]
+    return blocks
+
+
+def test_exposing_the_dashboard_is_told_only_after_token_auth() -> None:
+    """Where a comment tells how to open the standalone head's dashboard beyond loopback
+    (`--dashboard-host=0.0.0.0`), it says to turn on Ray's token authentication first, with the
+    variables Ray reads; and no stage turns token authentication off."""
+    blocks = [b for b in comment_blocks() if re.search(r"--dashboard-host[= ]0\.0\.0\.0", b)]
+    assert blocks, "the standalone CMD's comment should tell how to expose the dashboard"
+    for block in blocks:
+        expose = re.search(r"--dashboard-host[= ]0\.0\.0\.0", block)
+        token_mode = block.find("RAY_AUTH_MODE=token")
+        assert expose and 0 <= token_mode < expose.start(), block
+        assert "RAY_AUTH_TOKEN" in block and "first" in block[: expose.start()], block
+    for stage in stages().values():
+        env = " ".join(stage.values("ENV"))
+        assert "RAY_AUTH_MODE" not in env, f"{stage.name}: {env}"
+
+
 def apt_packages(stage: Stage) -> set[str]:
     """Names given to `apt-get install` in the stage's RUN instructions."""
     names: set[str] = set()

@@ -6,8 +6,11 @@ Prometheus Operator kinds by the project's schemas, Ray pod templates as core Po
 Then what the objects must mean: probes, secrets, the addresses the control plane is given,
 selectors that select, references that resolve, every container non-root, read-only and
 unprivileged with a volume wherever it writes, the NetworkPolicies (evaluated offline by
-tests/deploy/network_policy.py) admitting exactly the connections the release makes, and values
-the schema or the chart refuse.
+tests/deploy/network_policy.py, ingress and egress) letting through exactly the connections the
+release makes, and values the schema or the chart refuse. The security defaults (Ray's token on
+every Ray pod, secrets never on a command line nor in a job's environment, GitOps secrets,
+checksums, RBAC off, egress, image digests, durable Redis, guarded reads, a metrics port of its
+own) are in tests/deploy/test_helm_security.py.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
-from itertools import pairwise
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -26,8 +28,9 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from services.api.launcher import job_server_url
 from services.api.settings import ApiSettings
+from services.jobs.launcher import job_server_url
+from services.jobs.settings import JobSettings
 from tests.deploy.manifests import (
     CHART,
     CI_VALUES,
@@ -45,13 +48,35 @@ from tests.deploy.manifests import (
     render,
     validate,
 )
-from tests.deploy.network_policy import Pod, admitted, isolating
+from tests.deploy.network_policy import (
+    Address,
+    Pod,
+    admitted,
+    connects,
+    in_ip_block,
+    isolating,
+)
 from tests.deploy.ray_resources import HEAD_GROUP, custom, node_types, ray_start_resources
 
 CI_NAMES = [path.name for path in CI_VALUES]
 CONTROL_PLANE = "kpo-control-plane"
 RAY_CLUSTER = "kpo-ray"
 POD_OWNERS = ("Deployment", "StatefulSet", "Pod")
+# Variables the chart gives the control plane besides the fields of ApiSettings and
+# JobSettings: KPO_REDIS_PASSWORD, and the contract with the services' side, whether or not
+# their settings have the field yet (KPO_OPENAPI_DOCS: /docs on or off; KPO_METRICS_PORT:
+# /metrics on a port of its own; KPO_MAX_ACTIVE_RUNS: the cap on active runs;
+# KPO_PASS_STORE_URL_TO_JOBS=false: the Ray pods have KPO_STORE_URL, so the launcher leaves it
+# out of the jobs' runtime environments; KPO_RAY_DRIVER_RESOURCE: the head's Ray resource each
+# run's job reserves, `entrypoint_resources={"kpo_driver": 1}`).
+CONTROL_PLANE_VARIABLES = {
+    "KPO_REDIS_PASSWORD",  # only for $(KPO_REDIS_PASSWORD) in KPO_STORE_URL
+    "KPO_OPENAPI_DOCS",
+    "KPO_METRICS_PORT",
+    "KPO_MAX_ACTIVE_RUNS",
+    "KPO_PASS_STORE_URL_TO_JOBS",
+    "KPO_RAY_DRIVER_RESOURCE",
+}
 
 
 def pod_specs(manifests: list[Manifest]) -> Iterator[tuple[str, Manifest, Manifest]]:
@@ -137,11 +162,13 @@ def test_validation_fails_on_unknown_fields_and_unknown_kinds() -> None:
 
 def test_default_release_has_the_expected_objects(rendered: dict[str, list[Manifest]]) -> None:
     kinds = sorted(m["kind"] for m in rendered["default-values.yaml"])
+    # No Role nor RoleBinding (rbac.create is off); three Secrets (API token, Redis password, Ray
+    # token); a NetworkPolicy each for the control plane, Redis, the Ray pods, the Ray head's
+    # Kubernetes API access (its autoscaler) and the `helm test` pods.
     assert kinds == sorted(
         [
             "ServiceAccount",
-            "Role",
-            "RoleBinding",
+            "Secret",
             "Secret",
             "Secret",
             "ConfigMap",
@@ -153,6 +180,8 @@ def test_default_release_has_the_expected_objects(rendered: dict[str, list[Manif
             "RayCluster",
             "Pod",
             "Pod",
+            "NetworkPolicy",
+            "NetworkPolicy",
             "NetworkPolicy",
             "NetworkPolicy",
             "NetworkPolicy",
@@ -191,7 +220,11 @@ def test_control_plane_probes_security_and_settings(
     # Every variable the control plane gets is one `kpo serve` reads.
     config = one(manifests, "ConfigMap", CONTROL_PLANE)["data"]
     names = set(config) | set(env_of(container))
-    known = {f.validation_alias for f in ApiSettings.model_fields.values()} | {"KPO_REDIS_PASSWORD"}
+    known = {
+        str(f.validation_alias)
+        for settings in (ApiSettings, JobSettings)
+        for f in settings.model_fields.values()
+    } | CONTROL_PLANE_VARIABLES
     assert names <= known, names - known
     # The settings load and give a real token source.
     settings = ApiSettings.model_validate(
@@ -215,6 +248,8 @@ def test_secrets_never_appear_in_plain_text(rendered: dict[str, list[Manifest]])
         for where, _, spec in pod_specs(manifests):
             for container in containers(spec):
                 for name, entry in env_of(container).items():
+                    if name in ("RAY_AUTH_MODE", "KPO_AUTH_READS"):
+                        continue  # switches, not secrets
                     if re.search(r"PASSWORD|TOKEN|AUTH", name) and not name.endswith("_FILE"):
                         assert "valueFrom" in entry, f"{where}: {name} is not from a Secret"
 
@@ -246,9 +281,10 @@ def test_builtin_redis_is_durable(rendered: dict[str, list[Manifest]]) -> None:
     conf = one(manifests, "ConfigMap", "kpo-redis")["data"]["redis.conf"].splitlines()
     for line in (
         "appendonly yes",
-        "appendfsync everysec",
+        "appendfsync always",
         "maxmemory-policy noeviction",
         "dir /data",
+        "include /run/redis-auth/auth.conf",
     ):
         assert line in conf
     statefulset = one(manifests, "StatefulSet", "kpo-redis")
@@ -256,7 +292,7 @@ def test_builtin_redis_is_durable(rendered: dict[str, list[Manifest]]) -> None:
     (container,) = statefulset["spec"]["template"]["spec"]["containers"]
     assert {"name": "data", "mountPath": "/data"} in container["volumeMounts"]
     assert claim["metadata"]["name"] == "data"
-    assert container["args"][-2:] == ["--requirepass", "$(REDIS_PASSWORD)"]
+    assert container["args"] == ["/etc/redis/redis.conf"]  # the password comes from a file
     assert not named(rendered["external-redis-values.yaml"], "StatefulSet")
 
 
@@ -347,9 +383,10 @@ def test_worker_groups_advertise_their_ray_resources(rendered: dict[str, list[Ma
         "generation_gpu": 1,
     }
     assert (types["learner"]["min_workers"], types["learner"]["max_workers"]) == (0, 2)
-    assert custom(types[HEAD_GROUP]["resources"]) == {}
+    # The head advertises only its driver slots (ray.head.driverSlots), no role's resource.
+    assert custom(types[HEAD_GROUP]["resources"]) == {"kpo_driver": 8}
     head = cluster["spec"]["headGroupSpec"]["rayStartParams"]
-    assert "resources" not in head
+    assert ray_start_resources(head) == {"kpo_driver": 8}
 
 
 @pytest.mark.parametrize("values", CI_NAMES)
@@ -363,6 +400,8 @@ def test_ray_reads_the_resources_of_every_group(
         types = node_types(cluster)
         groups = cluster["spec"]["workerGroupSpecs"]
         assert set(types) == {HEAD_GROUP, *(g["groupName"] for g in groups)}
+        head = cluster["spec"]["headGroupSpec"]["rayStartParams"]
+        assert ray_start_resources(head) == custom(types[HEAD_GROUP]["resources"])
         for group in groups:
             resources = types[group["groupName"]]["resources"]
             assert ray_start_resources(group["rayStartParams"]) == custom(resources)
@@ -514,6 +553,7 @@ def test_references_resolve(rendered: dict[str, list[Manifest]]) -> None:
     existing = {
         "kpo-api-token",
         "kpo-redis-credentials",
+        "shared-ray-auth",
         "kpo-runs",
         "regcred",
         "hf-token",
@@ -526,10 +566,9 @@ def test_references_resolve(rendered: dict[str, list[Manifest]]) -> None:
                 assert (kind, name) in have or name in existing, f"{values}: {where}: {kind} {name}"
 
 
-def test_rbac_is_read_only_and_bound_to_the_control_plane(
-    rendered: dict[str, list[Manifest]],
-) -> None:
-    manifests = rendered["default-values.yaml"]
+def test_rbac_is_read_only_and_bound_to_the_control_plane(helm: str) -> None:
+    """rbac.create (off by default): a read-only Role bound to the control plane's account."""
+    manifests = render(helm, sets=["rbac.create=true"])
     role = one(manifests, "Role", CONTROL_PLANE)
     for rule in role["rules"]:
         assert set(rule["verbs"]) <= {"get", "list", "watch"}, rule
@@ -539,7 +578,7 @@ def test_rbac_is_read_only_and_bound_to_the_control_plane(
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": pod["serviceAccountName"], "namespace": NAMESPACE}
     ]
-    assert not named(rendered["external-redis-values.yaml"], "Role")
+    assert pod["automountServiceAccountToken"] is True  # the token the Role is for
 
 
 def test_monitoring_objects(
@@ -552,9 +591,10 @@ def test_monitoring_objects(
         monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     )
     (endpoint,) = monitor["spec"]["endpoints"]
-    assert (
-        endpoint["port"] == service["spec"]["ports"][0]["name"] and endpoint["path"] == "/metrics"
-    )
+    # The Service's metrics port, not the API's.
+    ports = {port["name"]: port for port in service["spec"]["ports"]}
+    assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+    assert ports["metrics"]["port"] == 9090 and ports["http"]["port"] == 8000
     assert {"action": "replace", "targetLabel": "job", "replacement": "kpo-control-plane"} in (
         endpoint["relabelings"]
     )
@@ -602,8 +642,11 @@ def test_chart_tests_check_health_metrics_and_auth(rendered: dict[str, list[Mani
         "/readyz" in scripts["kpo-test-connection"] and "/metrics" in scripts["kpo-test-connection"]
     )
     assert "== 401" in scripts["kpo-test-auth"]
-    url = env_of(pods["kpo-test-connection"]["spec"]["containers"][0])["KPO_URL"]["value"]
-    assert url == f"http://{CONTROL_PLANE}:8000"
+    assert "KPO_METRICS_URL" in scripts["kpo-test-connection"]
+    env = env_of(pods["kpo-test-connection"]["spec"]["containers"][0])
+    assert env["KPO_URL"]["value"] == f"http://{CONTROL_PLANE}:8000"
+    assert env["KPO_METRICS_URL"]["value"] == f"http://{CONTROL_PLANE}:9090/metrics"
+    assert env["KPO_AUTH_READS"]["value"] == "true"
 
 
 # --- security defaults: who runs, what it may write ---------------------------------------------
@@ -659,6 +702,7 @@ def test_every_container_is_non_root_read_only_and_unprivileged(
         assert seen == {
             f"Deployment/{CONTROL_PLANE} control-plane",
             "StatefulSet/kpo-redis redis",
+            "StatefulSet/kpo-redis redis-auth",
             f"RayCluster/{RAY_CLUSTER} head ray-head",
             f"RayCluster/{RAY_CLUSTER} worker-gpu ray-worker",
             f"RayCluster/{RAY_CLUSTER} autoscaler",
@@ -720,6 +764,7 @@ def test_every_directory_written_is_a_volume(
         "ray-worker": ray,
         "autoscaler": {"/tmp", IMAGE_HOME},  # KubeRay adds the head's /tmp/ray itself
         "redis": {"/data"},
+        "redis-auth": {"/run/redis-auth"},  # writes the `requirepass` file redis.conf includes
         "test": set(),  # a Python script that only makes HTTP requests
         # `hf download` into the model directory, its cache under /tmp (HF_HOME).
         "prefetch": {"/tmp", IMAGE_HOME, models_mount_path(manifests)},
@@ -756,7 +801,12 @@ SECRET_SETTINGS = {
     for field in ApiSettings.model_fields.values()
     if "SecretStr" in str(field.annotation)
 }
-SECRET_VARIABLES = SECRET_SETTINGS | {"KPO_REDIS_PASSWORD", "REDIS_PASSWORD", "REDISCLI_AUTH"}
+SECRET_VARIABLES = SECRET_SETTINGS | {
+    "KPO_REDIS_PASSWORD",
+    "REDIS_PASSWORD",
+    "REDISCLI_AUTH",
+    "RAY_AUTH_TOKEN",
+}
 SECRET_NAME = re.compile(r"TOKEN|PASSWORD|PASSWD|SECRET|CREDENTIAL", re.I)
 URL_PASSWORD = re.compile(r"://[^/@\s]*:([^/@\s]+)@")
 
@@ -769,9 +819,11 @@ def test_secret_settings_are_known() -> None:
 def test_secrets_never_in_a_config_map_or_a_plain_env_value(
     rendered: dict[str, list[Manifest]], values: str
 ) -> None:
-    """The API token and the Redis password reach a process only as a file from a Secret volume
-    or a variable from a secretKeyRef (a URL holds a `$(VAR)` of such a variable, never the
-    password); no ConfigMap holds a secret, nor a value that names one."""
+    """The API token, the Redis password and Ray's token reach a process only as a file from a
+    Secret volume or a variable from a secretKeyRef (a URL holds a `$(VAR)` of such a variable,
+    never the password); no ConfigMap holds a secret, nor a value that names one; no command
+    line holds a secret, a URL with a password, or a `$(VAR)` of a secret variable (which
+    Kubernetes would expand into the arguments, for `ps` to show)."""
     manifests = rendered[values]
     for config_map in named(manifests, "ConfigMap"):
         where = f"ConfigMap/{config_map['metadata']['name']}"
@@ -809,11 +861,13 @@ def test_secrets_never_in_a_config_map_or_a_plain_env_value(
         for source in container.get("envFrom", []):
             assert "configMapRef" in source or "secretRef" in source, where
         words = [str(word) for word in (*container.get("command", []), *container.get("args", []))]
-        for word, following in pairwise([*words, ""]):
+        for word in words:
             assert not URL_PASSWORD.search(word), f"{where}: a password on the command line"
-            if word == "--requirepass":
-                reference = re.fullmatch(r"\$\((\w+)\)", following)
-                assert reference and reference.group(1) in from_secrets, where
+            assert "--requirepass" not in word, f"{where}: a password on the command line"
+            for reference in re.findall(r"\$\((\w+)\)", word):
+                assert reference not in from_secrets and reference not in SECRET_VARIABLES, (
+                    f"{where}: $({reference}) puts a secret on the command line"
+                )
 
 
 def test_no_value_takes_a_secret_in_plain_text() -> None:
@@ -836,12 +890,16 @@ def test_no_value_takes_a_secret_in_plain_text() -> None:
             "controlPlane.ingress.tlsSecretName",
             "redis.auth.existingSecret",
             "redis.auth.secretKey",
+            "secrets",
+            "ray.auth.existingSecret",
+            "ray.auth.secretKey",
             "ray.models.hfToken",
             "ray.models.hfToken.existingSecret",
             "ray.models.hfToken.secretKey",
         ]
     )
-    for key in ("apiToken", "redis.auth", "ray.models.hfToken"):
+    assert set(values["secrets"]) == {"requireExisting"}
+    for key in ("apiToken", "redis.auth", "ray.auth", "ray.models.hfToken"):
         node = values
         for part in key.split("."):
             node = node[part]
@@ -857,6 +915,7 @@ INGRESS_CONTROLLER = Pod.of(
     {"app.kubernetes.io/name": "ingress-nginx", "app.kubernetes.io/component": "controller"},
 )
 PROMETHEUS = Pod.of("prometheus-0", "monitoring", {"app.kubernetes.io/name": "prometheus"})
+KUBE_DNS = Pod.of("coredns-0", "kube-system", {"k8s-app": "kube-dns"}, {"dns": 53})
 # Another application in the release's namespace, another pod in the ingress controller's
 # namespace, and a pod elsewhere that copies the release's labels.
 NEIGHBOUR = Pod.of("neighbour", NAMESPACE, {"app": "something-else"})
@@ -872,6 +931,12 @@ IMPOSTOR = Pod.of(
 )
 EXTERNAL_RAY = Pod.of("shared-ray-worker", "ray-system", {"ray.io/cluster": "shared-ray"})
 OUTSIDERS = (NEIGHBOUR, INGRESS_NEIGHBOUR, IMPOSTOR)
+# Addresses outside the cluster's pods: the clouds' metadata endpoint (which hands out the
+# node's credentials), a host on the internet (a model hub), and an API server in the cluster's
+# private network.
+METADATA = Address("169.254.169.254")
+INTERNET = Address("104.18.0.1")
+KUBE_API = Address("10.0.0.1")
 
 
 def release_pods(manifests: list[Manifest]) -> dict[str, Pod]:
@@ -889,14 +954,15 @@ def release_pods(manifests: list[Manifest]) -> dict[str, Pod]:
 
 
 def used_ports(manifests: list[Manifest]) -> dict[str, int]:
-    """The ports the release connects to, read from the objects: the control plane's (its
-    Service's target), the store's (KPO_STORE_URL), the job server's (RAY_ADDRESS)."""
+    """The ports the release connects to, read from the objects: the control plane's API and
+    metrics ports (its Service's targets), the store's (KPO_STORE_URL), the job server's
+    (RAY_ADDRESS)."""
     env = env_of(control_plane_container(manifests))
-    service = one(manifests, "Service", CONTROL_PLANE)["spec"]["ports"][0]
+    service = {p["name"]: p for p in one(manifests, "Service", CONTROL_PLANE)["spec"]["ports"]}
+    control_plane = release_pods(manifests)[f"Deployment/{CONTROL_PLANE}"]
     ports = {
-        "control-plane": release_pods(manifests)[f"Deployment/{CONTROL_PLANE}"].ports[
-            service["targetPort"]
-        ],
+        "control-plane": control_plane.ports[service["http"]["targetPort"]],
+        "metrics": control_plane.ports[service["metrics"]["targetPort"]],
         "store": urlsplit(env["KPO_STORE_URL"]["value"]).port or 6379,
         "job-server": urlsplit(
             one(manifests, "ConfigMap", CONTROL_PLANE)["data"]["RAY_ADDRESS"]
@@ -908,6 +974,8 @@ def used_ports(manifests: list[Manifest]) -> dict[str, int]:
 def test_network_policies_admit_only_what_the_release_needs(
     rendered: dict[str, list[Manifest]],
 ) -> None:
+    """The default release, connection by connection, both ends checked (out of the source,
+    into the destination): what it makes goes through, and nothing else."""
     manifests = rendered["default-values.yaml"]
     policies = named(manifests, "NetworkPolicy")
     pods = release_pods(manifests)
@@ -918,20 +986,27 @@ def test_network_policies_admit_only_what_the_release_needs(
     )
     tests = [pod for where, pod in pods.items() if where.startswith("Pod/")]
     ports = used_ports(manifests)
-    api, store, jobs = ports["control-plane"], ports["store"], ports["job-server"]
-    assert (api, store, jobs) == (8000, 6379, 8265)
-    gcs, client, metrics = head.ports["gcs-server"], head.ports["client"], head.ports["metrics"]
+    api, metrics, store, jobs = (
+        ports["control-plane"],
+        ports["metrics"],
+        ports["store"],
+        ports["job-server"],
+    )
+    assert (api, metrics, store, jobs) == (8000, 9090, 6379, 8265)
+    gcs, client, ray_metrics = head.ports["gcs-server"], head.ports["client"], head.ports["metrics"]
 
-    for pod in (control_plane, redis, head, worker):
-        assert isolating(policies, pod, NAMESPACE), f"{pod.name} is not isolated"
+    for pod in (control_plane, redis, head, worker, *tests):
+        assert isolating(policies, pod, NAMESPACE, "Ingress"), f"{pod.name} is not isolated"
+        assert isolating(policies, pod, NAMESPACE, "Egress"), f"{pod.name}: egress is open"
 
-    def opens(source: Pod, destination: Pod, port: int) -> bool:
-        return admitted(policies, source, destination, port, NAMESPACE)
+    def opens(source: Pod, destination: Pod | Address, port: int, protocol: str = "TCP") -> bool:
+        return connects(policies, source, destination, port, NAMESPACE, protocol)
 
-    for source, destination, port in [
+    allowed: list[tuple[Pod, Pod | Address, int]] = [
         (INGRESS_CONTROLLER, control_plane, api),
-        (PROMETHEUS, control_plane, api),
+        (PROMETHEUS, control_plane, metrics),
         *[(test, control_plane, api) for test in tests],
+        *[(test, control_plane, metrics) for test in tests],
         (control_plane, redis, store),
         (head, redis, store),  # the runs' drivers
         (worker, redis, store),  # the learner and generation actors
@@ -939,12 +1014,19 @@ def test_network_policies_admit_only_what_the_release_needs(
         (worker, head, gcs),
         (head, worker, 10002),  # Ray's own ports between nodes (raylets, object transfers)
         (worker, worker, 20000),
-        (PROMETHEUS, head, metrics),
-        (PROMETHEUS, worker, metrics),
-    ]:
+        (PROMETHEUS, head, ray_metrics),
+        (PROMETHEUS, worker, ray_metrics),
+        (head, KUBE_API, 443),  # KubeRay's autoscaler sidecar
+        (head, KUBE_API, 6443),
+    ]
+    for source, destination, port in allowed:
         assert opens(source, destination, port), f"{source.name} -> {destination.name}:{port}"
+    # DNS, from every pod that resolves names (Redis resolves none).
+    for source in (control_plane, head, worker, *tests):
+        for protocol in ("UDP", "TCP"):
+            assert opens(source, KUBE_DNS, 53, protocol), f"{source.name}: DNS over {protocol}"
 
-    for source, destination, port in [
+    refused: list[tuple[Pod, Pod | Address, int]] = [
         *[
             (outsider, pod, p)
             for outsider in OUTSIDERS
@@ -956,15 +1038,34 @@ def test_network_policies_admit_only_what_the_release_needs(
         *[(test, redis, store) for test in tests],
         *[(test, head, jobs) for test in tests],
         (INGRESS_CONTROLLER, head, jobs),
+        (INGRESS_CONTROLLER, control_plane, metrics),  # /metrics is never routed out
         (PROMETHEUS, head, jobs),
-        (PROMETHEUS, control_plane, 9090),
+        (PROMETHEUS, control_plane, api),  # Prometheus gets /metrics, not the API
         (control_plane, head, gcs),  # the control plane only talks HTTP to the job server
         (control_plane, head, client),
-        (control_plane, worker, metrics),
+        (control_plane, worker, ray_metrics),
+        (control_plane, worker, jobs),
         (head, control_plane, api),  # the runs report through Redis, not the API
         (worker, control_plane, api),
         (EXTERNAL_RAY, redis, store),
-    ]:
+        # Out of the release: no pod reaches the internet, the metadata endpoint, or a
+        # neighbour; only the head reaches the Kubernetes API.
+        *[
+            (pod, address, port)
+            for pod in (control_plane, redis, head, worker, *tests)
+            for address in (INTERNET, METADATA)
+            for port in (80, 443)
+        ],
+        (head, METADATA, 6443),
+        (control_plane, KUBE_API, 443),  # rbac.create is off: it needs no API
+        (worker, KUBE_API, 443),
+        (redis, KUBE_API, 443),
+        (head, KUBE_API, 80),
+        *[(pod, NEIGHBOUR, 8080) for pod in (control_plane, redis, head, worker)],
+        (redis, control_plane, api),  # Redis opens no connection at all
+        (redis, KUBE_DNS, 53),
+    ]
+    for source, destination, port in refused:
         assert not opens(source, destination, port), f"{source.name} -> {destination.name}:{port}"
 
 
@@ -976,24 +1077,48 @@ def test_network_policies_keep_every_connection_the_release_makes(
     policies = named(manifests, "NetworkPolicy")
     assert policies, "NetworkPolicies are on by default"
     for policy in policies:
-        assert policy["spec"]["policyTypes"] == ["Ingress"]
-        for rule in policy["spec"]["ingress"]:
-            assert rule.get("from"), f"{policy['metadata']['name']}: a rule open to everyone"
+        name = policy["metadata"]["name"]
+        assert set(policy["spec"]["policyTypes"]) <= {"Ingress", "Egress"}, name
+        assert "Egress" in policy["spec"]["policyTypes"], f"{name}: egress is on by default"
+        for rule in policy["spec"].get("ingress") or []:
+            assert rule.get("from"), f"{name}: a rule open to everyone"
+        for rule in policy["spec"].get("egress") or []:
+            assert rule.get("to"), f"{name}: an egress rule to everywhere"
+            for peer in rule["to"]:
+                if "ipBlock" in peer:
+                    # Every address block holding the metadata endpoint excepts link-local.
+                    assert not in_ip_block(peer["ipBlock"], METADATA.ip), (name, peer)
     pods = release_pods(manifests)
     control_plane = pods[f"Deployment/{CONTROL_PLANE}"]
     redis = pods.get("StatefulSet/kpo-redis")
     ray = [pod for where, pod in pods.items() if where.startswith("RayCluster/")]
+    tests = [pod for where, pod in pods.items() if where.startswith("Pod/")]
     ports = used_ports(manifests)
+    env = env_of(control_plane_container(manifests))
+    store_url = urlsplit(env["KPO_STORE_URL"]["value"])
+    job_server = urlsplit(one(manifests, "ConfigMap", CONTROL_PLANE)["data"]["RAY_ADDRESS"])
 
-    def opens(source: Pod, destination: Pod, port: int) -> bool:
-        return admitted(policies, source, destination, port, NAMESPACE)
+    def opens(source: Pod, destination: Pod | Address, port: int, protocol: str = "TCP") -> bool:
+        return connects(policies, source, destination, port, NAMESPACE, protocol)
 
     assert opens(INGRESS_CONTROLLER, control_plane, ports["control-plane"])
+    for test in tests:
+        assert opens(test, control_plane, ports["control-plane"])
+        assert opens(test, control_plane, ports["metrics"])
+    for source in (control_plane, *ray, *tests):
+        assert opens(source, KUBE_DNS, 53, "UDP") and opens(source, KUBE_DNS, 53, "TCP")
     if redis is not None:
         runs = ray or [EXTERNAL_RAY]  # where the runs' drivers and actors live
         for source in (control_plane, *runs):
             assert opens(source, redis, ports["store"]), source.name
         assert opens(EXTERNAL_RAY, redis, ports["store"]) == (not ray)
+    else:
+        # An external Redis, somewhere outside the cluster's pods (not link-local).
+        external = Address("203.0.113.7")
+        for source in (control_plane, *ray):
+            assert opens(source, external, ports["store"]), source.name
+            assert not opens(source, METADATA, ports["store"]), source.name
+        assert store_url.hostname == "redis.example.internal"
     if ray:
         head = pods[f"RayCluster/{RAY_CLUSTER} head"]
         assert opens(control_plane, head, ports["job-server"])
@@ -1002,10 +1127,17 @@ def test_network_policies_keep_every_connection_the_release_makes(
                 for port in destination.ports.values():
                     assert opens(source, destination, port), (source.name, destination.name)
             assert opens(PROMETHEUS, source, source.ports["metrics"])
+    else:
+        # The job server of the Ray cluster at ray.address, one of that cluster's pods.
+        assert opens(control_plane, EXTERNAL_RAY, job_server.port or 80)
+        assert not opens(control_plane, EXTERNAL_RAY, 6379)
     for outsider in OUTSIDERS:
         for pod in (control_plane, *([redis] if redis else []), *ray):
             for port in pod.ports.values():
                 assert not opens(outsider, pod, port), (outsider.name, pod.name, port)
+    for pod in (control_plane, *([redis] if redis else []), *ray, *tests):
+        for port in (80, 443):
+            assert not opens(pod, METADATA, port), (pod.name, port)
 
 
 def test_network_policy_values(helm: str, tmp_path: Path) -> None:
@@ -1058,14 +1190,131 @@ def test_network_policy_values(helm: str, tmp_path: Path) -> None:
         return admitted(policies, source, destination, port, NAMESPACE)
 
     assert not opens(INGRESS_CONTROLLER, control_plane, 8000)
-    assert not opens(PROMETHEUS, control_plane, 8000)
+    assert not opens(PROMETHEUS, control_plane, 9090)
     assert not opens(PROMETHEUS, head, head.ports["metrics"])
     assert opens(cli, control_plane, 8000) and not opens(cli, head, 8265)
+    assert not opens(cli, control_plane, 9090)  # extraFrom: the API only
     assert opens(notebook, head, head.ports["client"]) and not opens(notebook, control_plane, 8000)
     cp_policy = one(policies, "NetworkPolicy", CONTROL_PLANE)
     assert {"ipBlock": {"cidr": "10.0.0.0/8"}} in [
         peer for rule in cp_policy["spec"]["ingress"] for peer in rule["from"]
     ]
+
+
+def test_egress_values(helm: str) -> None:
+    """networkPolicy.egress: off leaves ingress alone; the internet, the Kubernetes API and the
+    DNS servers follow their values; link-local is excepted from every address block and refused
+    as a block of its own."""
+    off = render(helm, sets=["networkPolicy.egress.enabled=false"])
+    for policy in named(off, "NetworkPolicy"):
+        assert policy["spec"]["policyTypes"] == ["Ingress"], policy["metadata"]["name"]
+        assert "egress" not in policy["spec"]
+    assert {p["metadata"]["name"] for p in named(off, "NetworkPolicy")} == {
+        CONTROL_PLANE,
+        "kpo-redis",
+        RAY_CLUSTER,
+    }
+
+    manifests = render(
+        helm,
+        sets=[
+            "networkPolicy.egress.internet.cidrs={0.0.0.0/0}",
+            "networkPolicy.egress.internet.ports={443,80}",
+            "networkPolicy.egress.kubernetesApi.cidrs={10.0.0.1/32}",
+            "networkPolicy.egress.kubernetesApi.ports={6443}",
+            "networkPolicy.dns.extraTo[0].ipBlock.cidr=169.254.20.10/32",
+            "rbac.create=true",
+        ],
+    )
+    for manifest in manifests:
+        validate(manifest)
+    policies = named(manifests, "NetworkPolicy")
+    pods = release_pods(manifests)
+    control_plane, redis = pods[f"Deployment/{CONTROL_PLANE}"], pods["StatefulSet/kpo-redis"]
+    head = pods[f"RayCluster/{RAY_CLUSTER} head"]
+    worker = pods[f"RayCluster/{RAY_CLUSTER} worker-gpu"]
+
+    def opens(source: Pod, destination: Pod | Address, port: int, protocol: str = "TCP") -> bool:
+        return connects(policies, source, destination, port, NAMESPACE, protocol)
+
+    for pod in (head, worker):  # the hubs, from the Ray pods only
+        assert opens(pod, INTERNET, 443) and opens(pod, INTERNET, 80)
+        assert not opens(pod, INTERNET, 22)
+        assert not opens(pod, METADATA, 443) and not opens(pod, METADATA, 80)
+    assert not opens(control_plane, INTERNET, 443) and not opens(redis, INTERNET, 443)
+    # The API server, at its one address: from the head and (rbac.create) the control plane.
+    for pod in (head, control_plane):
+        assert opens(pod, Address("10.0.0.1"), 6443)
+        assert not opens(pod, Address("10.0.0.2"), 6443)
+    assert not opens(worker, Address("10.0.0.1"), 6443)
+    # NodeLocal DNSCache's link-local address, for DNS only.
+    node_local_dns = Address("169.254.20.10")
+    assert opens(worker, node_local_dns, 53, "UDP") and not opens(worker, node_local_dns, 80)
+
+    # No DNS server named: no rule for port 53 at all (a rule without `to` would open it to
+    # every address).
+    no_dns = render(
+        helm,
+        sets=["networkPolicy.dns.namespaceSelector=null", "networkPolicy.dns.podSelector=null"],
+    )
+    for policy in named(no_dns, "NetworkPolicy"):
+        for rule in policy["spec"].get("egress") or []:
+            assert rule.get("to"), policy["metadata"]["name"]
+            assert {"port": 53, "protocol": "UDP"} not in rule.get("ports", [])
+
+    # Without the autoscaler, no pod reaches the Kubernetes API.
+    fixed = render(helm, sets=["ray.autoscaling.enabled=false"])
+    assert not named(fixed, "NetworkPolicy", "kpo-ray-head-kube-api")
+    fixed_head = release_pods(fixed)[f"RayCluster/{RAY_CLUSTER} head"]
+    assert not connects(named(fixed, "NetworkPolicy"), fixed_head, KUBE_API, 443, NAMESPACE)
+
+
+LINK_LOCAL_REFUSED = {
+    "the metadata endpoint itself": (
+        ["networkPolicy.egress.internet.cidrs={169.254.169.254/32}"],
+        "networkPolicy.egress.internet.cidrs: 169.254.169.254/32 is link-local",
+    ),
+    "all of link-local for the API": (
+        ["networkPolicy.egress.kubernetesApi.cidrs={169.254.0.0/16}"],
+        "networkPolicy.egress.kubernetesApi.cidrs: 169.254.0.0/16 is link-local",
+    ),
+    "an external Redis at a link-local address": (
+        [
+            "redis.builtin.enabled=false",
+            "redis.external.url=redis://redis.example:6379/0",
+            "redis.auth.existingSecret=redis-credentials",
+            "networkPolicy.egress.externalRedis.cidrs={169.254.10.0/24}",
+        ],
+        "networkPolicy.egress.externalRedis.cidrs: 169.254.10.0/24 is link-local",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(LINK_LOCAL_REFUSED))
+def test_link_local_is_never_allowed(helm: str, case: str) -> None:
+    sets, expected = LINK_LOCAL_REFUSED[case]
+    result = helm_template(helm, sets=sets)
+    assert result.returncode != 0, f"{case}: accepted"
+    assert expected in result.stderr, result.stderr
+
+
+def test_link_local_is_excepted_from_every_block_that_holds_it(helm: str) -> None:
+    """A block that holds 169.254.0.0/16 gets it as an `except`; one that does not, none (an
+    except outside its cidr is invalid)."""
+    cidrs = ["0.0.0.0/0", "128.0.0.0/1", "169.0.0.0/8", "10.0.0.0/8", "172.16.0.0/12"]
+    manifests = render(helm, sets=["networkPolicy.egress.internet.cidrs={" + ",".join(cidrs) + "}"])
+    policy = one(manifests, "NetworkPolicy", RAY_CLUSTER)
+    blocks = {
+        peer["ipBlock"]["cidr"]: peer["ipBlock"]
+        for rule in policy["spec"]["egress"]
+        for peer in rule["to"]
+        if "ipBlock" in peer
+    }
+    assert set(blocks) == set(cidrs)
+    for cidr in ("0.0.0.0/0", "128.0.0.0/1", "169.0.0.0/8"):
+        assert blocks[cidr]["except"] == ["169.254.0.0/16"], cidr
+    for cidr in ("10.0.0.0/8", "172.16.0.0/12"):
+        assert "except" not in blocks[cidr], cidr
 
 
 def test_network_policy_evaluator_follows_kubernetes() -> None:
@@ -1105,6 +1354,37 @@ def test_network_policy_evaluator_follows_kubernetes() -> None:
     )
     expression = {"matchExpressions": [{"key": "app", "operator": "In", "values": ["db"]}]}
     assert admitted([policy([], expression)], client, web, 8080, "shop")  # selects no web pod
+    udp = policy([{"ports": [{"port": 53, "protocol": "UDP"}]}])
+    assert admitted([udp], client, web, 53, "shop", "UDP")
+    assert not admitted([udp], client, web, 53, "shop", "TCP")
+
+    # Egress: the same rules from the source's end.
+    def egress(rules: list[Manifest], types: list[str] | None = None) -> Manifest:
+        spec: Manifest = {"podSelector": {"matchLabels": {"role": "client"}}, "egress": rules}
+        if types is not None:
+            spec["policyTypes"] = types
+        return {"metadata": {"name": "e", "namespace": "shop"}, "spec": spec}
+
+    metadata, outside = Address("169.254.169.254"), Address("93.184.216.34")
+    assert connects([], client, outside, 443, "shop")  # not isolated for egress
+    assert not connects([egress([], ["Egress"])], client, web, 8080, "shop")  # isolated, no rule
+    assert connects([egress([{}])], client, outside, 1, "shop")  # no policyTypes: Egress too
+    # Ingress only: the egress rules of a policy without `Egress` in its types do not isolate.
+    assert connects([egress([], ["Ingress"])], client, outside, 443, "shop")
+    to_web = egress([{"to": [{"podSelector": {"matchLabels": {"app": "web"}}}]}], ["Egress"])
+    assert connects([to_web], client, web, 8080, "shop")
+    assert not connects([to_web], client, outside, 443, "shop")
+    assert connects([to_web], foreign, outside, 443, "shop")  # another namespace's: not selected
+    block = {"ipBlock": {"cidr": "0.0.0.0/0", "except": ["169.254.0.0/16"]}}
+    anywhere = egress([{"to": [block], "ports": [{"port": 443}]}], ["Egress"])
+    assert connects([anywhere], client, outside, 443, "shop")
+    assert not connects([anywhere], client, metadata, 443, "shop")  # the except
+    assert not connects([anywhere], client, outside, 80, "shop")
+    assert not connects([anywhere], client, web, 443, "shop")  # an ipBlock matches no pod
+    # Both ends: let out of the source, but not into an isolated destination.
+    assert not connects([to_web, policy([])], client, web, 8080, "shop")
+    assert in_ip_block({"cidr": "10.0.0.0/8"}, "10.1.2.3")
+    assert not in_ip_block({"cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"]}, "10.1.2.3")
 
 
 # --- values the chart refuses ------------------------------------------------------------------
@@ -1198,6 +1478,27 @@ REFUSED = {
     "a relative model mount path": (
         ["ray.models.mountPath=models"],
         "ray.models.mountPath: Does not match pattern",
+    ),
+    "model downloads with egress closed to the internet": (
+        ["ray.models.prefetch[0].repo=Qwen/Qwen2.5-0.5B"],
+        "ray.models.prefetch downloads from the Hugging Face Hub, so set "
+        "networkPolicy.egress.internet.cidrs",
+    ),
+    "an egress CIDR that is not IPv4": (
+        ["networkPolicy.egress.internet.cidrs={::/0}"],
+        "networkPolicy.egress.internet.cidrs.0: Does not match pattern",
+    ),
+    "a Redis fsync policy that loses writes": (
+        ["redis.builtin.appendfsync=no"],
+        "redis.builtin.appendfsync: redis.builtin.appendfsync must be one of the following",
+    ),
+    "/metrics on the API's port": (
+        ["controlPlane.metrics.port=8000"],
+        "controlPlane.metrics.port: /metrics needs a port of its own",
+    ),
+    "a metrics port that is not a port": (
+        ["controlPlane.metrics.port=0"],
+        "controlPlane.metrics.port: Must be greater than or equal to 1",
     ),
 }
 

@@ -254,6 +254,8 @@ def test_prefetch_into_emptydirs_runs_on_every_ray_pod(helm: str) -> None:
         sets=[
             "ray.models.prefetch[0].repo=Qwen/Qwen2.5-0.5B-Instruct",
             "ray.workerGroups.tp2.gpus=2",
+            # The downloads need HTTPS out of the Ray pods (the chart refuses without).
+            "networkPolicy.egress.internet.cidrs={0.0.0.0/0}",
         ],
     )
     for manifest in manifests:

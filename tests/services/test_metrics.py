@@ -86,8 +86,9 @@ def declared(source: Source) -> set[str]:
 @pytest.fixture(scope="module")
 def learner_record() -> dict[str, float]:
     """One real learner step on the committed tiny model, with every option that adds keys:
-    KPO (Kalman gain, filtered ratio), the proximal reference with TIS and MIS (behaviour
-    weights, their truncated and masked fractions)."""
+    KPO with the token backstop (Kalman gain, shrinkage, filtered ratio, backstop fraction), the
+    proximal reference with TIS and MIS (behaviour weights, their truncated and masked
+    fractions)."""
     model_dir = resolve_model("tiny-arith")
     algorithm = AlgorithmConfig.model_validate(
         {

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
 import pytest
 from pydantic import ValidationError
 
 from kpo_core.config import describe_validation_error
+from services.generation.registry import backend_class, backend_names, backend_options
 from services.spec import PipelineConfig, RunSpec
+
+# A run spec, or part of one, as plain data.
+Data = dict[str, Any]
 
 
 def pipeline_error(pipeline: dict[str, object]) -> str:
@@ -56,7 +63,7 @@ def test_the_default_buffer_holds_four_or_lead_batches_plus_one_batches(
     assert config.buffer_groups == batches * 3
 
 
-def run_spec_error(data: dict[str, object]) -> str:
+def run_spec_error(data: Data) -> str:
     with pytest.raises(ValidationError) as caught:
         RunSpec.model_validate(data)
     return describe_validation_error(caught.value, "run.yaml")
@@ -91,3 +98,357 @@ def test_fault_settings_are_validated() -> None:
     spec = RunSpec.model_validate({})
     assert (spec.pipeline.learner_restarts, spec.pipeline.actor_replacements) == (2, 10)
     assert spec.reward.call_timeout_s == 300.0
+
+
+# --- upper bounds -------------------------------------------------------------------------------
+
+
+def nested(path: str, value: object) -> Data:
+    """`{"a": {"b": value}}` for the path "a.b"."""
+    data: Data = {}
+    node = data
+    *parents, leaf = path.split(".")
+    for part in parents:
+        child: Data = {}
+        node[part] = child
+        node = child
+    node[leaf] = value
+    return data
+
+
+def merged(base: Data, extra: Data) -> Data:
+    """`base` with `extra` merged in, nested mappings merged key by key."""
+    result = dict(base)
+    for key, value in extra.items():
+        inner = result.get(key)
+        if isinstance(inner, dict) and isinstance(value, dict):
+            result[key] = merged(inner, value)
+        else:
+            result[key] = value
+    return result
+
+
+VLLM: Data = {"generation": {"backend": "vllm"}}
+FSDP2: Data = {"learner": {"strategy": "fsdp2"}}
+# Enough responses in a batch for the largest number of minibatches (16,384 x 8 rows).
+BIG_BATCH: Data = {"pipeline": {"batch_groups": 16_384}}
+STALE: Data = {"pipeline": {"max_staleness": 256}}
+LORA: Data = {"learner": {"lora": {}}}
+EVAL: Data = {"eval": {}}
+
+# (field, the largest value it takes, the rest of a spec in which that value is valid). The
+# numbers are written out rather than read from services.spec, so a changed bound shows here.
+NUMERIC_BOUNDS: list[tuple[str, int | float, Data]] = [
+    ("seed", 2**32 - 1, {}),
+    ("generation.num_workers", 1024, {}),
+    ("generation.num_cpus", 1024, {}),
+    ("generation.num_gpus", 64, {}),
+    ("generation.prompts_per_batch", 4096, {}),
+    ("generation.group_size", 1024, {}),
+    ("generation.top_k", 2**20, {}),
+    ("generation.max_new_tokens", 131_072, {}),
+    ("generation.options.max_batch_rows", 4096 * 1024, {}),
+    ("generation.options.tensor_parallel_size", 64, VLLM),
+    ("generation.options.max_model_len", 2**20, VLLM),
+    ("generation.options.kv_cache_memory_bytes", 2**40, VLLM),
+    ("generation.options.seed", 2**32 - 1, VLLM),
+    ("generation.options.gpu_memory_utilization", 1.0, VLLM),
+    ("reward.num_workers", 1024, {}),
+    ("reward.processes_per_worker", 256, {}),
+    ("reward.num_cpus", 1024, {}),
+    ("learner.warmup_steps", 10_000_000, {}),
+    ("learner.ppo_epochs", 64, {}),
+    ("learner.minibatches", 65_536, BIG_BATCH),
+    ("learner.world_size", 1024, FSDP2),
+    ("learner.micro_batch_tokens", 2**24, {}),
+    ("learner.logprob_chunk_tokens", 2**24, {}),
+    ("learner.num_cpus", 1024, {}),
+    ("learner.num_gpus", 64, {}),
+    ("learner.record_ratios_every", 10_000_000, {}),
+    ("learner.lora.rank", 4096, LORA),
+    ("pipeline.max_staleness", 256, {}),
+    ("pipeline.batch_groups", 16_384, {}),
+    ("pipeline.lead_batches", 256, STALE),
+    ("pipeline.buffer_groups", 257 * 16_384, {}),
+    ("pipeline.steps", 10_000_000, {}),
+    ("pipeline.checkpoint_every", 10_000_000, {}),
+    ("pipeline.keep_checkpoints", 100, {}),
+    ("pipeline.learner_restarts", 100, {}),
+    ("pipeline.actor_replacements", 10_240, {}),
+    ("eval.every", 10_000_000, EVAL),
+    ("eval.samples", 256, EVAL),
+    ("eval.max_prompts", 16_384, EVAL),
+    ("eval.max_new_tokens", 131_072, EVAL),
+]
+
+
+def value_at(spec: RunSpec, path: str) -> Any:
+    node: Any = spec
+    for part in path.split("."):
+        node = node[part] if isinstance(node, dict) else getattr(node, part)
+    return node
+
+
+@pytest.mark.parametrize(
+    ("path", "limit", "context"), NUMERIC_BOUNDS, ids=[b[0] for b in NUMERIC_BOUNDS]
+)
+def test_every_count_has_an_upper_bound_that_names_the_field(
+    path: str, limit: int | float, context: Data
+) -> None:
+    at_limit = RunSpec.model_validate(merged(context, nested(path, limit)))
+    assert value_at(at_limit, path) == limit
+    over = limit + 1 if isinstance(limit, int) else limit + 0.01
+    message = run_spec_error(merged(context, nested(path, over)))
+    shown = int(limit) if float(limit).is_integer() else limit
+    assert message == f"run.yaml: {path}: Input should be less than or equal to {shown}"
+
+
+TASK_JSONL: Data = {"task": {"name": "jsonl", "path": "p.jsonl"}}
+TASK_DATASET: Data = {"task": {"name": "dataset", "path": "d"}}
+WANDB: Data = {"tracking": {"wandb": {"project": "p"}}}
+
+# (field, the most characters it takes, the rest of a spec in which it is valid).
+TEXT_BOUNDS: list[tuple[str, int, Data]] = [
+    ("model", 4096, {}),
+    ("model_revision", 256, {}),
+    ("task.path", 4096, TASK_JSONL),
+    ("task.path", 4096, TASK_DATASET),
+    ("task.eval_path", 4096, TASK_DATASET),
+    ("task.split", 256, TASK_DATASET),
+    ("task.eval_split", 256, TASK_DATASET),
+    ("task.system_prompt", 32_768, TASK_DATASET),
+    ("generation.options.device", 4096, {}),
+    ("generation.options.tokenizer", 4096, VLLM),
+    ("learner.device", 256, {}),
+    ("tracking.wandb.project", 256, {}),
+    ("tracking.wandb.entity", 256, WANDB),
+    ("tracking.wandb.name", 256, WANDB),
+    ("tracking.wandb.dir", 4096, WANDB),
+    ("tracking.mlflow.tracking_uri", 4096, {}),
+    ("tracking.mlflow.experiment", 256, {}),
+    ("tracking.mlflow.run_name", 256, {}),
+    ("tracking.tensorboard.log_dir", 4096, {}),
+]
+
+
+def shown(path: str, context: Data) -> str:
+    """Where pydantic locates an error at `path`: a task's fields under the task's name (the tag
+    of the discriminated union it is one of)."""
+    task = context.get("task")
+    if isinstance(task, dict) and path.startswith("task."):
+        return f"task.{task['name']}.{path.removeprefix('task.')}"
+    return path
+
+
+@pytest.mark.parametrize(
+    ("path", "limit", "context"),
+    TEXT_BOUNDS,
+    ids=[f"{b[0]}-{i}" for i, b in enumerate(TEXT_BOUNDS)],
+)
+def test_every_string_has_a_length_bound_that_names_the_field(
+    path: str, limit: int, context: Data
+) -> None:
+    at_limit = RunSpec.model_validate(merged(context, nested(path, "a" * limit)))
+    assert value_at(at_limit, path) == "a" * limit
+    message = run_spec_error(merged(context, nested(path, "a" * (limit + 1))))
+    assert (
+        message
+        == f"run.yaml: {shown(path, context)}: String should have at most {limit} characters"
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "kind", "context"),
+    [("learner.lora.target_modules", "List", LORA), ("tracking.wandb.tags", "Tuple", WANDB)],
+)
+def test_lists_of_names_are_bounded_in_length_and_in_each_name(
+    path: str, kind: str, context: Data
+) -> None:
+    assert (
+        len(value_at(RunSpec.model_validate(merged(context, nested(path, ["m"] * 256))), path))
+        == 256
+    )
+    message = run_spec_error(merged(context, nested(path, ["m"] * 257)))
+    assert (
+        message
+        == f"run.yaml: {path}: {kind} should have at most 256 items after validation, not 257"
+    )
+    message = run_spec_error(merged(context, nested(path, ["m" * 257])))
+    assert message == f"run.yaml: {path}.0: String should have at most 256 characters"
+
+
+@pytest.mark.parametrize("section", ["generation", "learner"])
+def test_custom_resources_are_bounded_in_number_amount_and_name(section: str) -> None:
+    many = {f"r{i}": 1.0 for i in range(16)}
+    assert RunSpec.model_validate({section: {"resources": many}})
+    message = run_spec_error({section: {"resources": {**many, "r16": 1.0}}})
+    assert f"{section}.resources" in message and "at most 16 custom resources" in message
+    fine = RunSpec.model_validate({section: {"resources": {"learner_gpu": 1_000_000}}})
+    assert value_at(fine, f"{section}.resources") == {"learner_gpu": 1_000_000.0}
+    for amount in (1_000_001, float("inf"), float("nan")):
+        message = run_spec_error({section: {"resources": {"learner_gpu": amount}}})
+        assert f"run.yaml: {section}.resources: " in message
+        assert "must be a number from 0 to 1000000" in message, amount
+    assert "at most 256 characters" in run_spec_error({section: {"resources": {"r" * 257: 1}}})
+
+
+def test_the_largest_default_buffer_is_within_the_buffer_bound() -> None:
+    # buffer_groups' bound is the default buffer of the largest lead and batch: every default
+    # resolves to a value that an explicit buffer_groups could also hold.
+    config = PipelineConfig(max_staleness=256, lead_batches=256, batch_groups=16_384)
+    assert config.buffer_groups == 257 * 16_384
+    assert PipelineConfig(buffer_groups=config.buffer_groups).buffer_groups == 257 * 16_384
+
+
+# --- generation backend options -----------------------------------------------------------------
+
+HF_OPTIONS = "attn_implementation, device, dtype, max_batch_rows"
+VLLM_OPTIONS = (
+    "dtype, enable_prefix_caching, enforce_eager, gpu_memory_utilization, kv_cache_memory_bytes, "
+    "max_model_len, seed, tensor_parallel_size, tokenizer"
+)
+
+
+@pytest.mark.parametrize(
+    ("backend", "option", "valid"),
+    [
+        ("hf", "tokenizer", HF_OPTIONS),  # a vllm option
+        ("hf", "max_batch_row", HF_OPTIONS),  # a typo
+        ("vllm", "attn_implementation", VLLM_OPTIONS),  # an hf option
+        ("vllm", "trust_remote_code", VLLM_OPTIONS),  # an engine argument, not a backend option
+    ],
+)
+def test_an_unknown_backend_option_is_refused_listing_the_backends_options(
+    backend: str, option: str, valid: str
+) -> None:
+    message = run_spec_error({"generation": {"backend": backend, "options": {option: "x"}}})
+    assert message == (
+        f"run.yaml: generation.options.{option}: not an option of the {backend} backend; "
+        f"its options are: {valid}"
+    )
+
+
+def test_every_unknown_option_is_named_at_once() -> None:
+    message = run_spec_error({"generation": {"options": {"a": 1, "device": "cpu", "b": 2}}})
+    lines = message.splitlines()
+    assert [line.split(": ")[1] for line in lines] == [
+        "generation.options.a",
+        "generation.options.b",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("option", "key"),
+    [
+        ("recompute_kv", "pipeline.recompute_kv"),
+        ("in_flight_updates", "pipeline.in_flight_updates"),
+        ("engine_kwargs", "generation.engine"),
+    ],
+)
+def test_an_option_that_another_key_sets_names_that_key(option: str, key: str) -> None:
+    message = run_spec_error({"generation": {"backend": "vllm", "options": {option: True}}})
+    assert message == f"run.yaml: generation.options.{option}: not a backend option: set {key}"
+
+
+@pytest.mark.parametrize(
+    ("argument", "why"),
+    [
+        ("trust_remote_code", "it runs the model repository's own code on every GPU node"),
+        ("worker_extension_cls", "the backend sets it (the class that loads new weights)"),
+        ("logprobs_mode", "the backend sets it (behaviour log-probs after temperature)"),
+    ],
+)
+def test_engine_arguments_that_run_code_or_that_the_backend_sets_are_refused(
+    argument: str, why: str
+) -> None:
+    message = run_spec_error({"generation": {"backend": "vllm", "engine": {argument: True}}})
+    assert (
+        message
+        == f"run.yaml: generation.engine: Value error, engine.{argument} may not be set: {why}"
+    )
+
+
+def test_an_engine_argument_that_is_a_backend_option_points_to_options() -> None:
+    message = run_spec_error({"generation": {"backend": "vllm", "engine": {"max_model_len": 512}}})
+    assert "set generation.options.max_model_len" in message
+    engine = {"compilation_config": {"level": 0}, "max_num_seqs": 64}
+    spec = RunSpec.model_validate({"generation": {"backend": "vllm", "engine": engine}})
+    assert spec.generation.engine == engine
+
+
+@pytest.mark.parametrize("section", ["generation", "eval"])
+def test_temperature_is_finite_and_bounded(section: str) -> None:
+    assert RunSpec.model_validate({section: {"temperature": 100.0}})
+    for value in (100.5, float("inf")):
+        message = run_spec_error({section: {"temperature": value}})
+        assert f"{section}.temperature" in message
+
+
+def test_valid_backend_options_are_accepted_and_kept() -> None:
+    hf = {
+        "device": "cuda:0",
+        "dtype": "bfloat16",
+        "attn_implementation": "sdpa",
+        "max_batch_rows": 64,
+    }
+    spec = RunSpec.model_validate({"generation": {"options": hf}})
+    assert spec.generation.options == hf
+    vllm = {
+        "tokenizer": "models/tok",
+        "dtype": "auto",
+        "seed": 3,
+        "max_model_len": 4096,
+        "enforce_eager": True,
+        "gpu_memory_utilization": 1,
+        "kv_cache_memory_bytes": 2**32,
+        "tensor_parallel_size": 4,
+        "enable_prefix_caching": False,
+    }
+    spec = RunSpec.model_validate({"generation": {"backend": "vllm", "options": vllm}})
+    # A fraction given as an integer is the float the engine takes.
+    assert spec.generation.options == {**vllm, "gpu_memory_utilization": 1.0}
+    assert isinstance(spec.generation.options["gpu_memory_utilization"], float)
+
+
+@pytest.mark.parametrize("value", [True, "4", 4.0, 0])
+def test_a_count_option_must_be_a_positive_integer(value: object) -> None:
+    spec = {"generation": {"backend": "vllm", "options": {"tensor_parallel_size": value}}}
+    assert run_spec_error(spec).startswith("run.yaml: generation.options.tensor_parallel_size: ")
+
+
+def test_the_declared_option_names_are_exactly_what_each_backend_constructor_takes() -> None:
+    # One declaration (services/generation/registry.py) feeds the run spec; this keeps it equal
+    # to the constructors' keyword parameters, less those the pipeline passes from other keys.
+    set_by_pipeline = {"recompute_kv", "engine_kwargs"}
+    for name in backend_names():
+        parameters = inspect.signature(backend_class(name).__init__).parameters.values()
+        keywords = {p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
+        assert backend_options(name) == keywords - set_by_pipeline, name
+
+
+# --- attention implementation -------------------------------------------------------------------
+
+ATTENTION = ["eager", "sdpa", "flash_attention_2", "flash_attention_3"]
+# Hub kernel repositories transformers would download and run, and kernels of its own that the
+# learner was never offered for (flash_attention_4, flex_attention).
+NOT_ATTENTION = [
+    "kernels-community/flash-attn3",
+    "org/kernel",
+    "flash_attention_4",
+    "flex_attention",
+    "",
+]
+
+
+@pytest.mark.parametrize(
+    "where", ["learner.attn_implementation", "generation.options.attn_implementation"]
+)
+def test_attn_implementation_is_an_allowlist(where: str) -> None:
+    for name in ATTENTION:
+        assert value_at(RunSpec.model_validate(nested(where, name)), where) == name
+    for name in NOT_ATTENTION:
+        message = run_spec_error(nested(where, name))
+        assert message == (
+            f"run.yaml: {where}: Input should be 'eager', 'sdpa', 'flash_attention_2' or "
+            "'flash_attention_3'"
+        ), name

@@ -71,9 +71,17 @@ labels:
 {{- end }}
 {{- end }}
 
-{{/* An image reference: (dict "image" .Values.x.image "ctx" $); the tag defaults to appVersion. */}}
+{{/*
+An image reference: (dict "image" .Values.x.image "ctx" $). With a digest, `repository@digest`
+(the tag is not used: the digest alone names the content); else `repository:tag`, the tag
+defaulting to appVersion.
+*/}}
 {{- define "kpo.image" -}}
+{{- if .image.digest }}
+{{- printf "%s@%s" .image.repository .image.digest }}
+{{- else }}
 {{- printf "%s:%s" .image.repository (.image.tag | default .ctx.Chart.AppVersion) }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -104,12 +112,55 @@ affinity:
 
 {{/*
 A random secret value, base64-encoded, that survives upgrades: the value already in the Secret
-when there is one (`lookup`; `helm template` sees none and makes a new one every time).
+when there is one (`lookup`; `helm template`, Argo CD and Flux see none and make a new one every
+time: `secrets.requireExisting`). Made once per render: the value is kept in
+`.Values._kpoGenerated` (one map for every template of a render), so that the Secret and the
+checksum annotations of the pods that use it (`kpo.secretChecksum`) agree.
 (dict "ctx" $ "secret" NAME "key" KEY)
 */}}
 {{- define "kpo.generatedSecretValue" -}}
+{{- $cache := .ctx.Values._kpoGenerated | default dict }}
+{{- $_ := set .ctx.Values "_kpoGenerated" $cache }}
+{{- $id := printf "%s/%s" .secret .key }}
+{{- if not (hasKey $cache $id) }}
 {{- $existing := lookup "v1" "Secret" .ctx.Release.Namespace .secret }}
-{{- dig "data" .key "" ($existing | default dict) | default (randAlphaNum 40 | b64enc) }}
+{{- $_ := set $cache $id (dig "data" .key "" ($existing | default dict) | default (randAlphaNum 40 | b64enc)) }}
+{{- end }}
+{{- get $cache $id }}
+{{- end }}
+
+{{/*
+The checksum annotation value of one secret, for the pods that read it, so that they roll
+together when it changes: the sha256 of `<Secret>/<key>:<value, base64>` for a Secret the chart
+generates (its value is known to the render), of `<Secret>/<key>` for an existing Secret (whose
+content the chart does not read: change its name to roll the pods).
+(dict "ctx" $ "secret" NAME "key" KEY "existing" <whether it is an existing Secret>)
+*/}}
+{{- define "kpo.secretChecksum" -}}
+{{- if .existing }}
+{{- printf "%s/%s" .secret .key | sha256sum }}
+{{- else }}
+{{- printf "%s/%s:%s" .secret .key (include "kpo.generatedSecretValue" .) | sha256sum }}
+{{- end }}
+{{- end }}
+
+{{/*
+The checksum annotations of the secrets a pod reads, one `checksum/secret-<name>` each:
+(dict "ctx" $ "secrets" (list "api-token" "redis" "ray-auth")); a secret the release does not
+use (Redis without a password, Ray without token auth) is left out.
+*/}}
+{{- define "kpo.secretChecksums" -}}
+{{- $ctx := .ctx }}
+{{- $v := $ctx.Values }}
+{{- range $which := .secrets }}
+{{- if eq $which "api-token" }}
+checksum/secret-api-token: {{ include "kpo.secretChecksum" (dict "ctx" $ctx "secret" (include "kpo.apiTokenSecretName" $ctx) "key" $v.apiToken.secretKey "existing" $v.apiToken.existingSecret) }}
+{{- else if and (eq $which "redis") $v.redis.auth.enabled }}
+checksum/secret-redis: {{ include "kpo.secretChecksum" (dict "ctx" $ctx "secret" (include "kpo.redisSecretName" $ctx) "key" $v.redis.auth.secretKey "existing" $v.redis.auth.existingSecret) }}
+{{- else if and (eq $which "ray-auth") $v.ray.auth.enabled }}
+checksum/secret-ray-auth: {{ include "kpo.secretChecksum" (dict "ctx" $ctx "secret" (include "kpo.rayAuthSecretName" $ctx) "key" $v.ray.auth.secretKey "existing" $v.ray.auth.existingSecret) }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* The Secret holding the API token. */}}
@@ -120,6 +171,31 @@ when there is one (`lookup`; `helm template` sees none and makes a new one every
 {{/* The Secret holding the Redis password. */}}
 {{- define "kpo.redisSecretName" -}}
 {{- .Values.redis.auth.existingSecret | default (include "kpo.componentName" (dict "ctx" . "component" "redis")) }}
+{{- end }}
+
+{{/* The Secret holding Ray's auth token. */}}
+{{- define "kpo.rayAuthSecretName" -}}
+{{- .Values.ray.auth.existingSecret | default (include "kpo.componentName" (dict "ctx" . "component" "ray-auth")) }}
+{{- end }}
+
+{{/*
+Environment entries of Ray's token authentication, for every Ray container and the control
+plane: `RAY_AUTH_MODE=token` and the token from the Secret (`RAY_AUTH_TOKEN`, read by Ray itself
+and by the launcher's job client); `RAY_AUTH_MODE=disabled` with ray.auth.enabled=false.
+*/}}
+{{- define "kpo.rayAuthEnv" -}}
+{{- if .Values.ray.auth.enabled -}}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kpo.rayAuthSecretName" . }}
+      key: {{ .Values.ray.auth.secretKey }}
+{{- else -}}
+- name: RAY_AUTH_MODE
+  value: disabled
+{{- end }}
 {{- end }}
 
 {{/* The Redis URL without credentials: the built-in Redis' Service, or redis.external.url. */}}
@@ -327,6 +403,10 @@ containers:
     env:
       - name: KPO_DATA_DIR
         value: {{ .ctx.Values.dataDir | quote }}
+      # The store the runs' drivers and actors report to, from the pod's environment (the
+      # password through a secretKeyRef), so that no job's runtime environment carries it.
+      {{- include "kpo.storeEnv" .ctx | nindent 6 }}
+      {{- include "kpo.rayAuthEnv" .ctx | nindent 6 }}
       {{- with $ray.extraEnv }}
       {{- toYaml . | nindent 6 }}
       {{- end }}
@@ -472,6 +552,10 @@ spec:
       env:
         - name: KPO_URL
           value: {{ printf "http://%s:%v" (include "kpo.componentName" (dict "ctx" $ctx "component" "control-plane")) $ctx.Values.controlPlane.service.port | quote }}
+        - name: KPO_METRICS_URL
+          value: {{ printf "http://%s:%v/metrics" (include "kpo.componentName" (dict "ctx" $ctx "component" "control-plane")) $ctx.Values.controlPlane.metrics.port | quote }}
+        - name: KPO_AUTH_READS
+          value: {{ $ctx.Values.controlPlane.authReads | quote }}
         - name: KPO_API_TOKEN_FILE
           value: /etc/kpo/token/{{ $ctx.Values.apiToken.secretKey }}
       command: ["python", "-c"]
@@ -520,6 +604,17 @@ Included by the control plane's Deployment, which every release renders.
 {{- if and .Values.networkPolicy.enabled $redis.builtin.enabled (not .Values.ray.cluster.enabled) (not .Values.networkPolicy.externalRay.from) }}
 {{- fail "networkPolicy: the runs on the Ray cluster at ray.address report to the built-in Redis, so set networkPolicy.externalRay.from to the peers of that cluster's pods (or networkPolicy.enabled=false)" }}
 {{- end }}
+{{- include "kpo.validateSecrets" . }}
+{{- if eq (int .Values.controlPlane.metrics.port) (int .Values.controlPlane.port) }}
+{{- fail "controlPlane.metrics.port: /metrics needs a port of its own, not controlPlane.port (the Ingress routes that one)" }}
+{{- end }}
+{{- if and .Values.ray.auth.enabled (not .Values.ray.cluster.enabled) (not .Values.ray.auth.existingSecret) }}
+{{- fail "ray: the Ray cluster at ray.address has a token of its own: set ray.auth.existingSecret to a Secret holding it (or ray.auth.enabled=false if that cluster has no token authentication)" }}
+{{- end }}
+{{- if hasKey (.Values.ray.head.rayStartParams | default dict) "resources" }}
+{{- fail "ray.head: remove rayStartParams.resources; the chart sets the head's Ray resources ({kpo_driver: ray.head.driverSlots})" }}
+{{- end }}
+{{- include "kpo.validateEgress" . }}
 {{- range $name, $overrides := .Values.ray.workerGroups }}
 {{- $group := mergeOverwrite (deepCopy $.Values.ray.workerDefaults) ($overrides | default dict) }}
 {{- if or (gt (int $group.minReplicas) (int $group.replicas)) (gt (int $group.replicas) (int $group.maxReplicas)) }}
@@ -527,6 +622,166 @@ Included by the control plane's Deployment, which every release renders.
 {{- end }}
 {{- if and $group.rayResources (hasKey ($group.rayStartParams | default dict) "resources") }}
 {{- fail (printf "ray.workerGroups.%s: declare custom Ray resources in rayResources only; remove rayStartParams.resources (the chart renders it from rayResources)" $name) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+secrets.requireExisting (GitOps): every secret the release uses must come from an existing
+Secret, since a render without the cluster (helm template, Argo CD, Flux) cannot `lookup` the
+generated ones and would make new ones each time.
+*/}}
+{{- define "kpo.validateSecrets" -}}
+{{- if .Values.secrets.requireExisting }}
+{{- $missing := list }}
+{{- if not .Values.apiToken.existingSecret }}{{ $missing = append $missing "apiToken.existingSecret" }}{{ end }}
+{{- if and .Values.redis.auth.enabled (not .Values.redis.auth.existingSecret) }}{{ $missing = append $missing "redis.auth.existingSecret" }}{{ end }}
+{{- if and .Values.ray.auth.enabled (not .Values.ray.auth.existingSecret) }}{{ $missing = append $missing "ray.auth.existingSecret" }}{{ end }}
+{{- if $missing }}
+{{- fail (printf "secrets.requireExisting is true, so set %s: rendered without the cluster (helm template, Argo CD, Flux), the chart cannot read back the secrets it generates and would make new ones on every render" (join ", " $missing)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+The 32-bit number of a dotted IPv4 address, e.g. 169.254.0.0 -> 2851995648.
+*/}}
+{{- define "kpo.ipv4Number" -}}
+{{- $n := 0 }}
+{{- range $octet := splitList "." . }}
+{{- $n = add (mul $n 256) (int $octet) }}
+{{- end }}
+{{- $n }}
+{{- end }}
+
+{{/*
+How an IPv4 CIDR relates to 169.254.0.0/16 (link-local: the cloud metadata endpoint at
+169.254.169.254): "contains" (the CIDR holds more than all of it: an ipBlock must except it),
+"inside" (the CIDR lies in it, or is it: never allowed) or "apart".
+*/}}
+{{- define "kpo.linkLocalRelation" -}}
+{{- $parts := splitList "/" . }}
+{{- $bits := int (index $parts 1) }}
+{{- $address := int64 (include "kpo.ipv4Number" (index $parts 0)) }}
+{{- $linkLocal := int64 (include "kpo.ipv4Number" "169.254.0.0") }}
+{{- $prefix := min $bits 16 }}
+{{- $block := 1 }}
+{{- range until (sub 32 $prefix | int) }}{{ $block = mul $block 2 }}{{ end }}
+{{- if ne (div $address $block) (div $linkLocal $block) }}apart
+{{- else if lt $bits 16 }}contains
+{{- else }}inside
+{{- end }}
+{{- end }}
+
+{{/*
+NetworkPolicy `to` peers for a list of IPv4 CIDRs, each an ipBlock that excepts 169.254.0.0/16
+where it holds it. (dict "cidrs" <list> "where" <the values' key, for the message>)
+*/}}
+{{- define "kpo.ipBlockPeers" -}}
+{{- $where := .where }}
+{{- range $cidr := .cidrs }}
+{{- $relation := include "kpo.linkLocalRelation" $cidr }}
+{{- if eq $relation "inside" }}
+{{- fail (printf "%s: %s is link-local (169.254.0.0/16, the cloud metadata endpoint), which the chart never allows" $where $cidr) }}
+{{- end }}
+- ipBlock:
+    cidr: {{ $cidr }}
+    {{- if eq $relation "contains" }}
+    except: ["169.254.0.0/16"]
+    {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* NetworkPolicy `ports` for a list of TCP port numbers. */}}
+{{- define "kpo.tcpPorts" -}}
+{{- range $port := . }}
+- port: {{ $port }}
+  protocol: TCP
+{{- end }}
+{{- end }}
+
+{{/* Checks of networkPolicy.egress that need more than the schema. */}}
+{{- define "kpo.validateEgress" -}}
+{{- $np := .Values.networkPolicy }}
+{{- if and $np.enabled $np.egress.enabled }}
+{{- if and .Values.ray.cluster.enabled .Values.ray.models.prefetch (not $np.egress.internet.cidrs) }}
+{{- fail "networkPolicy.egress: ray.models.prefetch downloads from the Hugging Face Hub, so set networkPolicy.egress.internet.cidrs (e.g. [0.0.0.0/0]; link-local stays excepted) or networkPolicy.egress.enabled=false" }}
+{{- end }}
+{{- range $key := list "internet" "kubernetesApi" "externalRedis" }}
+{{- /* Rendered for its checks only (a link-local CIDR fails). */}}
+{{- $_ := include "kpo.ipBlockPeers" (dict "cidrs" ((get $np.egress $key).cidrs | default list) "where" (printf "networkPolicy.egress.%s.cidrs" $key)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+The egress rule to the cluster's DNS server (networkPolicy.dns), UDP and TCP 53; none when the
+values name no server (a rule without peers would open port 53 to every address).
+*/}}
+{{- define "kpo.dnsEgressRule" -}}
+{{- $dns := .Values.networkPolicy.dns }}
+{{- $peers := include "kpo.networkPolicyPeer" $dns }}
+{{- if or $peers $dns.extraTo }}
+- to:
+    {{- with $peers }}
+    {{- . | nindent 4 }}
+    {{- end }}
+    {{- with $dns.extraTo }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  ports:
+    - port: 53
+      protocol: UDP
+    - port: 53
+      protocol: TCP
+{{- end }}
+{{- end }}
+
+{{/*
+The port of redis.external.url (6379 when it names none), for the egress rules to it.
+*/}}
+{{- define "kpo.externalRedisPort" -}}
+{{- $hostPort := regexReplaceAll "^rediss?://([^/]*).*$" .Values.redis.external.url "${1}" }}
+{{- if regexMatch ":[0-9]+$" $hostPort }}
+{{- regexReplaceAll "^.*:([0-9]+)$" $hostPort "${1}" }}
+{{- else }}6379
+{{- end }}
+{{- end }}
+
+{{/*
+The egress rule to the store: the built-in Redis' pods, or redis.external.url's port on
+networkPolicy.egress.externalRedis.cidrs (default any address, link-local excepted).
+*/}}
+{{- define "kpo.storeEgressRule" -}}
+{{- if .Values.redis.builtin.enabled }}
+- to:
+    - podSelector:
+        matchLabels:
+          {{- include "kpo.selectorLabels" (dict "ctx" . "component" "redis") | nindent 10 }}
+  ports:
+    - port: 6379
+      protocol: TCP
+{{- else }}
+- to:
+    {{- include "kpo.ipBlockPeers" (dict "cidrs" (.Values.networkPolicy.egress.externalRedis.cidrs | default (list "0.0.0.0/0")) "where" "networkPolicy.egress.externalRedis.cidrs") | trim | nindent 4 }}
+  ports:
+    - port: {{ include "kpo.externalRedisPort" . }}
+      protocol: TCP
+{{- end }}
+{{- end }}
+
+{{/*
+The port of the Ray job server the control plane submits to: 8265 (the chart's head), or
+ray.address's port (80 or 443 by its scheme when it names none).
+*/}}
+{{- define "kpo.rayJobServerPort" -}}
+{{- if .Values.ray.cluster.enabled }}8265
+{{- else }}
+{{- $hostPort := regexReplaceAll "^https?://([^/]*).*$" .Values.ray.address "${1}" }}
+{{- if regexMatch ":[0-9]+$" $hostPort }}
+{{- regexReplaceAll "^.*:([0-9]+)$" $hostPort "${1}" }}
+{{- else if hasPrefix "https://" .Values.ray.address }}443
+{{- else }}80
 {{- end }}
 {{- end }}
 {{- end }}

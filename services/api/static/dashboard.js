@@ -154,13 +154,22 @@
 
   // --- the run list ------------------------------------------------------------------------
 
+  // The list gives run summaries (name, estimator, mode at the top, no spec); one run's record
+  // has its whole spec. These read either.
   function runTitle(run) {
-    return (run.spec && run.spec.name) || run.id;
+    return run.name || (run.spec && run.spec.name) || run.id;
   }
 
   function estimatorOf(run) {
+    if (run && run.estimator) return run.estimator;
     const spec = (run && run.spec) || {};
     return (spec.algorithm && spec.algorithm.estimator && spec.algorithm.estimator.name) || null;
+  }
+
+  function modeOf(run) {
+    if (run && run.mode) return run.mode;
+    const spec = (run && run.spec) || {};
+    return (spec.pipeline && spec.pipeline.mode) || null;
   }
 
   async function loadRuns() {
@@ -182,8 +191,7 @@
       ? document.activeElement.dataset.compareId : undefined;
     const single = view.mode === "single" ? view.traces[0].id : null;
     const items = runs.map((run) => {
-      const spec = run.spec || {};
-      const mode = spec.pipeline && spec.pipeline.mode;
+      const mode = modeOf(run);
       const link = el("a", { attrs: { href: `#${encodeURIComponent(run.id)}`, "data-run-id": run.id } }, [
         el("div", { cls: "run-line" }, [
           el("span", { cls: "run-title", text: runTitle(run) }),
@@ -335,7 +343,7 @@
       ["step", step >= 0 ? (total ? `${step} / ${total}` : step) : "–"],
       ["policy version", fmt(latest.policy_version)],
       ["estimator", estimatorOf(run) || "–"],
-      ["mode", (spec.pipeline && spec.pipeline.mode) || "–"],
+      ["mode", modeOf(run) || "–"],
       ["max staleness", spec.pipeline ? fmt(spec.pipeline.max_staleness) : "–"],
     ];
     $("run-name").textContent = runTitle(run);

@@ -9,7 +9,8 @@ from services.store import RunRecord
 
 
 class RecordingLauncher:
-    """Implements the launcher protocol by remembering each call."""
+    """Implements the launcher protocol (`services.jobs.interface.RunLauncher`) by remembering
+    each call."""
 
     def __init__(self, ready: bool = True) -> None:
         self.submitted: list[str] = []

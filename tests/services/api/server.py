@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import uvicorn
 from fastapi import FastAPI
 
-from services.api.ray_head import free_port
+from services.jobs.ray_head import free_port
 
 
 @contextmanager

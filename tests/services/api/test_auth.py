@@ -1,5 +1,5 @@
-"""Bearer-token auth on real HTTP: writes always, reads when configured; no placeholder tokens;
-no token in any log."""
+"""Bearer-token auth on real HTTP: writes always, reads unless opened; no placeholder tokens; no
+token in any log; the Host names a server answers (DNS rebinding); no OpenAPI pages unless asked."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from services.api.app import create_app
 from services.api.client import ApiClient, ApiError
-from services.api.settings import ApiSettings
+from services.api.settings import ApiSettings, ClientSettings
 from services.store import LocalStore
 from tests.services.api.conftest import TOKEN, Api, ApiFactory
 from tests.services.api.launchers import RecordingLauncher
@@ -35,14 +35,91 @@ def test_writes_need_the_token_and_say_how(secured: Api) -> None:
     cancel = secured.client.post(f"/v1/runs/{run.json()['id']}/cancel")
     assert cancel.status_code == 401
     assert secured.launcher.submitted == [run.json()["id"]]  # nothing else got through
-    assert secured.client.get("/v1/runs").status_code == 200  # reads are open by default
 
 
-def test_reads_need_the_token_when_configured(api_factory: ApiFactory) -> None:
-    with api_factory(KPO_API_TOKEN=TOKEN, KPO_AUTH_READS="true") as api:
-        assert api.client.get("/v1/runs").status_code == 401
-        assert api.admin.get("/v1/runs").status_code == 200
-        assert api.client.get("/healthz").status_code == 200  # probes stay open
+# Every read of run data: specs, metrics, logs, events, and the Prometheus export.
+READS = [
+    "/v1/runs",
+    "/v1/runs/{run}",
+    "/v1/runs/{run}/metrics",
+    "/v1/runs/{run}/logs",
+    "/v1/runs/{run}/events",
+    "/metrics",
+]
+
+
+def test_reads_need_the_token_by_default(secured: Api) -> None:
+    run = secured.admin.post("/v1/runs", json={}).json()["id"]
+    secured.store.transition(run, "cancelled")  # a finished run's event stream ends
+    for path in READS:
+        url = path.format(run=run)
+        refused = secured.client.get(url)
+        assert refused.status_code == 401, url
+        assert refused.headers["www-authenticate"].startswith("Bearer")
+        assert secured.admin.get(url).status_code == 200, url
+    # The dashboard's page and files load (the page asks for the token); probes stay open.
+    for path in ("/", "/static/dashboard.js", "/healthz", "/readyz"):
+        assert secured.client.get(path).status_code == 200, path
+
+
+def test_reads_are_open_with_auth_reads_off(api_factory: ApiFactory) -> None:
+    with api_factory(KPO_API_TOKEN=TOKEN, KPO_AUTH_READS="false") as api:
+        assert api.client.get("/v1/runs").status_code == 200
+        assert api.client.get("/metrics").status_code == 200
+        assert api.client.post("/v1/runs", json={}).status_code == 401
+
+
+# --- Host names (DNS rebinding) -------------------------------------------------------------
+
+
+def test_a_server_without_a_token_answers_only_its_loopback_names(api: Api) -> None:
+    # A page of evil.example that re-points its name at 127.0.0.1 sends that name as Host.
+    for host in ("evil.example", "evil.example:8000", "127.0.0.1.evil.example", "localhost.x"):
+        response = api.client.get("/v1/runs", headers={"Host": host})
+        assert response.status_code == 400, host
+    for path in ("/", "/healthz", "/v1/runs", "/metrics"):
+        assert api.client.get(path, headers={"Host": "evil.example"}).status_code == 400
+    for host in ("localhost", "LOCALHOST:8000", "127.0.0.1", "127.0.0.1:8000", "[::1]:8000"):
+        assert api.client.get("/v1/runs", headers={"Host": host}).status_code == 200, host
+
+
+def test_a_server_with_a_token_answers_any_host_or_the_ones_listed(
+    secured: Api, api_factory: ApiFactory
+) -> None:
+    # The token is what guards it: a rebinding page has none.
+    response = secured.admin.get("/v1/runs", headers={"Host": "kpo.example.com"})
+    assert response.status_code == 200
+    listed = {"KPO_API_TOKEN": TOKEN, "KPO_ALLOWED_HOSTS": "kpo.example.com, *.kpo.internal"}
+    with api_factory(**listed) as api:
+        for host, code in [
+            ("kpo.example.com", 200),
+            ("api.kpo.internal:8000", 200),
+            ("localhost", 400),
+            ("evil.example", 400),
+        ]:
+            assert api.admin.get("/v1/runs", headers={"Host": host}).status_code == code, host
+
+
+def test_any_host_needs_a_token_and_the_bind_address_is_answered(tmp_path: Path) -> None:
+    settings = ApiSettings.model_validate({"KPO_ALLOWED_HOSTS": "*"})
+    with pytest.raises(ValueError, match=r"KPO_ALLOWED_HOSTS=\* needs an API token"):
+        create_app(settings, LocalStore(tmp_path / "store"), RecordingLauncher())
+    defaults = ApiSettings.model_validate({})
+    assert defaults.trusted_hosts(False, "127.0.0.1") == ["localhost", "127.0.0.1", "[::1]"]
+    assert defaults.trusted_hosts(False, "10.1.2.3")[-1] == "10.1.2.3"  # --insecure
+    assert defaults.trusted_hosts(False, "fd00::7")[-1] == "[fd00::7]"
+    assert "0.0.0.0" not in defaults.trusted_hosts(False, "0.0.0.0")  # no client sends it
+    assert defaults.trusted_hosts(True, "0.0.0.0") == ["*"]
+
+
+def test_openapi_pages_are_served_only_when_asked_for(api_factory: ApiFactory) -> None:
+    pages = ("/docs", "/redoc", "/openapi.json")
+    with api_factory() as api:
+        for path in pages:
+            assert api.client.get(path).status_code == 404, path
+    with api_factory(KPO_OPENAPI_DOCS="true") as api:
+        for path in pages:
+            assert api.client.get(path).status_code == 200, path
 
 
 def test_token_from_a_file_and_placeholders_refused(tmp_path: Path) -> None:
@@ -54,6 +131,26 @@ def test_token_from_a_file_and_placeholders_refused(tmp_path: Path) -> None:
             ApiSettings.model_validate({"KPO_API_TOKEN": bad}).token()
     with pytest.raises(ValueError, match="not both"):
         ApiSettings.model_validate({"KPO_API_TOKEN": TOKEN, "KPO_API_TOKEN_FILE": str(path)})
+
+
+def test_a_client_sends_the_variables_token_else_the_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    monkeypatch.delenv("KPO_API_TOKEN", raising=False)
+    monkeypatch.delenv("KPO_API_TOKEN_FILE", raising=False)
+    assert ClientSettings().token() is None
+    monkeypatch.setenv("KPO_API_TOKEN_FILE", str(path))
+    assert ClientSettings().token() == TOKEN
+    monkeypatch.setenv("KPO_API_TOKEN", "")  # empty: unset, the file's token goes
+    assert ClientSettings().token() == TOKEN
+    monkeypatch.setenv("KPO_API_TOKEN", "other")  # the variable wins; the server judges it
+    assert ClientSettings().token() == "other"
+    monkeypatch.delenv("KPO_API_TOKEN")
+    monkeypatch.setenv("KPO_API_TOKEN_FILE", str(tmp_path / "missing"))
+    with pytest.raises(OSError):
+        ClientSettings().token()
 
 
 class Recorder(logging.Handler):

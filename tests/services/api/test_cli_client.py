@@ -13,15 +13,21 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 import yaml
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
 from typer.testing import CliRunner, Result
 
-from services.api.ray_head import LocalRayHead, free_port
 from services.cli import app
-from tests.services.api.ray_support import local_head, wait_until
+from services.jobs import launcher, reconciler
+from services.jobs.ray_head import LocalRayHead, free_port
+from tests.services.api.launchers import RecordingLauncher
+from tests.services.jobs.ray_support import local_head, wait_until
 from tests.services.pipeline.conftest import TINY_RUN
 
 pytestmark = pytest.mark.timeout(300)
@@ -185,3 +191,55 @@ def test_errors_are_one_line_without_a_traceback(server: str, tmp_path: Path) ->
 def test_serve_refuses_a_public_address_without_a_token() -> None:
     result = kpo("serve", "--host", "0.0.0.0", token=None)
     assert_clean_error(result, 2, "refusing to serve on 0.0.0.0 without an API token", "--insecure")
+
+
+def test_serve_refuses_any_host_without_a_token_and_one_port_for_both() -> None:
+    result = runner.invoke(app, ["serve"], env={"KPO_API_TOKEN": None, "KPO_ALLOWED_HOSTS": "*"})
+    assert_clean_error(result, 2, "KPO_ALLOWED_HOSTS=* needs an API token")
+    same = kpo("serve", "--port", "8123", "--metrics-port", "8123")
+    assert_clean_error(same, 2, "the metrics port must differ from the API's (8123)")
+
+
+class IdleReconciler:
+    def __init__(self, *args: object) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_serve_bounds_uvicorn_and_serves_metrics_on_their_port(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`kpo serve` as far as uvicorn (Ray's side replaced): the options it passes, the metrics
+    server it runs meanwhile on KPO_METRICS_PORT, and the API without /metrics."""
+    seen: dict[str, Any] = {}
+    metrics_port = free_port()
+
+    def run(api: FastAPI, **options: Any) -> None:
+        seen.update(options)
+        with TestClient(api, headers={"Authorization": f"Bearer {TOKEN}"}) as client:
+            seen["api"] = {path: client.get(path).status_code for path in ("/metrics", "/v1/runs")}
+        seen["scrape"] = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").status_code
+
+    monkeypatch.setattr(uvicorn, "run", run)
+    monkeypatch.setattr(launcher, "launcher_from_env", lambda *a, **k: RecordingLauncher())
+    monkeypatch.setattr(reconciler, "Reconciler", IdleReconciler)
+    env = {
+        "KPO_API_TOKEN": TOKEN,
+        "KPO_API_TOKEN_FILE": None,
+        "KPO_DATA_DIR": str(tmp_path),
+        "KPO_STORE_URL": None,
+        "KPO_METRICS_PORT": str(metrics_port),
+        "KPO_MAX_CONCURRENCY": "300",
+    }
+    result = runner.invoke(app, ["serve", "--port", "8123"], env=env)
+    assert result.exit_code == 0, result.output
+    assert seen["limit_concurrency"] == 300 and seen["port"] == 8123
+    assert seen["api"] == {"/metrics": 404, "/v1/runs": 200}
+    assert seen["scrape"] == 200
+    with pytest.raises(httpx.ConnectError):  # closed with the server
+        httpx.get(f"http://127.0.0.1:{metrics_port}/metrics")

@@ -5,16 +5,21 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import yaml
 
+from services.api.settings import MAX_BODY_BYTES, ApiSettings
+from services.spec import RunSpec
 from tests.services.api.conftest import Api, ApiFactory
 from tests.services.api.raw_http import RawResponse, raw_request
 from tests.services.api.test_runs_api import TINY
 
 LIMIT = 4096
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 JSON = {"content-type": "application/json"}
 
 
@@ -26,7 +31,7 @@ def padded(size: int) -> bytes:
 
 def post_chunked(api: Api, path: str, body: bytes, content_type: str | None) -> RawResponse:
     """POST `body` in 1000-byte chunks, with no Content-Length (raw: the framing is the test)."""
-    head = f"POST {path} HTTP/1.1\r\nHost: test\r\nTransfer-Encoding: chunked"
+    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked"
     if content_type is not None:
         head += f"\r\nContent-Type: {content_type}"
     chunks = [body[i : i + 1000] for i in range(0, len(body), 1000)]
@@ -62,6 +67,23 @@ def test_a_body_at_the_limit_passes_and_one_byte_more_is_413(small: Api) -> None
     assert len(small.launcher.submitted) == 1
 
 
+def test_the_default_limit_is_256_kib_far_above_any_real_spec(api: Api) -> None:
+    assert ApiSettings.model_validate({}).max_body_bytes == MAX_BODY_BYTES == 256 * 1024
+    at_limit = api.client.post("/v1/runs", content=padded(MAX_BODY_BYTES), headers=JSON)
+    assert at_limit.status_code == 201, at_limit.text
+    over = api.client.post("/v1/runs", content=padded(MAX_BODY_BYTES + 1), headers=JSON)
+    assert over.status_code == 413
+    assert f"limit of {MAX_BODY_BYTES} bytes" in error_of(over)["message"]
+    # Every shipped run file, resolved (every default filled in) as the API stores it, is a
+    # few kilobytes: a 64th of the limit leaves room for far longer ones.
+    run_files = [p for p in sorted(EXAMPLES.glob("*.yaml")) if not p.name.startswith("algorithm-")]
+    assert len(run_files) >= 5
+    for path in run_files:
+        data = yaml.safe_load(path.read_text())
+        resolved = json.dumps(RunSpec.model_validate(data).model_dump(mode="json"))
+        assert len(resolved.encode()) < MAX_BODY_BYTES / 64, path
+
+
 def test_a_chunked_body_without_a_length_is_counted_as_it_arrives(small: Api) -> None:
     at_limit = post_chunked(small, "/v1/runs", padded(LIMIT), "application/json")
     assert at_limit.status == 201, at_limit.body
@@ -75,7 +97,7 @@ def test_a_chunked_body_without_a_length_is_counted_as_it_arrives(small: Api) ->
 
 def test_a_declared_huge_length_is_refused_before_the_body_is_read(small: Api) -> None:
     # Claims a terabyte and sends two bytes: an answer at all proves nothing waited for the rest.
-    head = b"POST /v1/runs HTTP/1.1\r\nHost: test\r\nContent-Type: application/json"
+    head = b"POST /v1/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
     response = raw_request(small.url, head + b"\r\nContent-Length: 1000000000000", b"{}")
     assert response.status == 413
     assert error_of(response)["type"] == "payload_too_large"
@@ -261,7 +283,7 @@ def test_a_run_id_can_only_name_a_run(api: Api, run_id: bytes) -> None:
         (b"GET", b"/events"),
         (b"POST", b"/cancel"),
     ):
-        request = method + b" /v1/runs/" + run_id + suffix + b" HTTP/1.1\r\nHost: test"
+        request = method + b" /v1/runs/" + run_id + suffix + b" HTTP/1.1\r\nHost: 127.0.0.1"
         response = raw_request(api.url, request)
         if b"%2f" in run_id.lower():
             # The server decodes %2F: the path has more segments and matches no route.

@@ -14,9 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.api.app import create_app
+from services.api.metrics_server import MetricsServer
 from services.api.prometheus import (
     FINISHED_GRACE_S,
     MAX_ROUTES,
@@ -25,9 +28,12 @@ from services.api.prometheus import (
     build_registry,
     render,
 )
+from services.api.settings import ApiSettings
 from services.metrics import BY_KEY, RECORD, STAGES, Kind
 from services.store import LocalStore, RedisStore, Store, StoreUnavailable
-from tests.services.api.conftest import Api
+from tests.services.api.conftest import TOKEN, Api
+from tests.services.api.launchers import RecordingLauncher
+from tests.services.api.server import serve
 from tests.services.store.redis_server import RedisServer
 
 PROMTOOL_HINT = "promtool is not on PATH: install Debian's `prometheus` package"
@@ -402,3 +408,48 @@ def test_an_evaluation_stays_the_latest_until_the_next_one(store: Store) -> None
     assert value(found, "kpo_eval_accuracy_avg_at_k_ratio", run_id=run_id) == 0.25
     assert value(found, "kpo_eval_pass_at_k_ratio", run_id=run_id) == 0.5
     assert value(found, "kpo_policy_version", run_id=run_id) == 4  # the rest is the latest
+
+
+# --- /metrics on a port of its own ----------------------------------------------------------
+
+
+def test_with_a_metrics_port_the_export_is_served_there_and_not_by_the_api(
+    tmp_path: Path,
+) -> None:
+    env = {"KPO_DATA_DIR": str(tmp_path), "KPO_API_TOKEN": TOKEN, "KPO_METRICS_PORT": "9090"}
+    store = LocalStore(tmp_path / "store")
+    app = create_app(ApiSettings.model_validate(env), store, RecordingLauncher())
+    run_id = running_run(store, [record(1), record(2)])
+    registry, trusted = app.state.registry, app.state.trusted_hosts
+    with (
+        serve(app) as url,
+        httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}) as admin,
+        MetricsServer(registry, "127.0.0.1", 0, trusted) as metrics,
+    ):
+        assert admin.get("/metrics").status_code == 404  # not on the API's port, token or not
+        assert admin.get(f"/v1/runs/{run_id}").status_code == 200
+        # The metrics port is the scrapers': no token, the same registry (API requests too).
+        scrape = httpx.get(f"http://127.0.0.1:{metrics.port}/metrics")
+        assert scrape.status_code == 200
+        assert scrape.headers["content-type"].startswith("text/plain; version=0.0.4")
+        found = samples(scrape.text)
+        assert value(found, "kpo_reward_mean", run_id=run_id) == pytest.approx(0.2)
+        get_run = {"method": "GET", "route": "/v1/runs/{run_id}", "status": "200"}
+        assert value(found, "kpo_api_requests_total", **get_run) == 1
+        assert httpx.get(f"http://127.0.0.1:{metrics.port}/v1/runs").status_code == 404
+        assert httpx.post(f"http://127.0.0.1:{metrics.port}/metrics").status_code == 405
+
+
+def test_the_metrics_port_answers_only_the_apis_host_names(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    app = create_app(ApiSettings.model_validate({}), store, RecordingLauncher())  # no token
+    with MetricsServer(app.state.registry, "127.0.0.1", 0, app.state.trusted_hosts) as metrics:
+        url = f"http://127.0.0.1:{metrics.port}/metrics"
+        assert httpx.get(url).status_code == 200
+        assert httpx.get(url, headers={"Host": "localhost:9090"}).status_code == 200
+        assert httpx.get(url, headers={"Host": "evil.example"}).status_code == 400
+
+
+def test_the_metrics_route_needs_the_token_like_reads(secured: Api) -> None:
+    assert secured.client.get("/metrics").status_code == 401
+    assert secured.admin.get("/metrics").status_code == 200

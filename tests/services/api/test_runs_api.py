@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import time
 
+import anyio
 import httpx
 
-from services.store import RunStatus
-from tests.services.api.conftest import Api
+from services.api.routes_system import READY_CACHE_S, Readiness, ReadinessProbe
+from services.store import LocalStore, RunStatus
+from tests.services.api.conftest import Api, ApiFactory
+from tests.services.api.launchers import RecordingLauncher
 
 TINY = {"name": "t", "pipeline": {"steps": 3}, "generation": {"group_size": 4}}
 
@@ -137,12 +141,13 @@ def test_metrics_history_since_a_step(api: Api) -> None:
 
 
 def parse_sse(text: str) -> list[dict]:
+    """The events of a stream's text (the `retry:` block and pings, which are none, left out)."""
     events = []
     for block in text.strip().split("\n\n"):
         fields = dict(
             line.split(": ", 1) for line in block.splitlines() if not line.startswith(":")
         )
-        if fields:
+        if "event" in fields:
             events.append(
                 {"id": fields["id"], "event": fields["event"], "data": json.loads(fields["data"])}
             )
@@ -199,5 +204,99 @@ def test_health_and_readiness(api: Api) -> None:
     assert api.client.get("/healthz").json() == {"status": "ok"}
     assert api.client.get("/readyz").json() == {"store": True, "ray": True}
     api.launcher.is_ready = False
-    not_ready = api.client.get("/readyz")
+    # Readiness is checked at most every READY_CACHE_S: the change shows within that.
+    deadline = time.monotonic() + READY_CACHE_S + 10
+    while (not_ready := api.client.get("/readyz")).status_code == 200:
+        assert time.monotonic() < deadline, "/readyz never saw Ray go away"
+        time.sleep(0.1)
     assert not_ready.status_code == 503 and not_ready.json() == {"store": True, "ray": False}
+
+
+def test_readiness_is_checked_once_per_period_however_often_it_is_asked() -> None:
+    now = [0.0]
+    store = CountingStore()
+    probe = ReadinessProbe(store, RecordingLauncher(), ttl_s=2.0, clock=lambda: now[0])
+
+    async def ask(times: int) -> list[Readiness]:
+        return [await probe.check() for _ in range(times)]
+
+    assert anyio.run(ask, 5) == [Readiness(store=True, ray=True)] * 5
+    assert store.pings == 1
+    now[0] = 1.9
+    anyio.run(ask, 3)
+    assert store.pings == 1
+    now[0] = 2.0
+    anyio.run(ask, 3)
+    assert store.pings == 2
+
+
+class CountingStore(LocalStore):
+    """A store that counts its pings (nothing else is called)."""
+
+    def __init__(self) -> None:  # no database: only ping is called
+        self.pings = 0
+
+    def ping(self) -> bool:
+        self.pings += 1
+        return True
+
+
+# --- run summaries, the cap on active runs, idempotency over HTTP -----------------------------
+
+
+def test_the_list_gives_summaries_without_specs(api: Api) -> None:
+    body = {**TINY, "algorithm": {"estimator": {"name": "token"}}, "pipeline": {"mode": "sync"}}
+    run = create(api, body).json()
+    listed = api.client.get("/v1/runs").json()["runs"]
+    assert len(listed) == 1 and "spec" not in listed[0]
+    assert listed[0] == {
+        "id": run["id"],
+        "status": "queued",
+        "name": "t",
+        "model": "tiny-arith",
+        "estimator": "token",
+        "mode": "sync",
+        "steps": 100,
+        "created_at": run["created_at"],
+        "transitions": run["transitions"],
+        "error": None,
+    }
+    assert api.client.get(f"/v1/runs/{run['id']}").json()["spec"] == run["spec"]
+    # A run stored with another spec (the store takes any mapping) lists with what it has.
+    other = api.store.create_run({"name": 7, "pipeline": {"steps": "many"}}).id
+    summary = api.client.get("/v1/runs").json()["runs"][0]
+    assert summary["id"] == other and summary["name"] is None and summary["steps"] is None
+
+
+def test_past_the_cap_on_active_runs_a_new_run_is_a_429(api_factory: ApiFactory) -> None:
+    with api_factory(KPO_MAX_ACTIVE_RUNS="2") as api:
+        first = create(api, **{"Idempotency-Key": "k1"}).json()["id"]
+        create(api)
+        refused = create(api)
+        assert refused.status_code == 429
+        assert refused.headers["retry-after"].isdigit()
+        error = refused.json()["error"]
+        assert error["type"] == "quota_exceeded" and error["limit"] == 2
+        assert "KPO_MAX_ACTIVE_RUNS" in error["message"] and "2 runs" in error["message"]
+        # A resend of a key that made a run still returns it.
+        again = create(api, **{"Idempotency-Key": "k1"})
+        assert again.status_code == 201 and again.json()["id"] == first
+        assert len(set(api.launcher.submitted)) == 2  # (a resend is submitted again: a no-op)
+        api.client.post(f"/v1/runs/{first}/cancel")
+        assert create(api).status_code == 201
+    with api_factory(KPO_MAX_ACTIVE_RUNS="0") as unlimited:  # 0: no cap
+        assert all(create(unlimited).status_code == 201 for _ in range(20))
+
+
+def test_an_idempotency_key_is_free_again_once_its_run_has_been_finished_long_enough(
+    api_factory: ApiFactory,
+) -> None:
+    with api_factory(KPO_IDEMPOTENCY_TTL_S="1") as api:
+        key = {"Idempotency-Key": "nightly"}
+        first = create(api, **key).json()["id"]
+        api.client.post(f"/v1/runs/{first}/cancel")
+        deadline = time.monotonic() + 10
+        while (again := create(api, **key).json()["id"]) == first:
+            assert time.monotonic() < deadline, "the key never expired"
+            time.sleep(0.05)
+        assert create(api, **key).json()["id"] == again

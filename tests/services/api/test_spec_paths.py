@@ -44,7 +44,11 @@ def test_relative_paths_are_read_from_the_inputs_folder(api: Api, tmp_path: Path
     body = spec_with(
         model="./models/small",
         task=jsonl_task("prompts.jsonl"),
-        generation={"group_size": 4, "options": {"tokenizer": "models/small", "dtype": "auto"}},
+        generation={
+            "backend": "vllm",
+            "group_size": 4,
+            "options": {"tokenizer": "models/small", "dtype": "auto"},
+        },
     )
     response = api.client.post("/v1/runs", json=body, headers={"Idempotency-Key": "paths"})
     assert response.status_code == 201, response.text
@@ -99,7 +103,7 @@ def test_paths_that_leave_the_inputs_folder_are_a_422(api: Api, path: str) -> No
         "task.path": spec_with(task=jsonl_task(path)),
         "task.path (dataset)": spec_with(task={"name": "dataset", "path": path}),
         "generation.options.tokenizer": spec_with(
-            generation={"group_size": 4, "options": {"tokenizer": path}}
+            generation={"backend": "vllm", "group_size": 4, "options": {"tokenizer": path}}
         ),
     }
     for field, body in bodies.items():
@@ -127,11 +131,11 @@ def test_absolute_paths_are_accepted_only_inside_the_folder(api: Api, tmp_path: 
 
 @pytest.mark.parametrize("value", ["/etc/passwd", "../x", "~/x", "a\\b"])
 def test_other_backend_options_may_not_look_like_paths_that_leave(api: Api, value: str) -> None:
-    body = spec_with(generation={"group_size": 4, "options": {"attn_implementation": value}})
+    body = spec_with(generation={"group_size": 4, "options": {"device": value}})
     response = api.client.post("/v1/runs", json=body)
     assert response.status_code == 422
     field = response.json()["error"]["fields"][0]
-    assert field["field"] == "generation.options.attn_implementation"
+    assert field["field"] == "generation.options.device"
     assert field["message"].startswith("not a path option")
     ordinary = {"device": "cuda:0", "dtype": "bfloat16", "attn_implementation": "sdpa"}
     fine = spec_with(generation={"group_size": 4, "options": ordinary})
@@ -142,7 +146,7 @@ def test_every_refused_field_is_named_at_once(api: Api) -> None:
     body = spec_with(
         model="/root/model",
         task=jsonl_task("../prompts.jsonl"),
-        generation={"group_size": 4, "options": {"tokenizer": "~/tok"}},
+        generation={"backend": "vllm", "group_size": 4, "options": {"tokenizer": "~/tok"}},
     )
     response = api.client.post("/v1/runs", json=body)
     assert response.status_code == 422

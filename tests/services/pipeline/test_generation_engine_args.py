@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
+from kpo_core.config import describe_validation_error
 from services.generation.hf_backend import HFBackend
 from services.generation.registry import backend_class
 from services.generation.vllm_backend import VLLMBackend
@@ -136,6 +138,8 @@ def test_the_worker_gets_the_pipelines_swap_settings_and_the_actor_its_resources
     ],
 )
 def test_options_may_not_set_what_other_keys_own(key: str, names: str) -> None:
-    spec = vllm_spec(f"generation.options.{key}=true")
-    with pytest.raises(ValueError, match=rf"generation\.options\.{key}.*{names}"):
-        generation_worker_args(spec, MODEL_DIR)
+    with pytest.raises(ValidationError) as caught:
+        vllm_spec(f"generation.options.{key}=true")
+    assert describe_validation_error(caught.value, "run") == (
+        f"run: generation.options.{key}: not a backend option: set {names}"
+    )

@@ -17,7 +17,7 @@ from types import TracebackType
 
 import redis
 
-from services.api.ray_head import free_port
+from services.jobs.ray_head import free_port
 
 INSTALL_HINT = "redis-server is not on PATH: install it with `apt-get install redis-server`"
 

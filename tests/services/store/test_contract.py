@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import re
+import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -13,6 +16,7 @@ from services.store import (
     IdempotencyConflict,
     InvalidCursor,
     InvalidTransition,
+    QuotaExceeded,
     RunNotFound,
     RunStatus,
     Store,
@@ -143,6 +147,71 @@ def test_same_idempotency_key_with_another_spec_conflicts(store: Store) -> None:
     with pytest.raises(IdempotencyConflict, match=f"already created run '{first.id}'"):
         store.create_run({**SPEC, "model": "other"}, idempotency_key="key-1")
     assert len(store.list_runs()[0]) == 1
+
+
+def test_an_idempotency_key_expires_once_its_run_has_been_finished_that_long(
+    store: Store,
+) -> None:
+    ttl_s = 1.0
+    finished = store.create_run(SPEC, idempotency_key="done", idempotency_ttl_s=ttl_s)
+    active = store.create_run(SPEC, idempotency_key="active", idempotency_ttl_s=ttl_s)
+    store.transition(finished.id, R)
+    finished_at = store.transition(finished.id, S).transitions[-1].at
+    # Just finished: the key still names its run, conflicts included.
+    with pytest.raises(IdempotencyConflict):
+        store.create_run({**SPEC, "model": "other"}, idempotency_key="done", idempotency_ttl_s=1)
+    # A resend returns the finished run until the key expires; then it makes a new run.
+    deadline = time.monotonic() + 10
+    while (again := store.create_run(SPEC, "done", idempotency_ttl_s=ttl_s)).id == finished.id:
+        assert time.monotonic() < deadline, "the key of a finished run never expired"
+        time.sleep(0.05)
+    # (a few ms of slack: the two timestamps are taken on either side of a store call)
+    assert again.created_at - finished_at >= timedelta(seconds=ttl_s - 0.05)
+    assert again.status == Q and store.get_run(finished.id).status == S
+    assert store.create_run(SPEC, "done", idempotency_ttl_s=ttl_s).id == again.id
+    # The key of a run that has not finished holds, however long ago the run was made.
+    assert store.create_run(SPEC, "active", idempotency_ttl_s=ttl_s).id == active.id
+
+
+def test_concurrent_creates_never_make_more_active_runs_than_allowed(
+    open_test_store: StoreOpener,
+) -> None:
+    limit, extra = 6, 5
+    first = open_test_store()
+    run_in(first, S)  # finished runs do not count
+    stores = [open_test_store() for _ in range(limit + extra)]  # one client per caller
+    start = threading.Barrier(len(stores))
+
+    def create(index: int) -> str | QuotaExceeded:
+        start.wait(timeout=30)
+        try:
+            return stores[index].create_run({"i": index}, max_active=limit).id
+        except QuotaExceeded as refused:
+            return refused
+
+    with ThreadPoolExecutor(len(stores)) as pool:
+        outcomes = list(pool.map(create, range(len(stores))))
+    made = [outcome for outcome in outcomes if isinstance(outcome, str)]
+    refused = [outcome for outcome in outcomes if isinstance(outcome, QuotaExceeded)]
+    assert len(made) == limit and len(refused) == extra
+    assert all(error.limit == limit and f"{limit} runs" in str(error) for error in refused)
+    assert {run.id for run in first.list_runs(status=Q, limit=100)[0]} == set(made)
+    # Running runs count too; a finished one frees its place.
+    first.transition(made[0], R)
+    with pytest.raises(QuotaExceeded):
+        first.create_run(SPEC, max_active=limit)
+    first.transition(made[0], C)
+    assert first.create_run(SPEC, max_active=limit).status == Q
+
+
+def test_a_resend_returns_its_run_when_no_new_run_is_allowed(store: Store) -> None:
+    keyed = store.create_run(SPEC, idempotency_key="key-1", max_active=2)
+    store.create_run(SPEC, max_active=2)
+    with pytest.raises(QuotaExceeded):
+        store.create_run(SPEC, idempotency_key="key-2", max_active=2)
+    assert store.create_run(SPEC, idempotency_key="key-1", max_active=2) == keyed
+    with pytest.raises(ValueError, match="max_active"):
+        store.create_run(SPEC, max_active=0)
 
 
 # --- lifecycle -------------------------------------------------------------------------------

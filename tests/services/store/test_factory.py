@@ -49,3 +49,22 @@ def test_the_test_server_fails_with_the_install_hint_when_redis_is_missing(
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(RuntimeError, match="apt-get install redis-server"):
         RedisServer(tmp_path).start()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgres://kpo:hunter2-secret@db/kpo",  # a scheme no store has
+        "redis://:hunter2-secret@redis:notaport/0",  # redis-py cannot parse the port
+        "rediss://admin:hunter2-secret@redis:99999/0",
+        "redis://redis:6379/0?password=hunter2-secret&db=x",
+    ],
+)
+def test_a_bad_store_url_is_named_without_its_password(url: str) -> None:
+    with pytest.raises(ValueError, match="store URL") as raised:
+        open_store(url)
+    message = str(raised.value)
+    assert "hunter2" not in message and "***" in message, message
+    # Nor in a chained error that a traceback would print.
+    assert raised.value.__cause__ is None
+    assert raised.value.__context__ is None or raised.value.__suppress_context__

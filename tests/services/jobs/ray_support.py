@@ -5,15 +5,15 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 from ray.job_submission import JobStatus
 
-from services.api.launcher import RayJobLauncher, local_job_env
-from services.api.ray_head import LocalRayHead
+from services.jobs.launcher import RayJobLauncher, local_job_env
+from services.jobs.ray_head import LocalRayHead
 from services.pipeline.specs import apply_overrides
 from services.spec import RunSpec
 from tests.services.pipeline.conftest import TINY_RUN
@@ -25,14 +25,17 @@ HEAD_CPUS = 4
 
 
 @contextmanager
-def local_head(data_dir: Path) -> Iterator[LocalRayHead]:
-    """A started `LocalRayHead` for `data_dir`, stopped (with its jobs) at the end.
+def local_head(
+    data_dir: Path, resources: Mapping[str, float] | None = None
+) -> Iterator[LocalRayHead]:
+    """A started `LocalRayHead` for `data_dir` (advertising custom `resources`), stopped (with
+    its jobs) at the end.
 
     Its session files go to a short directory of its own: Ray's socket paths must stay short,
     and pytest's temporary paths are long.
     """
     temp_dir = Path(tempfile.mkdtemp(prefix="kr-", dir="/tmp"))
-    head = LocalRayHead(data_dir, num_cpus=HEAD_CPUS, temp_dir=temp_dir)
+    head = LocalRayHead(data_dir, num_cpus=HEAD_CPUS, resources=resources, temp_dir=temp_dir)
     head.ensure()
     try:
         yield head
@@ -64,6 +67,16 @@ def stop_live_jobs(launcher: RayJobLauncher) -> None:
             return bool(client.get_job_status(job_id).is_terminal())
 
         wait_until(ended, 60, f"job {submission_id} to stop")
+
+
+def stand_in_python(directory: Path, script: str) -> str:
+    """An executable to give a launcher as its `python`: it runs the shell `script` instead of
+    the driver (`$4` is the run id), for jobs whose driver must fail, hang or exit in a given
+    way without running a pipeline."""
+    path = directory / "stand-in-python"
+    path.write_text(f"#!/bin/sh\n{script}\n", encoding="utf-8")
+    path.chmod(0o755)
+    return str(path)
 
 
 def job_status(launcher: RayJobLauncher, run_id: str) -> JobStatus:

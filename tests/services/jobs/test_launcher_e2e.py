@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.api.ray_head import LocalRayHead
+from services.jobs.ray_head import LocalRayHead
 from services.pipeline.checkpoints import latest_checkpoint
 from services.pipeline.job import run_output_dir
-from tests.services.api.live_control_plane import (
+from tests.services.jobs.live_control_plane import (
     all_events,
     control_plane,
     finished,

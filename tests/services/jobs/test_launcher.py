@@ -13,17 +13,20 @@ from pathlib import Path
 import pytest
 from ray.job_submission import JobStatus
 
-from services.api.launcher import (
+from services.jobs.launcher import (
     cluster_job_server_url,
     job_server_url,
     launcher_from_env,
+    local_job_env,
     ray_auth_headers,
 )
-from services.api.ray_head import HEAD_FILE, LocalRayHead
+from services.jobs.ray_head import HEAD_FILE, LocalRayHead
+from services.jobs.reconciler import Reconciler
+from services.jobs.settings import JobSettings
 from services.pipeline.checkpoints import latest_checkpoint
 from services.pipeline.job import run_output_dir
 from services.store import LocalStore, RunRecord, RunStatus, Store
-from tests.services.api.ray_support import (
+from tests.services.jobs.ray_support import (
     job_status,
     launcher_for,
     local_head,
@@ -68,20 +71,42 @@ def test_job_server_url_accepts_the_documented_ray_address_forms() -> None:
     with pytest.raises(ValueError, match="use http"):
         job_server_url("grpc://head-svc:6379")
     env = {"RAY_ADDRESS": "ray://head:10001", "RAY_API_SERVER_ADDRESS": "http://jobs:9000"}
-    assert cluster_job_server_url(env) == "http://jobs:9000"
-    assert cluster_job_server_url({"RAY_ADDRESS": "head:6379"}) == "http://head:8265"
-    assert cluster_job_server_url({}) is None
+    assert cluster_job_server_url(settings(env)) == "http://jobs:9000"
+    assert cluster_job_server_url(settings({"RAY_ADDRESS": "head:6379"})) == "http://head:8265"
+    assert cluster_job_server_url(settings({})) is None
 
 
 def test_ray_auth_headers_follow_rays_settings(tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text("abc123\n")
-    assert ray_auth_headers({"RAY_AUTH_TOKEN": "abc123"}) == {}  # token mode is off
-    assert ray_auth_headers({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "xyz"}) == {
+    assert ray_auth_headers(settings({"RAY_AUTH_TOKEN": "abc123"})) == {}  # token mode is off
+    assert ray_auth_headers(settings({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "xyz"})) == {
         "Authorization": "Bearer xyz"
     }
     env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file)}
-    assert ray_auth_headers(env) == {"Authorization": "Bearer abc123"}
+    assert ray_auth_headers(settings(env)) == {"Authorization": "Bearer abc123"}
+
+
+def test_job_settings_come_from_the_environment_and_empty_means_unset(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("RAY_ADDRESS", "head:6379")
+    monkeypatch.setenv("RAY_API_SERVER_ADDRESS", "")
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", "")
+    monkeypatch.setenv("PYTHONPATH", "/extra")
+    read = JobSettings()
+    assert read.ray_address == "head:6379" and read.ray_api_server_address is None
+    assert read.ray_auth_token is None and read.ray_auth_token_path is None
+    assert cluster_job_server_url() == "http://head:8265"  # default: read from the environment
+    paths = local_job_env()["PYTHONPATH"].split(":")
+    assert paths[0] == str(Path(__file__).resolve().parents[3]) and paths[1:] == ["/extra"]
+
+
+def settings(env: dict[str, str]) -> JobSettings:
+    """JobSettings of exactly `env`, whatever this process's environment holds."""
+    return JobSettings.model_validate(env)
 
 
 def test_with_ray_address_the_launcher_uses_that_cluster(
@@ -93,7 +118,7 @@ def test_with_ray_address_the_launcher_uses_that_cluster(
         "RAY_AUTH_MODE": "token",
         "RAY_AUTH_TOKEN_PATH": head.info.token_file,
     }
-    launcher = launcher_from_env(tmp_path / "elsewhere", "redis://redis:6379/0", environ)
+    launcher = launcher_from_env(tmp_path / "elsewhere", "redis://redis:6379/0", settings(environ))
     assert launcher.dashboard_url == head.info.dashboard_url and launcher.ready()
     assert not (tmp_path / "elsewhere" / HEAD_FILE).exists()  # no local head was started
     assert launcher.entrypoint("run-0123456789ab") == (
@@ -129,7 +154,7 @@ def test_a_submitted_run_succeeds_and_resubmitting_starts_no_second_job(
     assert len(jobs) == 1
     assert wait_until(lambda: job_status(launcher, run.id).is_terminal(), 30, "the job to end")
     assert job_status(launcher, run.id) == JobStatus.SUCCEEDED
-    assert launcher.reconcile(store) == []  # nothing to repair
+    assert Reconciler(launcher, store).reconcile() == []  # nothing to repair
 
 
 def test_stopping_a_running_run_cancels_it_with_a_checkpoint(
@@ -159,16 +184,17 @@ def test_a_job_that_dies_at_once_is_reconciled_to_failed_with_its_log_tail(
     run = store.create_run(tiny_run("pipeline.steps=2"))
     # Never submitted (as if the control plane died right after storing it): the reconciler
     # submits it, then finds its job failed while the run is still queued.
-    launcher.start_reconciler(store, interval_s=0.5)
+    reconciler = Reconciler(launcher, store, interval_s=0.5)
+    reconciler.start()
     try:
         done = final(store, run.id)
     finally:
-        launcher.close()
+        reconciler.close()
     assert done.status == RunStatus.FAILED
     assert done.error is not None
     assert "its Ray job ended FAILED before the run recorded its outcome" in done.error
     assert "/nonexistent/python" in done.error and "not found" in done.error  # the log tail
-    assert launcher.reconcile(store) == []
+    assert reconciler.reconcile() == []
 
 
 def test_stop_of_a_run_that_never_started_is_harmless(head: LocalRayHead) -> None:

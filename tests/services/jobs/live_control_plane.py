@@ -12,11 +12,12 @@ import pytest
 
 from services.api.app import create_app
 from services.api.client import SseEvent, parse_sse
-from services.api.ray_head import LocalRayHead
 from services.api.settings import ApiSettings
+from services.jobs.ray_head import LocalRayHead
+from services.jobs.reconciler import Reconciler
 from services.store import RedisStore
-from tests.services.api.ray_support import launcher_for, local_head, tiny_run, wait_until
 from tests.services.api.server import serve
+from tests.services.jobs.ray_support import launcher_for, local_head, tiny_run, wait_until
 from tests.services.store.redis_server import RedisServer
 
 TOKEN = "e2e-token-0123456789abcdef"
@@ -34,7 +35,8 @@ def control_plane(head: LocalRayHead, redis: RedisServer) -> Iterator[httpx.Clie
     """The control plane as `kpo serve` puts it together; yields a client that has the token."""
     store = RedisStore.from_url(redis.url)
     launcher = launcher_for(head, redis.url)
-    launcher.start_reconciler(store, interval_s=1.0)
+    reconciler = Reconciler(launcher, store, interval_s=1.0)
+    reconciler.start()
     settings = ApiSettings.model_validate(
         {"KPO_API_TOKEN": TOKEN, "KPO_DATA_DIR": str(head.data_dir), "KPO_STORE_URL": redis.url}
     )
@@ -47,6 +49,7 @@ def control_plane(head: LocalRayHead, redis: RedisServer) -> Iterator[httpx.Clie
         ):
             yield client
     finally:
+        reconciler.close()
         launcher.close()
         store.close()
 

@@ -1,0 +1,38 @@
+"""A run spec past a bound, or with an option its backend does not take, sent over real HTTP: a
+422 naming each field, and no run stored or launched."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.services.api.conftest import Api
+from tests.services.api.test_runs_api import TINY
+
+
+def test_bounds_options_and_attention_are_a_422_naming_each_field(api: Api) -> None:
+    body: dict[str, Any] = {
+        **TINY,
+        "generation": {"group_size": 4, "options": {"max_batch_rowz": 8}},
+        "learner": {"attn_implementation": "kernels-community/flash-attn3"},
+        "pipeline": {"steps": 10_000_001},
+    }
+    response = api.client.post("/v1/runs", json=body)
+    assert response.status_code == 422, response.text
+    fields = {f["field"]: f["message"] for f in response.json()["error"]["fields"]}
+    assert fields == {
+        "generation.options.max_batch_rowz": "not an option of the hf backend; its options "
+        "are: attn_implementation, device, dtype, max_batch_rows",
+        "learner.attn_implementation": "Input should be 'eager', 'sdpa', 'flash_attention_2' "
+        "or 'flash_attention_3'",
+        "pipeline.steps": "Input should be less than or equal to 10000000",
+    }
+    assert api.launcher.submitted == []
+    assert api.client.get("/v1/runs").json()["runs"] == []
+    # The same spec within its bounds and with a real option is accepted and launched.
+    body["generation"]["options"] = {"max_batch_rows": 8}
+    body["learner"]["attn_implementation"] = "flash_attention_2"
+    body["pipeline"]["steps"] = 10_000_000
+    accepted = api.client.post("/v1/runs", json=body)
+    assert accepted.status_code == 201, accepted.text
+    assert accepted.json()["spec"]["generation"]["options"] == {"max_batch_rows": 8}
+    assert api.launcher.submitted == [accepted.json()["id"]]

@@ -161,12 +161,20 @@ def get_run(run_id: RunId, store: StoreDep) -> RunRecord:
 )
 def cancel_run(run_id: RunId, store: StoreDep, launcher: LauncherDep) -> RunRecord:
     """Stop a run: a queued one is cancelled at once; a running one finishes its learner step,
-    writes a checkpoint and records `cancelled`. A finished run is a 409."""
+    writes a checkpoint and records `cancelled`. A finished run is a 409.
+
+    A running run's request is stored (`cancel_requested_at`) before Ray is asked to stop its
+    job: if its driver dies before it could record `cancelled` (or Ray cannot be reached now),
+    the reconciler of every control plane, restarted ones included, records it `cancelled`
+    instead of restarting it.
+    """
     run = store.get_run(run_id)
     if run.status in TERMINAL_STATUSES:
         raise InvalidTransition(run_id, run.status.value, "cancelled", [])
     if run.status == RunStatus.QUEUED:
         run = store.transition(run_id, RunStatus.CANCELLED, "cancelled before it started")
+    else:
+        run = store.request_cancel(run_id)
     try:
         launcher.stop(run_id)
     except Exception as error:
@@ -176,7 +184,8 @@ def cancel_run(run_id: RunId, store: StoreDep, launcher: LauncherDep) -> RunReco
             return run
         raise HTTPException(
             status.HTTP_503_SERVICE_UNAVAILABLE,
-            f"could not reach the Ray job server to stop {run_id}; try again: {error}",
+            f"could not reach the Ray job server to stop {run_id}; try again (the cancel is "
+            f"recorded: the run will not be restarted if its driver dies): {error}",
         ) from None
     return run
 

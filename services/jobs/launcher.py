@@ -42,7 +42,6 @@ import shlex
 import sys
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,9 +63,6 @@ DEFAULT_STOP_WAIT_S = 120
 DEFAULT_DRIVER_RESTARTS = 2  # JobSettings.driver_restarts
 # A run's job ids: the run id (its first attempt), then `.r1`, `.r2`, ... for its resubmissions.
 JOB_ID_PATTERN = re.compile(rf"(?P<run>{RUN_ID_PATTERN.pattern})(?:\.r(?P<attempt>[1-9][0-9]*))?")
-# How many stop requests the launcher remembers (see `stop_requested`): far more than the runs
-# cancelled within the few seconds in which remembering them matters.
-STOP_REQUESTS_KEPT = 10_000
 
 
 def job_server_url(ray_address: str) -> str:
@@ -214,7 +210,6 @@ class RayJobLauncher:
         self.driver_restarts = driver_restarts
         self._client_instance: JobSubmissionClient | None = None
         self._lock = threading.Lock()
-        self._stop_requests: OrderedDict[str, None] = OrderedDict()
 
     # --- the launcher protocol ---------------------------------------------------------------
 
@@ -226,14 +221,9 @@ class RayJobLauncher:
     def stop(self, run_id: str) -> None:
         """Ask the run's newest job to stop; nothing to do if it never started or has ended.
 
-        The request is remembered (`stop_requested`): a run whose driver died just before its
-        cancel must not be resubmitted by the reconciler.
+        Nothing is remembered here: a cancel is kept in the store (`Store.request_cancel`, which
+        the API calls first), where the reconciler of every control plane finds it.
         """
-        with self._lock:
-            self._stop_requests[run_id] = None
-            self._stop_requests.move_to_end(run_id)
-            while len(self._stop_requests) > STOP_REQUESTS_KEPT:
-                self._stop_requests.popitem(last=False)
         jobs = self.jobs_of(run_id)
         if jobs is None or jobs.latest.status.is_terminal():
             return
@@ -255,9 +245,10 @@ class RayJobLauncher:
 
     # --- attempts, for the reconciler --------------------------------------------------------
 
-    def submit_attempt(self, run: RunRecord, attempt: int) -> None:
+    def submit_attempt(self, run: RunRecord, attempt: int) -> bool:
         """Submit the run's job for `attempt` (0: the first; `.rN`: a resubmission whose driver
-        resumes from the run's latest checkpoint); a job that exists already is left as it is."""
+        resumes from the run's latest checkpoint); whether it is new. A job that exists already
+        (a retry, or another control plane's reconciler was first) is left as it is."""
         submission_id = job_id(run.id, attempt)
         resources = {self.driver_resource: 1.0} if self.driver_resource else None
         try:
@@ -276,14 +267,10 @@ class RayJobLauncher:
             )
         except RuntimeError as error:
             if "already exists" in str(error):
-                return
+                return False
             raise
         log.info("submitted run %s as the Ray job %s", run.id, submission_id)
-
-    def stop_requested(self, run_id: str) -> bool:
-        """Whether this launcher was asked to stop the run (a cancel) since it started."""
-        with self._lock:
-            return run_id in self._stop_requests
+        return True
 
     def stop_live_jobs(self, timeout_s: float) -> list[str]:
         """Stop every job of the job server that is still pending or running and wait up to

@@ -8,9 +8,10 @@ It closes the gaps a crash can leave between the store and Ray:
   `driver_restarts` times (KPO_DRIVER_RESTARTS); after that the run fails, with the tail of the
   last job's log as its error. A job that failed only because Ray found no room to start it in
   time (it waited for a driver slot) does not count: its driver never ran.
-- a run that was cancelled is never submitted again: its job was stopped (Ray says STOPPED), its
-  driver exited as a cancelled run does (exit code 130), or this control plane was asked to stop
-  it. It is recorded `cancelled`.
+- a run that was cancelled is never submitted again: a cancel was requested (the API stores the
+  request, `cancel_requested_at`, before it asks Ray to stop the job, so every control plane sees
+  it: another replica, one restarted since), its job was stopped (Ray says STOPPED), or its driver
+  exited as a cancelled run does (exit code 130). It is recorded `cancelled`.
 - a run whose job succeeded without the run saying so is recorded `succeeded`; one whose job is
   gone (the Ray cluster was restarted) fails.
 - a queued run with no job yet (the control plane died between storing and submitting it) is
@@ -133,16 +134,20 @@ class Reconciler:
             attempts = self.launcher.jobs_of(run.id)  # listed before it was submitted, perhaps
             if attempts is None:
                 gone = "its Ray job no longer exists (was the Ray cluster restarted?)"
-                return self._record_outcome(run, RunStatus.FAILED, gone)
+                # The run ended either way; one whose cancel was asked for ended as asked.
+                state = RunStatus.FAILED if run.cancel_requested_at is None else RunStatus.CANCELLED
+                return self._record_outcome(run, state, gone)
         job = attempts.latest
         if not job.status.is_terminal():
             return None
         if job.status == JobStatus.SUCCEEDED:
             return self._record_outcome(run, RunStatus.SUCCEEDED, None)
+        # The stored request covers a cancel that reached any control plane, and one whose stop
+        # never reached Ray (its driver died first, or the job server could not be reached).
         cancelled = (
-            job.status == JobStatus.STOPPED
+            run.cancel_requested_at is not None
+            or job.status == JobStatus.STOPPED
             or job.driver_exit_code == CANCELLED_EXIT_CODE
-            or self.launcher.stop_requested(run.id)
         )
         if not cancelled and never_started(job):
             return self._resubmit(run, attempts, "Ray found no room to start its job in time")
@@ -151,6 +156,8 @@ class Reconciler:
         state = RunStatus.CANCELLED if cancelled else RunStatus.FAILED
         tail = self.launcher.log_tail(job.submission_id or run.id, self.log_tail_lines)
         tried = "" if cancelled else f", after {_attempts(attempts.driver_attempts)}"
+        if run.cancel_requested_at is not None:
+            tried += f", cancel requested at {run.cancel_requested_at.isoformat()}"
         error = (
             f"its Ray job ended {job.status.value} before the run recorded its outcome "
             f"({job.message or 'no message'}; job {job.submission_id}, driver exit code "
@@ -158,15 +165,19 @@ class Reconciler:
         )
         return self._record_outcome(run, state, error)
 
-    def _resubmit(self, run: RunRecord, attempts: RunJobs, why: str) -> str:
+    def _resubmit(self, run: RunRecord, attempts: RunJobs, why: str) -> str | None:
         """Submit the run again as a new job, whose driver resumes from its latest checkpoint."""
         ended = attempts.latest
         attempt = attempts.next_attempt
-        self.launcher.submit_attempt(run, attempt)
-        # A cancel between this pass's look at the job and the submission found no live job to
-        # stop: the stop request it left behind is seen here, and the new job stopped at once.
-        if self.launcher.stop_requested(run.id):
+        created = self.launcher.submit_attempt(run, attempt)
+        # A cancel made after this pass read the run may have looked for a live job to stop
+        # before this one existed, and found none. It stored its request before it looked, so
+        # the request is seen here (whichever control plane took the cancel) and the new job
+        # stopped at once; a cancel that looks later finds the new job and stops it itself.
+        if self.store.get_run(run.id).cancel_requested_at is not None:
             self.launcher.stop(run.id)
+        if not created:
+            return None  # another control plane's reconciler submitted it (and said so)
         restart = (
             f"restart {attempts.driver_attempts} of {self.driver_restarts}"
             if not never_started(ended)
@@ -175,7 +186,7 @@ class Reconciler:
         line = (
             f"[kpo] {why} (Ray job {ended.submission_id}: {ended.status.value}, "
             f"{ended.message or 'no message'}); submitted it again as attempt {attempt} "
-            f"({restart}), which resumes from its latest checkpoint"
+            f"({restart}), which resumes from the run's latest checkpoint, if it has one"
         )
         try:
             self.store.append_logs(run.id, [line])
@@ -195,21 +206,25 @@ class Reconciler:
         return f"{run.id}: its job ended without a recorded outcome; recorded {state.value}"
 
     def _stop_if_finished(self, attempts: RunJobs) -> str | None:
-        """Stop a live job whose run has finished already (cancelled while it was queued)."""
+        """Stop a live job whose run has finished already (cancelled while it was queued), or
+        whose cancel was stored `finish_grace_s` ago and is still running (the stop may never
+        have reached Ray: the route answered 503, or the job was resubmitted meanwhile)."""
         try:
             run = self.store.get_run(attempts.run_id)
         except RunNotFound:
             return None  # a job of another control plane sharing this cluster
-        if run.status not in TERMINAL_STATUSES:
+        if run.status in TERMINAL_STATUSES:
+            since, why = run.transitions[-1].at, run.status.value
+        elif run.cancel_requested_at is not None:
+            since, why = run.cancel_requested_at, "cancel requested"
+        else:
             return None
-        if time.time() - run.transitions[-1].at.timestamp() < self.finish_grace_s:
-            return None  # its driver recorded the outcome and is on its way out
+        if time.time() - since.timestamp() < self.finish_grace_s:
+            return None  # its driver is finishing its step (or on its way out)
+        # Stopping a job that is stopping already is harmless: Ray only sets its stop event.
         self.launcher.stop(run.id)
         job = attempts.latest
-        return (
-            f"{run.id}: {run.status.value} but its job {job.submission_id} was "
-            f"{job.status.value}; stopped it"
-        )
+        return f"{run.id}: {why} but its job {job.submission_id} was {job.status.value}; stopped it"
 
 
 def _attempts(count: int) -> str:

@@ -61,6 +61,7 @@ from services.pipeline.outputs import (
     RunDirectory,
     RunObserver,
     RunState,
+    json_safe_record,
 )
 from services.pipeline.plots import PLOTTED_KEYS, plot_curves
 from services.pipeline.prompts import PromptStream, chats_strings
@@ -266,6 +267,12 @@ class RunDriver:
         self._resume_path = path
         self._last_checkpoint_step = step
         self.run_dir.keep_metrics_through(step)
+        # The checkpointed step's record is emitted only once its checkpoint is written: a driver
+        # killed in between left a checkpoint whose step nobody recorded. Recorded now, from the
+        # checkpoint (the store ignores a record it holds already).
+        held = state.get("record")
+        if held is not None and all(r["step"] != step for r in self.run_dir.read_metrics(["step"])):
+            self._emit(held)
         return step
 
     def run(self) -> RunState:
@@ -737,10 +744,13 @@ class RunDriver:
         def write_learner(path: Path) -> None:
             actors.learner.save_checkpoint(str(path))
 
+        state = self._driver_state()
+        if self._held_record is not None:  # the step's record, for a driver killed before it
+            state["record"] = json_safe_record(self._held_record)
         self._checkpoints.start(
             self.run_dir.checkpoints,
             self.counters.step,
-            self._driver_state(),
+            state,
             write_learner,
             self.spec.pipeline.keep_checkpoints,
         )

@@ -173,6 +173,18 @@ class Store(ABC):
             raise ValueError(f"an error message goes only with failed or cancelled, not {new}")
         return self._transition(run_id, new, error or None, time.time(), buffer)
 
+    def request_cancel(self, run_id: str) -> RunRecord:
+        """Record that the run is to be cancelled (`cancel_requested_at`); return the run.
+
+        The API calls this before it asks Ray to stop the run's job, so that the request
+        outlives a job server it cannot reach and the control plane that received it: the
+        reconciler of any control plane never restarts a run whose cancel was requested.
+        Checked and applied as one atomic step: a run that is not finished and has no request yet
+        gets one, stamped now; a second request keeps the first one's time, and a finished run
+        is returned as it is (there is nothing left to cancel). `RunNotFound` for an unknown run.
+        """
+        return self._request_cancel(run_id, time.time())
+
     # --- metrics, events, logs -------------------------------------------------------------
 
     def append_metrics(self, run_id: str, records: Sequence[Mapping[str, Any]]) -> None:
@@ -283,6 +295,9 @@ class Store(ABC):
     def _transition(
         self, run_id: str, status: RunStatus, error: str | None, now: float, buffer: bool
     ) -> RunRecord | None: ...
+
+    @abstractmethod
+    def _request_cancel(self, run_id: str, now: float) -> RunRecord: ...
 
     @abstractmethod
     def _append_metrics(self, run_id: str, records: list[EncodedRecord], now: float) -> None: ...

@@ -48,11 +48,17 @@ def append_transition(transitions_json: str, entry: str) -> str:
 
 
 def decode_run(fields: Mapping[str, Any]) -> RunRecord:
-    """A run from its stored fields: id, status, spec, created_at, transitions, error."""
+    """A run from its stored fields: id, status, spec, created_at, transitions, error and
+    cancel_requested_at.
+
+    The last two may be missing (a Redis hash has no field until it is set, a run stored before
+    cancel requests were kept has none) or empty (SQLite's NULL): both read as None.
+    """
     transitions = tuple(
         Transition(status=RunStatus(status), at=utc(at))
         for status, at in json.loads(fields["transitions"])
     )
+    cancel_requested_at = fields.get("cancel_requested_at")
     return RunRecord(
         id=fields["id"],
         status=RunStatus(fields["status"]),
@@ -60,6 +66,9 @@ def decode_run(fields: Mapping[str, Any]) -> RunRecord:
         created_at=utc(float(fields["created_at"])),
         transitions=transitions,
         error=fields.get("error") or None,
+        cancel_requested_at=(
+            utc(float(cancel_requested_at)) if cancel_requested_at not in (None, "") else None
+        ),
     )
 
 

@@ -33,7 +33,7 @@ from services.store.lifecycle import ACTIVE_STATUSES, TERMINAL_STATUSES, check_t
 from services.store.records import Event, RunRecord, RunStatus
 from services.store.sqlite_schema import DB_FILE_NAME, connect, create_schema
 
-_RUN_COLUMNS = "seq, id, status, spec, created_at, transitions, error"
+_RUN_COLUMNS = "seq, id, status, spec, created_at, transitions, error, cancel_requested_at"
 _ACTIVE_VALUES = tuple(sorted(status.value for status in ACTIVE_STATUSES))
 _ACTIVE_PLACEHOLDERS = ", ".join("?" * len(_ACTIVE_VALUES))
 
@@ -198,6 +198,18 @@ class LocalStore(Store):
                 ),
             )
             self._insert_event(conn, run_id, STATUS_EVENT, status_event_data(status, error), now)
+            return self._fetch_run(conn, run_id)
+
+    def _request_cancel(self, run_id: str, now: float) -> RunRecord:
+        # One statement in one write transaction: the status check and the write cannot
+        # interleave with a transition or another request, and a request already made (or a
+        # finished run) matches no row, so nothing changes.
+        with self._transaction(write=True) as conn:
+            conn.execute(
+                "UPDATE runs SET cancel_requested_at = ? WHERE id = ?"
+                f" AND cancel_requested_at IS NULL AND status IN ({_ACTIVE_PLACEHOLDERS})",
+                (now, run_id, *_ACTIVE_VALUES),
+            )
             return self._fetch_run(conn, run_id)
 
     # --- metrics, events, logs ---------------------------------------------------------------

@@ -43,6 +43,9 @@ class RunRecord(BaseModel):
     created_at: datetime  # UTC; equal to transitions[0].at
     transitions: tuple[Transition, ...]  # every status entered, oldest first, starting with queued
     error: str | None = None  # why the run failed (or was cancelled), when the caller said
+    # When a cancel of the run was first asked for (UTC), kept in the store so that every
+    # control plane (another replica, one restarted since) knows the run must not be restarted.
+    cancel_requested_at: datetime | None = None
 
 
 class Event(BaseModel):

@@ -3,8 +3,9 @@
 Layout under the key prefix P (default `kpo`):
 
     P:run:<id>            hash    the run: id, status, spec, spec_hash, created_at, transitions
-                                  (JSON), error, seq (creation order), last_step; and, for a run
-                                  made with a key, idem (that key's name) and idem_ttl_ms
+                                  (JSON), error, seq (creation order), last_step; once a cancel
+                                  was requested, cancel_requested_at; and, for a run made with a
+                                  key, idem (that key's name) and idem_ttl_ms
     P:run:<id>:metrics    stream  one entry per metrics record, entry id `<step>-1`
     P:run:<id>:events     stream  the run's events (`k` kind, `d` JSON data, `t` time)
     P:run:<id>:logs       list    the last `max_log_lines` log lines

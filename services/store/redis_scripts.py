@@ -1,12 +1,13 @@
 """The Lua scripts of the Redis store: every write is one script, so it is atomic.
 
-Each script but APPEND_METRICS first looks up its op token (KEYS[1]): a write that already ran
-returns what it returned then (or its run's current state) and changes nothing. The store makes
-one token per call and reuses it for every retry and for a later flush from the outage buffer, so
-a write whose reply was lost (sent, applied, connection dropped) is never applied twice. Tokens
-expire after `ARGV[1]` seconds (a day: far beyond any retry, and beyond any outage the buffer is
-meant to ride out). Metrics need no token, and so cost no memory per write: a record's step
-already makes its write idempotent.
+Each script but APPEND_METRICS and REQUEST_CANCEL first looks up its op token (KEYS[1]): a write
+that already ran returns what it returned then (or its run's current state) and changes nothing.
+The store makes one token per call and reuses it for every retry and for a later flush from the
+outage buffer, so a write whose reply was lost (sent, applied, connection dropped) is never
+applied twice. Tokens expire after `ARGV[1]` seconds (a day: far beyond any retry, and beyond any
+outage the buffer is meant to ride out). Those two need no token, and so cost no memory per
+write: a record's step already makes a metrics write idempotent, as setting a field only while
+it is unset makes a cancel request's.
 
 Errors come back as `KPO_<CODE> [detail]` replies; `redis_store` turns them into store errors.
 Scripts never fail half way: everything that could refuse the write is checked before the first
@@ -87,6 +88,23 @@ if not redis.call('GET', KEYS[1]) then
   redis.call('SET', KEYS[1], '1', 'EX', ARGV[1])
 end
 return redis.call('HGETALL', KEYS[2])
+"""
+
+# KEYS: run hash
+# ARGV: now, then every finished status
+# Returns the run hash (HGETALL). Needs no op token: it writes only a field that is unset, so a
+# retry after a lost reply changes nothing, and the first request's time is kept.
+REQUEST_CANCEL = """
+local run = redis.call('HMGET', KEYS[1], 'status', 'cancel_requested_at')
+if not run[1] then return redis.error_reply('KPO_NOT_FOUND') end
+local finished = false
+for i = 2, #ARGV do
+  if ARGV[i] == run[1] then finished = true end
+end
+if not finished and not run[2] then
+  redis.call('HSET', KEYS[1], 'cancel_requested_at', ARGV[1])
+end
+return redis.call('HGETALL', KEYS[1])
 """
 
 # KEYS: run hash, metrics stream, events stream

@@ -49,6 +49,7 @@ from services.store.redis_scripts import (
     APPEND_LOGS,
     APPEND_METRICS,
     CREATE_RUN,
+    REQUEST_CANCEL,
     TRANSITION,
 )
 from services.store.retry import RetryPolicy, call_with_retry
@@ -95,6 +96,7 @@ class RedisStore(Store):
             for name, source in [
                 ("create", CREATE_RUN),
                 ("transition", TRANSITION),
+                ("cancel", REQUEST_CANCEL),
                 ("metrics", APPEND_METRICS),
                 ("event", APPEND_EVENT),
                 ("logs", APPEND_LOGS),
@@ -232,6 +234,13 @@ class RedisStore(Store):
         if buffer:
             return self._writes.write_or_buffer(write)
         return self._writes.write_now(write)
+
+    def _request_cancel(self, run_id: str, now: float) -> RunRecord:
+        keys = [self._keys.run(run_id)]
+        args: list[str | int] = [repr(now), *sorted(status.value for status in TERMINAL_STATUSES)]
+        # Never buffered: the API must know the request is stored before it says so.
+        fields = self._writes.write_now(lambda: self._run_script("cancel", run_id, keys, args))
+        return decode_run(_hash_from_list(fields))
 
     # --- metrics, events, logs ---------------------------------------------------------------
 

@@ -25,7 +25,8 @@ CREATE TABLE IF NOT EXISTS runs (
     created_at REAL NOT NULL,
     transitions TEXT NOT NULL,              -- JSON array of [status, at]
     error TEXT,
-    last_step INTEGER NOT NULL DEFAULT -1   -- highest stored metrics step
+    last_step INTEGER NOT NULL DEFAULT -1,  -- highest stored metrics step
+    cancel_requested_at REAL                -- when a cancel was first asked for; NULL: never
 );
 CREATE INDEX IF NOT EXISTS runs_by_status ON runs (status, seq);
 
@@ -67,6 +68,22 @@ def connect(path: Path, busy_timeout_s: float) -> sqlite3.Connection:
     return conn
 
 
+# Columns added to `runs` after its first release, with their definitions: a file made before
+# gets them when it is next opened (CREATE TABLE IF NOT EXISTS leaves an existing table as it is).
+ADDED_RUN_COLUMNS = {"cancel_requested_at": "REAL"}
+
+
 def create_schema(conn: sqlite3.Connection) -> None:
-    """Create the tables if missing, in one transaction so that concurrent openers agree."""
+    """Create the tables if missing and add the columns an older file lacks, each in one
+    transaction so that concurrent openers agree (the second finds the work done)."""
     conn.executescript(f"BEGIN IMMEDIATE;{SCHEMA}COMMIT;")
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        present = {row["name"] for row in conn.execute("PRAGMA table_info(runs)")}
+        for name, definition in ADDED_RUN_COLUMNS.items():
+            if name not in present:
+                conn.execute(f"ALTER TABLE runs ADD COLUMN {name} {definition}")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")

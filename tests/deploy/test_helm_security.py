@@ -602,7 +602,7 @@ def test_metrics_port_is_scraped_and_never_routed(
 def test_head_advertises_driver_slots(helm: str) -> None:
     """The head's `resources` rayStartParam holds `kpo_driver` (ray.head.driverSlots), which
     Ray's autoscaler and `ray start` both read; the control plane is told its name."""
-    manifests = render(helm, sets=["ray.head.driverSlots=3"])
+    manifests = render(helm, sets=["ray.head.driverSlots=3", "controlPlane.maxActiveRuns=3"])
     cluster = one(manifests, "RayCluster", RAY_CLUSTER)
     params = cluster["spec"]["headGroupSpec"]["rayStartParams"]
     assert params["resources"] == """'{"kpo_driver":3}'"""
@@ -617,6 +617,24 @@ def test_head_advertises_driver_slots(helm: str) -> None:
         refused.stderr
     )
     assert helm_template(helm, sets=["ray.head.driverSlots=0"]).returncode != 0
+
+
+@pytest.mark.parametrize("max_runs", [0, 9])
+def test_more_active_runs_than_driver_slots_is_refused(helm: str, max_runs: int) -> None:
+    """A run the API accepts must get a driver slot: past the slots its job would wait in Ray's
+    queue and fail after Ray's start timeout."""
+    sets = ["ray.head.driverSlots=8", f"controlPlane.maxActiveRuns={max_runs}"]
+    refused = helm_template(helm, sets=sets)
+    assert refused.returncode != 0
+    assert "controlPlane.maxActiveRuns" in refused.stderr and "ray.head.driverSlots (8)" in (
+        refused.stderr
+    )
+    assert (
+        helm_template(
+            helm, sets=["ray.head.driverSlots=8", "controlPlane.maxActiveRuns=8"]
+        ).returncode
+        == 0
+    )
 
 
 def test_external_ray_gets_no_driver_resource(rendered: dict[str, list[Manifest]]) -> None:

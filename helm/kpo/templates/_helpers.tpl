@@ -614,6 +614,12 @@ Included by the control plane's Deployment, which every release renders.
 {{- if hasKey (.Values.ray.head.rayStartParams | default dict) "resources" }}
 {{- fail "ray.head: remove rayStartParams.resources; the chart sets the head's Ray resources ({kpo_driver: ray.head.driverSlots})" }}
 {{- end }}
+{{- /* More active runs than driver slots: the extra jobs wait in Ray's queue, and Ray fails a job
+that waits past RAY_JOB_START_TIMEOUT_SECONDS (15 minutes), so runs the API accepted would fail. */}}
+{{- $maxRuns := int .Values.controlPlane.maxActiveRuns }}
+{{- if and .Values.ray.cluster.enabled (or (eq $maxRuns 0) (gt $maxRuns (int .Values.ray.head.driverSlots))) }}
+{{- fail (printf "controlPlane.maxActiveRuns (%d; 0 is no cap) must be between 1 and ray.head.driverSlots (%d): each active run's driver holds a slot, and a job waiting for one fails after 15 minutes" $maxRuns (int .Values.ray.head.driverSlots)) }}
+{{- end }}
 {{- include "kpo.validateEgress" . }}
 {{- range $name, $overrides := .Values.ray.workerGroups }}
 {{- $group := mergeOverwrite (deepCopy $.Values.ray.workerDefaults) ($overrides | default dict) }}

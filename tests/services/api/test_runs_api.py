@@ -127,6 +127,27 @@ def test_cancel_while_the_job_server_is_unreachable(api: Api) -> None:
     assert response.status_code == 503 and "try again" in response.json()["error"]["message"]
 
 
+def test_a_running_runs_cancel_is_stored_before_ray_is_asked(api: Api) -> None:
+    queued, running = create(api).json()["id"], create(api).json()["id"]
+    api.store.transition(running, RunStatus.RUNNING)
+    # Queued: cancelled at once, as before; there is nothing for a reconciler to hold back.
+    assert api.client.post(f"/v1/runs/{queued}/cancel").json()["cancel_requested_at"] is None
+    api.launcher.reachable = False
+    refused = api.client.post(f"/v1/runs/{running}/cancel")
+    assert refused.status_code == 503 and "the cancel is recorded" in refused.text
+    # The request outlived the job server it could not reach; a resend keeps its first time.
+    stored = api.store.get_run(running)
+    assert stored.status == RunStatus.RUNNING and stored.cancel_requested_at is not None
+    api.launcher.reachable = True
+    response = api.client.post(f"/v1/runs/{running}/cancel")
+    assert response.status_code == 202 and response.json()["status"] == "running"
+    assert (
+        response.json()["cancel_requested_at"]
+        == stored.model_dump(mode="json")["cancel_requested_at"]
+    )
+    assert api.launcher.stopped == [queued, running]
+
+
 def test_metrics_history_since_a_step(api: Api) -> None:
     run = create(api).json()["id"]
     api.store.append_metrics(run, [{"step": s, "reward_mean": s / 10} for s in (1, 2, 3)])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -16,12 +17,16 @@ from services.jobs.launcher import RayJobLauncher, local_job_env
 from services.jobs.ray_head import LocalRayHead
 from services.pipeline.specs import apply_overrides
 from services.spec import RunSpec
+from services.store import RunRecord, RunStatus, Store
 from tests.services.pipeline.conftest import TINY_RUN
 
 T = TypeVar("T")
 
 # Two runs at a time fit: each reserves a generation worker and a learner (one CPU each).
 HEAD_CPUS = 4
+# The custom resource of the runs' drivers, as the Helm chart's head advertises it.
+DRIVER_SLOT = "kpo_driver"
+FINAL = (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED)
 
 
 @contextmanager
@@ -102,3 +107,28 @@ def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
         time.sleep(every_s)
+
+
+def final(store: Store, run_id: str, timeout_s: float = 120) -> RunRecord:
+    """The run once it has finished."""
+
+    def finished() -> RunRecord | None:
+        run = store.get_run(run_id)
+        return run if run.status in FINAL else None
+
+    return wait_until(finished, timeout_s, f"run {run_id} to finish")
+
+
+def release(fifo: Path) -> None:
+    """Let a stand-in driver blocked reading `fifo` go on: open it for writing once it has a
+    reader (until then the open fails with ENXIO), and close it, which gives the reader EOF."""
+
+    def opened() -> bool:
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            return False
+        os.close(fd)
+        return True
+
+    wait_until(opened, 60, f"a reader of {fifo}")

@@ -3,7 +3,8 @@
 Each job reserves the slot and a job beyond it waits in Ray's queue; the store URL stays out of
 the jobs when told; a run whose driver died is submitted again (`RUN_ID.r1`, ...) and resumes
 from its checkpoint, fails with its log tail once the restarts are used up, and is never
-submitted again once cancelled. Also the head's record and ports.
+submitted again once cancelled, even when only the store knows of the cancel. Also the head's
+record and ports.
 
 Drivers that must fail, hang or exit in a given way are stand-ins (`stand_in_python`); the one
 that is killed runs a real pipeline. Each test has a store of its own, so that its reconciler
@@ -25,8 +26,10 @@ from urllib.parse import urlsplit
 import httpx
 import psutil
 import pytest
+from fastapi import HTTPException
 from ray.job_submission import JobStatus
 
+from services.api.routes_runs import cancel_run
 from services.jobs.launcher import RayJobLauncher, parse_job_id
 from services.jobs.ray_head import (
     HEAD_DIR,
@@ -38,20 +41,20 @@ from services.jobs.ray_head import (
 from services.jobs.reconciler import Reconciler
 from services.pipeline.checkpoints import latest_checkpoint
 from services.pipeline.job import run_output_dir
-from services.store import LocalStore, RunRecord, RunStatus, Store
+from services.store import LocalStore, RunStatus, Store
 from tests.services.jobs.ray_support import (
+    DRIVER_SLOT,
+    final,
     job_status,
     launcher_for,
     local_head,
+    release,
     stand_in_python,
     tiny_run,
     wait_until,
 )
 
 pytestmark = pytest.mark.timeout(300)
-
-DRIVER_SLOT = "kpo_driver"
-FINAL = (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED)
 
 
 @pytest.fixture(scope="module")
@@ -68,14 +71,6 @@ def store(tmp_path: Path) -> Iterator[Store]:
         yield opened
     finally:
         opened.close()
-
-
-def final(store: Store, run_id: str, timeout_s: float = 120) -> RunRecord:
-    def finished() -> RunRecord | None:
-        run = store.get_run(run_id)
-        return run if run.status in FINAL else None
-
-    return wait_until(finished, timeout_s, f"run {run_id} to finish")
 
 
 def jobs_of(launcher: RayJobLauncher, run_id: str) -> list[tuple[str, JobStatus]]:
@@ -104,21 +99,6 @@ def supervisor(head: LocalRayHead, submission_id: str) -> dict[str, Any] | None:
             found: dict[str, Any] = actor
             return found
     return None
-
-
-def release(fifo: Path) -> None:
-    """Let the stand-in blocked reading `fifo` go on: open it for writing once it has a reader
-    (until then the open fails with ENXIO), and close it, which gives the reader its EOF."""
-
-    def opened() -> bool:
-        try:
-            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-        except OSError:
-            return False
-        os.close(fd)
-        return True
-
-    wait_until(opened, 60, f"a reader of {fifo}")
 
 
 def test_each_job_reserves_a_driver_slot_and_a_job_beyond_the_slots_waits(
@@ -247,7 +227,7 @@ def test_a_driver_that_keeps_dying_fails_its_run_with_the_log_tail_after_the_res
     assert [line for line in lines if "submitted it again" in line] == [
         f"[kpo] its driver ended without recording an outcome (Ray job {run.id}: FAILED, "
         f"{launcher.client().get_job_info(run.id).message}); submitted it again as attempt 1 "
-        "(restart 1 of 1), which resumes from its latest checkpoint"
+        "(restart 1 of 1), which resumes from the run's latest checkpoint, if it has one"
     ]
     assert reconciler.reconcile() == []
 
@@ -268,15 +248,16 @@ def test_a_cancelled_run_is_never_resubmitted(
     store.transition(run.id, RunStatus.RUNNING)
     if how == "stopped":
         wait_until(lambda: job_status(launcher, run.id) == JobStatus.RUNNING, 60, "the job")
-        launcher.stop(run.id)  # what the API's cancel of a running run does
+        launcher.stop(run.id)  # the stop alone, without the request the API stores first
     else:
         wait_until(lambda: job_status(launcher, run.id).is_terminal(), 60, "the job to end")
         if how == "cancelled-after-it-died":
-            launcher.stop(run.id)  # a cancel that found no live job to stop
-    # Only the last case needs the launcher that was asked to cancel; the others are seen from
-    # Ray's side alone, as by a control plane restarted since.
-    reconciling = launcher if how == "cancelled-after-it-died" else launcher_for(head, None)
-    reconciler = Reconciler(reconciling, store, interval_s=0.5)
+            # What the API's cancel of a running run does; its stop finds no live job.
+            store.request_cancel(run.id)
+            launcher.stop(run.id)
+    # Seen by a launcher that was never asked to stop anything, as by a control plane
+    # restarted since: from Ray's side, or from the store's.
+    reconciler = Reconciler(launcher_for(head, None), store, interval_s=0.5)
     reconciler.start()
     try:
         done = final(store, run.id)
@@ -286,6 +267,73 @@ def test_a_cancelled_run_is_never_resubmitted(
     assert reconciler.reconcile() == []
     ended = JobStatus.STOPPED if how == "stopped" else JobStatus.FAILED
     assert jobs_of(launcher, run.id) == [(run.id, ended)]
+
+
+def test_a_cancel_stored_before_its_driver_died_holds_for_another_control_plane(
+    head: LocalRayHead, store: Store, tmp_path: Path
+) -> None:
+    """One control plane takes the cancel, stores it and cannot reach Ray's job server; then the
+    driver dies without a report. Another control plane, whose launcher never heard of the
+    cancel, records the run cancelled and does not submit it again."""
+    hold = tmp_path / "hold"
+    os.mkfifo(hold)
+    # A driver that runs until the test lets it go, then dies as a lost one does: no report.
+    script = f"cat {shlex.quote(str(hold))} >/dev/null; exit 3"
+    launcher = launcher_for(head, None, python=stand_in_python(tmp_path, script))
+    run = store.create_run(tiny_run())
+    launcher.submit(run)
+    store.transition(run.id, RunStatus.RUNNING)
+    wait_until(lambda: job_status(launcher, run.id) == JobStatus.RUNNING, 60, "the job")
+    # Nothing listens on port 1: this control plane's stop never reaches Ray.
+    cut_off = RayJobLauncher("http://127.0.0.1:1", head.data_dir, None)
+    with pytest.raises(HTTPException) as refused:
+        cancel_run(run.id, store, cut_off)
+    assert refused.value.status_code == 503
+    requested = store.get_run(run.id).cancel_requested_at
+    assert requested is not None
+    release(hold)
+    wait_until(lambda: job_status(launcher, run.id).is_terminal(), 60, "the driver to die")
+    assert job_status(launcher, run.id) == JobStatus.FAILED  # Ray saw no stop
+
+    reconciler = Reconciler(launcher_for(head, None), store, interval_s=0.5)
+    reconciler.start()
+    try:
+        done = final(store, run.id)
+    finally:
+        reconciler.close()
+    assert done.status == RunStatus.CANCELLED, done.error
+    assert done.error is not None
+    assert f"driver exit code 3, cancel requested at {requested.isoformat()}" in done.error
+    assert reconciler.reconcile() == []
+    assert jobs_of(launcher, run.id) == [(run.id, JobStatus.FAILED)]  # no `.r1`
+
+
+def test_a_stored_cancel_whose_stop_never_reached_ray_is_carried_out_by_the_reconciler(
+    head: LocalRayHead, store: Store, tmp_path: Path
+) -> None:
+    """The cancel route stored the request but could not reach Ray (503): the job would run on.
+    The reconciler stops it, and the run ends cancelled without being submitted again."""
+    hold = tmp_path / "hold"
+    os.mkfifo(hold)  # never released: only a stop ends this driver
+    script = f"cat {shlex.quote(str(hold))} >/dev/null; exit 3"
+    launcher = launcher_for(head, None, python=stand_in_python(tmp_path, script))
+    run = store.create_run(tiny_run())
+    launcher.submit(run)
+    store.transition(run.id, RunStatus.RUNNING)
+    wait_until(lambda: job_status(launcher, run.id) == JobStatus.RUNNING, 60, "the job")
+    cut_off = RayJobLauncher("http://127.0.0.1:1", head.data_dir, None)
+    with pytest.raises(HTTPException):
+        cancel_run(run.id, store, cut_off)
+    assert job_status(launcher, run.id) == JobStatus.RUNNING
+
+    reconciler = Reconciler(launcher_for(head, None), store, interval_s=0.5, finish_grace_s=0)
+    reconciler.start()
+    try:
+        done = final(store, run.id)
+    finally:
+        reconciler.close()
+    assert done.status == RunStatus.CANCELLED, done.error
+    assert jobs_of(launcher, run.id) == [(run.id, JobStatus.STOPPED)]
 
 
 def test_a_head_recorded_where_older_releases_kept_it_is_found_and_its_record_moved(

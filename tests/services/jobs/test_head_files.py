@@ -31,6 +31,8 @@ from services.jobs.ray_head import (
 )
 from services.jobs.settings import JobSettings
 
+pytestmark = pytest.mark.timeout(120)
+
 runner = CliRunner()
 AS_ROOT = os.geteuid() == 0
 
@@ -180,6 +182,17 @@ def test_serve_stop_reports_a_bad_record_in_one_line(tmp_path: Path) -> None:
     assert f"{tmp_path / HEAD_FILE}: unknown key 'foreign'" in result.output
     assert "Traceback" not in result.output and result.exception is not None
     assert isinstance(result.exception, SystemExit)
+
+
+def test_serve_reports_a_bad_record_in_one_line_and_starts_nothing(tmp_path: Path) -> None:
+    (tmp_path / HEAD_DIR).mkdir(mode=0o700)
+    write(tmp_path / HEAD_FILE, record(tmp_path, dashboard_url="http://10.1.2.3:8265"))
+    env = {"KPO_DATA_DIR": str(tmp_path), "KPO_API_TOKEN": None, "KPO_API_TOKEN_FILE": None}
+    result = kpo("serve", "--port", "1", KPO_STORE_URL=None, KPO_METRICS_PORT=None, **env)
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith(f"error: cannot set up Ray: {tmp_path / HEAD_FILE}: ")
+    assert "key 'dashboard_url' must be http://127.0.0.1:PORT" in result.output
+    assert "Traceback" not in result.output and isinstance(result.exception, SystemExit)
 
 
 def test_serve_stop_without_a_head_or_with_a_cluster(tmp_path: Path) -> None:

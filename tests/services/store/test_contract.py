@@ -72,6 +72,7 @@ def test_unknown_runs_are_not_found(store: Store) -> None:
     missing = "run-000000000000"
     calls: list[Callable[[], object]] = [
         lambda: store.transition(missing, R),
+        lambda: store.request_cancel(missing),
         lambda: store.append_metrics(missing, [{"step": 0}]),
         lambda: store.read_metrics(missing),
         lambda: store.append_event(missing, "note", {}),
@@ -256,6 +257,59 @@ def test_a_failed_run_keeps_its_error(open_test_store: StoreOpener) -> None:
     assert open_test_store().get_run(failed).error == "CUDA out of memory at step 12"
 
 
+# --- cancel requests -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("status", [Q, R])
+def test_a_cancel_request_is_stamped_once_and_outlives_the_instance(
+    open_test_store: StoreOpener, status: RunStatus
+) -> None:
+    store = open_test_store()
+    run = store.get_run(run_in(store, status))
+    assert run.cancel_requested_at is None
+    before = datetime.now(UTC)
+    requested = store.request_cancel(run.id)
+    after = datetime.now(UTC)
+
+    assert requested.cancel_requested_at is not None
+    assert before - timedelta(milliseconds=1) <= requested.cancel_requested_at <= after
+    # Only the request is recorded: the run's driver records `cancelled` once it has stopped.
+    assert requested == run.model_copy(
+        update={"cancel_requested_at": requested.cancel_requested_at}
+    )
+    assert store.get_run(run.id) == requested
+    assert [e.kind for e in store.read_events(run.id)] == ["status"] * len(run.transitions)
+    # A second request (a resent cancel, another replica's) keeps the first one's time.
+    assert store.request_cancel(run.id) == requested
+    assert open_test_store().get_run(run.id) == requested
+    # The request stays on the run through its last transition.
+    cancelled = store.transition(run.id, C, error="cancelled by alice")
+    assert cancelled.cancel_requested_at == requested.cancel_requested_at
+
+
+@pytest.mark.parametrize("status", [S, F, C])
+def test_a_cancel_request_leaves_a_finished_run_as_it_is(store: Store, status: RunStatus) -> None:
+    run = store.get_run(run_in(store, status))
+    assert store.request_cancel(run.id) == run
+    assert store.get_run(run.id) == run
+
+
+def test_concurrent_cancel_requests_agree_on_one_time(open_test_store: StoreOpener) -> None:
+    # A store per thread, as replicas of the control plane each have their own.
+    stores = [open_test_store() for _ in range(8)]
+    run_id = run_in(stores[0], R)
+    barrier = threading.Barrier(len(stores))
+
+    def request(store: Store) -> datetime | None:
+        barrier.wait()
+        return store.request_cancel(run_id).cancel_requested_at
+
+    with ThreadPoolExecutor(len(stores)) as pool:
+        times = set(pool.map(request, stores))
+    assert len(times) == 1 and None not in times
+    assert stores[0].get_run(run_id).cancel_requested_at in times
+
+
 # --- metrics ---------------------------------------------------------------------------------
 
 
@@ -406,6 +460,7 @@ def test_ping_and_records_as_json(store: Store) -> None:
     run = store.create_run(SPEC)
     dumped = run.model_dump(mode="json")
     assert dumped["status"] == "queued"
+    assert dumped["cancel_requested_at"] is None
     assert dumped["transitions"][0]["status"] == "queued"
     assert store.pending_writes == 0
     assert store.flush() is True

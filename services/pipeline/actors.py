@@ -50,8 +50,12 @@ def resource_needs(spec: RunSpec) -> ResourceNeeds:
     )
 
 
-# Progress bars of model loading and saving, from every actor, would drown the step lines.
+# Progress bars of model loading and saving, from every actor, would drown the step lines. And no
+# actor downloads anything: the driver resolves the model (and datasets) to local files before any
+# actor starts, so the hub is off in the actors, where a download could only be unplanned code
+# (transformers fetches attention kernels from the hub when a kernel package is missing).
 ACTOR_ENV = {
+    "HF_HUB_OFFLINE": "1",
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     "TRANSFORMERS_VERBOSITY": "error",
     "TOKENIZERS_PARALLELISM": "false",

@@ -9,7 +9,7 @@
 
 Phases (stability_study.grid): the pilot runs GRPO under each stress setting and picks the one
 where GRPO collapses most (`pick_stress`); the main phase runs every arm there with
-MAIN_SEEDS shared seeds; the gentle phase runs every arm synchronously at a small step size. Every
+shared seeds (PHASE_SEEDS); the gentle phase runs every arm synchronously at a small step size. Every
 run is the base spec (examples/study.yaml unless --config) with its cell's settings; runs go to
 runs/NAME (NAME: the config's stem unless --name) and are reused when the study is started again.
 The study's block of docs/results.md, its figures and its per-step CSV files under
@@ -263,9 +263,10 @@ def write_report(
             f"GRPO collapsed in {choice.collapsed} of {choice.seeds} seeds under "
             f"{choice.setting.label}: the main phase runs there."
             if choice.collapses
-            else f"GRPO collapsed in at most {choice.collapsed} of {choice.seeds} seeds under "
-            f"any stress (most under {choice.setting.label}, where the main phase runs): the "
-            "claim that KPO holds where GRPO collapses cannot be tested at this scale."
+            else f"GRPO collapsed in {_at_most(choice)} under any stress; the main phase runs "
+            f"where it {'collapsed most' if choice.collapsed else 'gained least'} "
+            f"({choice.setting.label}). The claim that KPO holds where GRPO collapses cannot "
+            "be tested at this scale."
         )
         block += [verdict, ""]
     for setting, summaries in phases.items():
@@ -356,6 +357,12 @@ def _dynamics_section(
         f"![filter accuracy]({link}/filter_accuracy.png)",
         "",
     ]
+
+
+def _at_most(choice: StressChoice) -> str:
+    if choice.collapsed == 0:
+        return f"none of its {choice.seeds} seeds"
+    return f"at most {choice.collapsed} of {choice.seeds} seeds"
 
 
 def _run_command() -> list[str]:

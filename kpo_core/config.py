@@ -103,11 +103,14 @@ class KalmanEstimator(_ClippedEstimator):
     clip_low: float = Field(3e-4, ge=0.0, lt=1.0)
     clip_high: float = Field(4e-4, ge=0.0)
     max_log_ratio: float = Field(10.0, gt=0.0, description="cap on log rho before exp")
+    # `auto` by default: with the paper's constants as given, responses much shorter than 4,096
+    # tokens are barely filtered and the clip window never binds (docs/results.md).
     reference_length: int | Literal["auto"] | None = Field(
-        None,
+        "auto",
         description="response length L to match q and the clip window to (q_L = q (C/L)^2, "
-        "clip x sqrt(C/L), C = constants_length); `auto`: the run's generation.max_new_tokens; "
-        "null: q and clip as given",
+        "clip x sqrt(C/L), C = constants_length); `auto`: the run's generation.max_new_tokens, "
+        "resolved by the learner (a loop of its own that does not resolve it gets q and clip as "
+        "given: no length is known there); null: q and clip as given (the paper's)",
     )
     constants_length: int = Field(
         PAPER_RESPONSE_LENGTH,
@@ -154,14 +157,11 @@ class KalmanEstimator(_ClippedEstimator):
 
     @property
     def length_factor(self) -> float:
-        """C / L: how much shorter the reference length is than the constants' (1 if none)."""
-        if self.reference_length is None:
+        """C / L: how much shorter the reference length is than the constants' (1 if none, or
+        `auto` left unresolved: the padded width is no fixed length, and would make the loss
+        depend on padding)."""
+        if self.reference_length is None or self.reference_length == "auto":
             return 1.0
-        if self.reference_length == "auto":
-            raise ValueError(
-                "reference_length 'auto' is the run's generation.max_new_tokens: resolve it with "
-                "with_response_length(n), or give a number"
-            )
         return self.constants_length / self.reference_length
 
     @property

@@ -63,18 +63,26 @@ def test_a_matched_response_ends_as_shrunk_as_the_papers_4096_tokens() -> None:
 
 
 def test_auto_reference_length_is_the_runs_response_limit() -> None:
-    algorithm = AlgorithmConfig(estimator=KalmanEstimator(reference_length="auto"))
+    algorithm = AlgorithmConfig(estimator=KalmanEstimator())  # `auto` is the default
     resolved = algorithm.with_response_length(96)
     assert isinstance(resolved.estimator, KalmanEstimator)
     assert resolved.estimator.reference_length == 96
     assert resolved.estimator.effective_q == pytest.approx(PAPER_Q * (4096 / 96) ** 2)
-    # Unresolved, the library names what to do instead of guessing from a batch's width.
-    z = torch.zeros(1, 4, dtype=torch.float64)
+    # Unresolved (a loop of its own), no length is known: q and the window as given, never a
+    # guess from the batch's padded width, which would make the loss depend on padding.
+    z = torch.full((1, 64), 0.05, dtype=torch.float64)
     logp, ref = log_ratios(z)
-    with pytest.raises(ValueError, match="reference_length 'auto' is the run's"):
-        kalman_ratio(logp, ref, z, z.bool(), KalmanEstimator(reference_length="auto"))
+    mask = torch.ones_like(z, dtype=torch.bool)
+    advantages = torch.ones(1, dtype=torch.float64)
+    unresolved = kalman_ratio(logp, ref, advantages, mask, KalmanEstimator())
+    paper = kalman_ratio(logp, ref, advantages, mask, KalmanEstimator(reference_length=None))
+    torch.testing.assert_close(unresolved.ratio, paper.ratio)
+    assert (unresolved.clip_low, unresolved.clip_high) == (paper.clip_low, paper.clip_high)
     # Other estimators and explicit lengths pass through unchanged.
-    assert AlgorithmConfig().with_response_length(96) == AlgorithmConfig()
+    token = AlgorithmConfig.model_validate({"estimator": {"name": "token"}})
+    assert token.with_response_length(96) == token
+    explicit = AlgorithmConfig(estimator=KalmanEstimator(reference_length=512))
+    assert explicit.with_response_length(96) == explicit
 
 
 def test_diffuse_gains_are_one_over_t_early_and_sqrt_q_late() -> None:

@@ -31,7 +31,7 @@ CURVE_PANELS = (
 def _save(figure: Any, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    figure.savefig(path, dpi=110, bbox_inches="tight")  # legends placed beside the panels
     plt.close(figure)
     return path
 
@@ -84,7 +84,8 @@ def plot_accuracy(
 ) -> Path:
     """Held-out accuracy by learner step, mean +- standard deviation over seeds; one panel per
     setting."""
-    figure, axes = plt.subplots(1, len(columns), figsize=(5 * len(columns), 4), sharey=True)
+    # Wide enough for the legend beside the panels: inside, it would cover the collapsed arms.
+    figure, axes = plt.subplots(1, len(columns), figsize=(5 * len(columns) + 3, 4), sharey=True)
     for axis, setting in zip(np.atleast_1d(axes), columns, strict=True):
         for cell, runs in results.items():
             if cell.setting is not setting:
@@ -96,7 +97,7 @@ def plot_accuracy(
         axis.set_title(f"held-out accuracy: {setting.label}", fontsize=9)
         axis.set_xlabel("learner step")
         axis.grid(alpha=0.3)
-    np.atleast_1d(axes)[0].legend(fontsize=7)
+    np.atleast_1d(axes)[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     return _save(figure, path)
 
 

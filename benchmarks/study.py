@@ -9,7 +9,8 @@
 
 Phases (stability_study.grid): the pilot runs GRPO under each stress setting and picks the one
 where GRPO collapses most (`pick_stress`); the main phase runs every arm there with shared seeds
-(PHASE_SEEDS); the gentle phase runs every arm synchronously at a small step size. Every run is the base spec (examples/study.yaml unless --config) with its cell's settings; runs go to
+(PHASE_SEEDS); the gentle phase runs every arm synchronously at a small step size. Every run is
+the base spec (examples/study.yaml unless --config) with its cell's settings; runs go to
 runs/NAME (NAME: the config's stem unless --name) and are reused when the study is started again.
 The study's block of docs/results.md, its figures and its per-step CSV files under
 docs/results/NAME/ are rewritten from all its finished runs.

@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 from ray.job_submission import JobStatus
 
 from services.jobs.launcher import (
@@ -104,9 +106,23 @@ def test_job_settings_come_from_the_environment_and_empty_means_unset(
     assert paths[0] == str(Path(__file__).resolve().parents[3]) and paths[1:] == ["/extra"]
 
 
+class _ExactlyGiven(JobSettings):
+    """JobSettings read from the values given only: `model_validate` of a settings class still
+    reads the process environment, where earlier tests' Ray may have left RAY_AUTH_MODE."""
+
+    @classmethod
+    def settings_customise_sources(  # type: ignore[override]
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        **_: Any,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)
+
+
 def settings(env: dict[str, str]) -> JobSettings:
     """JobSettings of exactly `env`, whatever this process's environment holds."""
-    return JobSettings.model_validate(env)
+    return _ExactlyGiven(**env)
 
 
 def test_with_ray_address_the_launcher_uses_that_cluster(

@@ -41,7 +41,7 @@ from services.jobs.ray_head import (
 from services.jobs.reconciler import Reconciler
 from services.pipeline.checkpoints import latest_checkpoint
 from services.pipeline.job import run_output_dir
-from services.store import LocalStore, RunStatus, Store
+from services.store import LocalStore, RunRecord, RunStatus, Store
 from tests.services.jobs.ray_support import (
     DRIVER_SLOT,
     final,
@@ -71,6 +71,42 @@ def store(tmp_path: Path) -> Iterator[Store]:
         yield opened
     finally:
         opened.close()
+
+
+def reconciled_until_final(
+    reconciler: Reconciler, store: Store, run_id: str, timeout_s: float = 120
+) -> RunRecord:
+    """The run once it has finished, with `reconciler` running in the background meanwhile."""
+    reconciler.start()
+    try:
+        return final(store, run_id, timeout_s)
+    finally:
+        reconciler.close()
+
+
+def held_running_driver(
+    head: LocalRayHead, store: Store, tmp_path: Path
+) -> tuple[RayJobLauncher, RunRecord, Path]:
+    """A running run whose stand-in driver waits on a fifo until the test releases it (or its
+    job is stopped), then dies as a lost driver does: exit 3, no report."""
+    hold = tmp_path / "hold"
+    os.mkfifo(hold)
+    script = f"cat {shlex.quote(str(hold))} >/dev/null; exit 3"
+    launcher = launcher_for(head, None, python=stand_in_python(tmp_path, script))
+    run = store.create_run(tiny_run())
+    launcher.submit(run)
+    store.transition(run.id, RunStatus.RUNNING)
+    wait_until(lambda: job_status(launcher, run.id) == JobStatus.RUNNING, 60, "the job")
+    return launcher, run, hold
+
+
+def cancel_cut_off_from_ray(head: LocalRayHead, store: Store, run_id: str) -> int:
+    """The API's cancel from a control plane whose stop never reaches Ray (nothing listens on
+    port 1): the request is stored, the route refuses; its status code."""
+    cut_off = RayJobLauncher("http://127.0.0.1:1", head.data_dir, None)
+    with pytest.raises(HTTPException) as refused:
+        cancel_run(run_id, store, cut_off)
+    return refused.value.status_code
 
 
 def jobs_of(launcher: RayJobLauncher, run_id: str) -> list[tuple[str, JobStatus]]:
@@ -176,11 +212,7 @@ def test_a_run_whose_driver_is_killed_is_resubmitted_and_resumes_from_its_checkp
     assert len(store.read_metrics(run.id)) < 8
     os.kill(pid, signal.SIGKILL)  # no checkpoint, no report: the driver is just gone
     reconciler = Reconciler(launcher, store, interval_s=0.5)
-    reconciler.start()
-    try:
-        done = final(store, run.id, 240)
-    finally:
-        reconciler.close()
+    done = reconciled_until_final(reconciler, store, run.id, 240)
     assert done.status == RunStatus.SUCCEEDED, done.error
     assert [t.status.value for t in done.transitions] == ["queued", "running", "succeeded"]
     assert [r["step"] for r in store.read_metrics(run.id)] == list(range(1, 9))
@@ -209,11 +241,7 @@ def test_a_driver_that_keeps_dying_fails_its_run_with_the_log_tail_after_the_res
     launcher.submit(run)
     store.transition(run.id, RunStatus.RUNNING)  # what its driver reports before it dies
     reconciler = Reconciler(launcher, store, interval_s=0.5)
-    reconciler.start()
-    try:
-        done = final(store, run.id)
-    finally:
-        reconciler.close()
+    done = reconciled_until_final(reconciler, store, run.id)
     assert done.status == RunStatus.FAILED
     assert done.error is not None
     assert "its Ray job ended FAILED before the run recorded its outcome" in done.error
@@ -258,11 +286,7 @@ def test_a_cancelled_run_is_never_resubmitted(
     # Seen by a launcher that was never asked to stop anything, as by a control plane
     # restarted since: from Ray's side, or from the store's.
     reconciler = Reconciler(launcher_for(head, None), store, interval_s=0.5)
-    reconciler.start()
-    try:
-        done = final(store, run.id)
-    finally:
-        reconciler.close()
+    done = reconciled_until_final(reconciler, store, run.id)
     assert done.status == RunStatus.CANCELLED, done.error
     assert reconciler.reconcile() == []
     ended = JobStatus.STOPPED if how == "stopped" else JobStatus.FAILED
@@ -275,20 +299,8 @@ def test_a_cancel_stored_before_its_driver_died_holds_for_another_control_plane(
     """One control plane takes the cancel, stores it and cannot reach Ray's job server; then the
     driver dies without a report. Another control plane, whose launcher never heard of the
     cancel, records the run cancelled and does not submit it again."""
-    hold = tmp_path / "hold"
-    os.mkfifo(hold)
-    # A driver that runs until the test lets it go, then dies as a lost one does: no report.
-    script = f"cat {shlex.quote(str(hold))} >/dev/null; exit 3"
-    launcher = launcher_for(head, None, python=stand_in_python(tmp_path, script))
-    run = store.create_run(tiny_run())
-    launcher.submit(run)
-    store.transition(run.id, RunStatus.RUNNING)
-    wait_until(lambda: job_status(launcher, run.id) == JobStatus.RUNNING, 60, "the job")
-    # Nothing listens on port 1: this control plane's stop never reaches Ray.
-    cut_off = RayJobLauncher("http://127.0.0.1:1", head.data_dir, None)
-    with pytest.raises(HTTPException) as refused:
-        cancel_run(run.id, store, cut_off)
-    assert refused.value.status_code == 503
+    launcher, run, hold = held_running_driver(head, store, tmp_path)
+    assert cancel_cut_off_from_ray(head, store, run.id) == 503
     requested = store.get_run(run.id).cancel_requested_at
     assert requested is not None
     release(hold)
@@ -296,11 +308,7 @@ def test_a_cancel_stored_before_its_driver_died_holds_for_another_control_plane(
     assert job_status(launcher, run.id) == JobStatus.FAILED  # Ray saw no stop
 
     reconciler = Reconciler(launcher_for(head, None), store, interval_s=0.5)
-    reconciler.start()
-    try:
-        done = final(store, run.id)
-    finally:
-        reconciler.close()
+    done = reconciled_until_final(reconciler, store, run.id)
     assert done.status == RunStatus.CANCELLED, done.error
     assert done.error is not None
     assert f"driver exit code 3, cancel requested at {requested.isoformat()}" in done.error
@@ -313,25 +321,12 @@ def test_a_stored_cancel_whose_stop_never_reached_ray_is_carried_out_by_the_reco
 ) -> None:
     """The cancel route stored the request but could not reach Ray (503): the job would run on.
     The reconciler stops it, and the run ends cancelled without being submitted again."""
-    hold = tmp_path / "hold"
-    os.mkfifo(hold)  # never released: only a stop ends this driver
-    script = f"cat {shlex.quote(str(hold))} >/dev/null; exit 3"
-    launcher = launcher_for(head, None, python=stand_in_python(tmp_path, script))
-    run = store.create_run(tiny_run())
-    launcher.submit(run)
-    store.transition(run.id, RunStatus.RUNNING)
-    wait_until(lambda: job_status(launcher, run.id) == JobStatus.RUNNING, 60, "the job")
-    cut_off = RayJobLauncher("http://127.0.0.1:1", head.data_dir, None)
-    with pytest.raises(HTTPException):
-        cancel_run(run.id, store, cut_off)
+    launcher, run, _ = held_running_driver(head, store, tmp_path)  # never released
+    cancel_cut_off_from_ray(head, store, run.id)
     assert job_status(launcher, run.id) == JobStatus.RUNNING
 
     reconciler = Reconciler(launcher_for(head, None), store, interval_s=0.5, finish_grace_s=0)
-    reconciler.start()
-    try:
-        done = final(store, run.id)
-    finally:
-        reconciler.close()
+    done = reconciled_until_final(reconciler, store, run.id)
     assert done.status == RunStatus.CANCELLED, done.error
     assert jobs_of(launcher, run.id) == [(run.id, JobStatus.STOPPED)]
 

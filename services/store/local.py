@@ -56,7 +56,11 @@ class LocalStore(Store):
         self.path = self.directory / DB_FILE_NAME
         self._busy_timeout_s = busy_timeout_s
         self._local = threading.local()
-        self._all_connections: list[sqlite3.Connection] = []
+        # Every connection opened, with the thread and process that opened it: `close` closes
+        # them all, and a thread that has ended has its connection closed when the next one opens
+        # (servers' worker threads come and go; each would otherwise keep a connection and its
+        # files open for the life of the process).
+        self._all_connections: list[tuple[threading.Thread, int, sqlite3.Connection]] = []
         self._connections_lock = threading.Lock()
         create_schema(self._connection())
 
@@ -69,8 +73,19 @@ class LocalStore(Store):
             conn = connect(self.path, self._busy_timeout_s)
             self._local.conn, self._local.pid = conn, os.getpid()
             with self._connections_lock:
-                self._all_connections.append(conn)
+                self._close_connections_of_ended_threads()
+                self._all_connections.append((threading.current_thread(), os.getpid(), conn))
         return conn
+
+    def _close_connections_of_ended_threads(self) -> None:
+        """Under `_connections_lock`. A forked child leaves its parent's connections alone."""
+        kept = []
+        for thread, pid, conn in self._all_connections:
+            if pid == os.getpid() and not thread.is_alive():
+                conn.close()
+            else:
+                kept.append((thread, pid, conn))
+        self._all_connections = kept
 
     @contextmanager
     def _transaction(self, write: bool) -> Iterator[sqlite3.Connection]:
@@ -287,7 +302,7 @@ class LocalStore(Store):
 
     def close(self) -> None:
         with self._connections_lock:
-            for conn in self._all_connections:
+            for _, _, conn in self._all_connections:
                 conn.close()
             self._all_connections.clear()
         self._local = threading.local()

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: system-deps venv lint typecheck test test-vllm test-integrations test-deploy gpu-check helm-docs demo study bench bench-pipeline bench-learner bench-weight-sync bench-api bench-load soak bench-generation bench-integrations audit clean
+.PHONY: system-deps venv lint typecheck test test-vllm test-integrations test-deploy gpu-check helm-docs demo study bench bench-pipeline bench-learner bench-weight-sync bench-api bench-load soak driver-memory bench-generation bench-integrations audit clean
 
 # The CPU build of torch goes in first: the package's torch range then resolves to it and
 # nothing pulls a CUDA build.
@@ -38,7 +38,7 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy kpo_core services benchmarks/study.py benchmarks/stability_study benchmarks/bench_load.py benchmarks/soak.py \
-		benchmarks/bench_learner.py benchmarks/bench_weight_sync.py benchmarks/bench_pipeline.py \
+		benchmarks/driver_memory.py benchmarks/bench_learner.py benchmarks/bench_weight_sync.py benchmarks/bench_pipeline.py \
 		scripts/audit_dependencies.py scripts/gpu_check.py
 
 # tests/gpu runs where a GPU exists (scripts/gpu_check.sh); the CPU suite covers the same code.
@@ -137,6 +137,11 @@ bench-load: $(STAMP)
 # SOAK_ARGS, e.g. SOAK_ARGS="--minutes 120".
 soak: $(STAMP)
 	$(PY) benchmarks/soak.py $(SOAK_ARGS)
+
+# Where the driver grows: the demo's driver in-process under tracemalloc, its RSS against its
+# Python heap per 1,000 steps, and the allocation sites that grew most (runs/driver-memory).
+driver-memory: $(STAMP)
+	$(PY) benchmarks/driver_memory.py $(DRIVER_MEMORY_ARGS)
 
 # hf and vllm in the same run: the vLLM environment has both.
 bench-generation:

@@ -27,6 +27,7 @@ import ray
 import torch
 
 from kpo_core.config import AlgorithmConfig
+from services.host_memory import release_free_heap
 from services.learner.distributed import RankGroup, rendezvous_address
 from services.learner.export import export_model
 from services.learner.publish import MiB, drain
@@ -47,6 +48,9 @@ from services.weights.object_store import put_buckets
 # A rank that waits this long for the others in a collective gives up (the driver notices a
 # dead rank at once and stops the group; this bounds what a lost network would cost).
 COLLECTIVE_TIMEOUT_S = 1800.0
+# Every this many steps each rank hands its freed heap back to the OS (services/host_memory.py:
+# without it, the demo's learner grew ~370 MiB per 1,000 steps of memory it no longer used).
+HEAP_TRIM_EVERY_STEPS = 10
 # A weight-group collective (joining included) that waits this long raises: a receiver that
 # died or never joined fails the publish instead of holding the learner forever.
 WEIGHT_GROUP_TIMEOUT_S = 600.0
@@ -125,6 +129,8 @@ class LearnerImpl:
         """One learner step: (metrics record, offer of the new version); rank 0's only."""
         metrics = self.core.train_step(groups)
         offer = self._publish()
+        if self.core.version % HEAP_TRIM_EVERY_STEPS == 0:
+            release_free_heap()
         if self._group.rank != 0:
             return {}, None
         return metrics, offer

@@ -3,11 +3,11 @@
 glibc keeps what a process frees in its arenas for reuse, one arena per thread that allocates,
 up to 8 per core. A learner allocates and frees tensors of a different size each step from
 PyTorch's and Ray's threads, and its resident memory climbs with what its arenas hold but no
-longer use: a 1,100-step soak of the demo grew its learner from 889 to 1,300 MiB, of which one
-`malloc_trim(0)` returned 304 MiB, while the memory in use stayed at about 170 MiB
-(docs/reliability.md, soak). Trimming now and then bounds that at a small cost; making every
-large allocation a mapping of its own (`MALLOC_MMAP_THRESHOLD_`) bounds it too but slowed the
-demo's steps by about a third.
+longer use: a 30-minute soak of the demo grew its learner from 1,025 to 1,372 MiB; in another
+run its arenas held 735 MiB of which 167 MiB were in use, and one `malloc_trim(0)` returned
+304 MiB (docs/reliability.md, soak). Trimming now and then bounds that at no measurable cost;
+making every large allocation a mapping of its own (`MALLOC_MMAP_THRESHOLD_`) bounds it too but
+slowed the demo's steps by about a third.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ from services.weights.object_store import put_buckets
 # dead rank at once and stops the group; this bounds what a lost network would cost).
 COLLECTIVE_TIMEOUT_S = 1800.0
 # Every this many steps each rank hands its freed heap back to the OS (services/host_memory.py:
-# without it, the demo's learner grew ~370 MiB per 1,000 steps of memory it no longer used).
+# without it, the demo's learner grew ~340 MiB per 1,000 steps, mostly memory no longer used).
 HEAP_TRIM_EVERY_STEPS = 10
 # A weight-group collective (joining included) that waits this long raises: a receiver that
 # died or never joined fails the publish instead of holding the learner forever.

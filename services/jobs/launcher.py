@@ -326,18 +326,12 @@ class RayJobLauncher:
         }
 
     def jobs_of(self, run_id: str) -> RunJobs | None:
-        """The run's jobs; None if there is none. Asks for one attempt after the other: the
-        reconciler submits attempt N only once attempt N-1 exists, so the first gap ends them."""
-        found: list[JobDetails] = []
-        while True:
-            try:
-                info: JobDetails = self.client().get_job_info(job_id(run_id, len(found)))
-            except RuntimeError as error:
-                if "does not exist" in str(error) or "404" in str(error):
-                    break
-                raise
-            found.append(info)
-        return RunJobs(run_id, tuple(found)) if found else None
+        """The run's jobs; None if there is none.
+
+        From the list of every job, not by asking for attempt 0, 1, ... until one is missing:
+        on a Ray cluster restarted since the run began, its first job is a later attempt.
+        """
+        return self.run_jobs().get(run_id)
 
     def log_tail(self, submission_id: str, lines: int) -> str:
         """The last `lines` lines of a job's log (or why there are none), for an error."""

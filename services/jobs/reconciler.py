@@ -8,12 +8,14 @@ It closes the gaps a crash can leave between the store and Ray:
   `driver_restarts` times (KPO_DRIVER_RESTARTS); after that the run fails, with the tail of the
   last job's log as its error. A job that failed only because Ray found no room to start it in
   time (it waited for a driver slot) does not count: its driver never ran.
+- a running run whose job is gone (the Ray cluster was restarted, and its driver with it) is
+  submitted again in the same way, within the same budget. The count of restarts is kept in the
+  store (`RunRecord.driver_restarts`), since Ray's job history goes with its cluster.
 - a run that was cancelled is never submitted again: a cancel was requested (the API stores the
   request, `cancel_requested_at`, before it asks Ray to stop the job, so every control plane sees
   it: another replica, one restarted since), its job was stopped (Ray says STOPPED), or its driver
   exited as a cancelled run does (exit code 130). It is recorded `cancelled`.
-- a run whose job succeeded without the run saying so is recorded `succeeded`; one whose job is
-  gone (the Ray cluster was restarted) fails.
+- a run whose job succeeded without the run saying so is recorded `succeeded`.
 - a queued run with no job yet (the control plane died between storing and submitting it) is
   submitted; a job whose run was finished elsewhere (cancelled while still queued) is stopped.
 
@@ -28,7 +30,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from ray.job_submission import JobStatus
+from ray.job_submission import JobDetails, JobStatus
 
 from services.jobs.launcher import RayJobLauncher, RunJobs, never_started
 from services.jobs.ray_head import LOG_TAIL_LINES
@@ -133,10 +135,7 @@ class Reconciler:
         if attempts is None:
             attempts = self.launcher.jobs_of(run.id)  # listed before it was submitted, perhaps
             if attempts is None:
-                gone = "its Ray job no longer exists (was the Ray cluster restarted?)"
-                # The run ended either way; one whose cancel was asked for ended as asked.
-                state = RunStatus.FAILED if run.cancel_requested_at is None else RunStatus.CANCELLED
-                return self._record_outcome(run, state, gone)
+                return self._reconcile_lost_job(run)
         job = attempts.latest
         if not job.status.is_terminal():
             return None
@@ -149,13 +148,18 @@ class Reconciler:
             or job.status == JobStatus.STOPPED
             or job.driver_exit_code == CANCELLED_EXIT_CODE
         )
+        # Ray's jobs count the restarts since the cluster started, the store's count those before
+        # it too; either may be behind the other (see `_resubmit`).
+        restarts = max(run.driver_restarts, attempts.driver_attempts - 1)
         if not cancelled and never_started(job):
-            return self._resubmit(run, attempts, "Ray found no room to start its job in time")
-        if not cancelled and attempts.driver_attempts <= self.driver_restarts:
-            return self._resubmit(run, attempts, "its driver ended without recording an outcome")
+            why = "Ray found no room to start its job in time"
+            return self._resubmit(run, attempts.next_attempt, why, job, restarts=None)
+        if not cancelled and restarts < self.driver_restarts:
+            why = "its driver ended without recording an outcome"
+            return self._resubmit(run, attempts.next_attempt, why, job, restarts=restarts + 1)
         state = RunStatus.CANCELLED if cancelled else RunStatus.FAILED
         tail = self.launcher.log_tail(job.submission_id or run.id, self.log_tail_lines)
-        tried = "" if cancelled else f", after {_attempts(attempts.driver_attempts)}"
+        tried = "" if cancelled else f", after {_attempts(restarts + 1)}"
         if run.cancel_requested_at is not None:
             tried += f", cancel requested at {run.cancel_requested_at.isoformat()}"
         error = (
@@ -165,11 +169,41 @@ class Reconciler:
         )
         return self._record_outcome(run, state, error)
 
-    def _resubmit(self, run: RunRecord, attempts: RunJobs, why: str) -> str | None:
-        """Submit the run again as a new job, whose driver resumes from its latest checkpoint."""
-        ended = attempts.latest
-        attempt = attempts.next_attempt
+    def _reconcile_lost_job(self, run: RunRecord) -> str | None:
+        """A running run of which Ray knows no job: its cluster was restarted (the head pod, or
+        the whole RayCluster), and the driver went with it."""
+        gone = "its Ray job no longer exists (was the Ray cluster restarted?)"
+        if run.cancel_requested_at is not None:
+            return self._record_outcome(run, RunStatus.CANCELLED, gone)
+        if run.driver_restarts < self.driver_restarts:
+            # The job ids of the cluster that was lost are free again in this one.
+            restarts = run.driver_restarts + 1
+            return self._resubmit(run, restarts, gone, None, restarts=restarts)
+        used = f"restarts ({self.driver_restarts}) were used up"
+        return self._record_outcome(
+            run, RunStatus.FAILED, f"{gone}; not submitted again: its {used}"
+        )
+
+    def _resubmit(
+        self,
+        run: RunRecord,
+        attempt: int,
+        why: str,
+        ended: JobDetails | None,
+        *,
+        restarts: int | None,
+    ) -> str | None:
+        """Submit the run again as the job of `attempt`, whose driver resumes from its latest
+        checkpoint, after the job `ended` (None: Ray has none left). `restarts`: the run's
+        restart count with this one, None when it does not count (its driver never started)."""
         created = self.launcher.submit_attempt(run, attempt)
+        if restarts is not None:
+            # Counted only once the job exists: the job id is what keeps two control planes
+            # from both restarting the driver, and one that read this count before it rose
+            # finds the job by then. Counted even when another control plane's reconciler made
+            # the job (it counts the same number). A control plane that dies in between leaves
+            # the count one behind, which Ray's own attempts make up while its cluster lives.
+            self.store.record_driver_restarts(run.id, restarts)
         # A cancel made after this pass read the run may have looked for a live job to stop
         # before this one existed, and found none. It stored its request before it looked, so
         # the request is seen here (whichever control plane took the cancel) and the new job
@@ -179,22 +213,24 @@ class Reconciler:
         if not created:
             return None  # another control plane's reconciler submitted it (and said so)
         restart = (
-            f"restart {attempts.driver_attempts} of {self.driver_restarts}"
-            if not never_started(ended)
+            f"restart {restarts} of {self.driver_restarts}"
+            if restarts is not None
             else "not counted as a restart"
         )
+        last_job = (
+            f"Ray job {ended.submission_id}: {ended.status.value}, {ended.message or 'no message'}"
+            if ended is not None
+            else "no job of the run on this Ray cluster"
+        )
         line = (
-            f"[kpo] {why} (Ray job {ended.submission_id}: {ended.status.value}, "
-            f"{ended.message or 'no message'}); submitted it again as attempt {attempt} "
+            f"[kpo] {why} ({last_job}); submitted it again as attempt {attempt} "
             f"({restart}), which resumes from the run's latest checkpoint, if it has one"
         )
         try:
             self.store.append_logs(run.id, [line])
         except StoreError as error:  # the log line is for the user; the resubmission stands
             log.warning("run %s: log line not stored: %s", run.id, error)
-        return (
-            f"{run.id}: {why} ({ended.submission_id} {ended.status.value}); resubmitted ({restart})"
-        )
+        return f"{run.id}: {why} ({last_job}); resubmitted ({restart})"
 
     def _record_outcome(self, run: RunRecord, state: RunStatus, error: str | None) -> str | None:
         try:

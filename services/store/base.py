@@ -185,6 +185,18 @@ class Store(ABC):
         """
         return self._request_cancel(run_id, time.time())
 
+    def record_driver_restarts(self, run_id: str, restarts: int) -> RunRecord:
+        """Record that the run's driver has been started again `restarts` times in all; return
+        the run.
+
+        The count only rises (a lower or equal `restarts` changes nothing), so two control planes
+        that restart the same lost driver, or one that retries, count it once; a finished run
+        is left as it is. `RunNotFound` for an unknown run.
+        """
+        if restarts < 0:
+            raise ValueError(f"a restart count is never negative, got {restarts}")
+        return self._record_driver_restarts(run_id, restarts)
+
     # --- metrics, events, logs -------------------------------------------------------------
 
     def append_metrics(self, run_id: str, records: Sequence[Mapping[str, Any]]) -> None:
@@ -298,6 +310,9 @@ class Store(ABC):
 
     @abstractmethod
     def _request_cancel(self, run_id: str, now: float) -> RunRecord: ...
+
+    @abstractmethod
+    def _record_driver_restarts(self, run_id: str, restarts: int) -> RunRecord: ...
 
     @abstractmethod
     def _append_metrics(self, run_id: str, records: list[EncodedRecord], now: float) -> None: ...

@@ -48,11 +48,12 @@ def append_transition(transitions_json: str, entry: str) -> str:
 
 
 def decode_run(fields: Mapping[str, Any]) -> RunRecord:
-    """A run from its stored fields: id, status, spec, created_at, transitions, error and
-    cancel_requested_at.
+    """A run from its stored fields: id, status, spec, created_at, transitions, error,
+    cancel_requested_at and driver_restarts.
 
-    The last two may be missing (a Redis hash has no field until it is set, a run stored before
-    cancel requests were kept has none) or empty (SQLite's NULL): both read as None.
+    The last three may be missing (a Redis hash has no field until it is set, a run stored
+    before cancel requests or restarts were kept has none) or empty (SQLite's NULL): both read
+    as None (no restarts).
     """
     transitions = tuple(
         Transition(status=RunStatus(status), at=utc(at))
@@ -69,6 +70,7 @@ def decode_run(fields: Mapping[str, Any]) -> RunRecord:
         cancel_requested_at=(
             utc(float(cancel_requested_at)) if cancel_requested_at not in (None, "") else None
         ),
+        driver_restarts=int(fields.get("driver_restarts") or 0),
     )
 
 

@@ -33,7 +33,9 @@ from services.store.lifecycle import ACTIVE_STATUSES, TERMINAL_STATUSES, check_t
 from services.store.records import Event, RunRecord, RunStatus
 from services.store.sqlite_schema import DB_FILE_NAME, connect, create_schema
 
-_RUN_COLUMNS = "seq, id, status, spec, created_at, transitions, error, cancel_requested_at"
+_RUN_COLUMNS = (
+    "seq, id, status, spec, created_at, transitions, error, cancel_requested_at, driver_restarts"
+)
 _ACTIVE_VALUES = tuple(sorted(status.value for status in ACTIVE_STATUSES))
 _ACTIVE_PLACEHOLDERS = ", ".join("?" * len(_ACTIVE_VALUES))
 
@@ -224,6 +226,17 @@ class LocalStore(Store):
                 "UPDATE runs SET cancel_requested_at = ? WHERE id = ?"
                 f" AND cancel_requested_at IS NULL AND status IN ({_ACTIVE_PLACEHOLDERS})",
                 (now, run_id, *_ACTIVE_VALUES),
+            )
+            return self._fetch_run(conn, run_id)
+
+    def _record_driver_restarts(self, run_id: str, restarts: int) -> RunRecord:
+        # As for a cancel request: one statement, so the check and the write cannot interleave
+        # with another control plane's; a count at or above `restarts` matches no row.
+        with self._transaction(write=True) as conn:
+            conn.execute(
+                "UPDATE runs SET driver_restarts = ? WHERE id = ? AND driver_restarts < ?"
+                f" AND status IN ({_ACTIVE_PLACEHOLDERS})",
+                (restarts, run_id, restarts, *_ACTIVE_VALUES),
             )
             return self._fetch_run(conn, run_id)
 

@@ -46,6 +46,10 @@ class RunRecord(BaseModel):
     # When a cancel of the run was first asked for (UTC), kept in the store so that every
     # control plane (another replica, one restarted since) knows the run must not be restarted.
     cancel_requested_at: datetime | None = None
+    # How many times a control plane started the run's driver again after it was lost (its job
+    # failed without an outcome, or went with a restarted Ray cluster). Kept here because
+    # Ray's own job history goes with its cluster, and the restart budget must not.
+    driver_restarts: int = 0
 
 
 class Event(BaseModel):

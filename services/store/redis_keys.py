@@ -4,7 +4,8 @@ Layout under the key prefix P (default `kpo`):
 
     P:run:<id>            hash    the run: id, status, spec, spec_hash, created_at, transitions
                                   (JSON), error, seq (creation order), last_step; once a cancel
-                                  was requested, cancel_requested_at; and, for a run made with a
+                                  was requested, cancel_requested_at; once its driver was
+                                  started again, driver_restarts; and, for a run made with a
                                   key, idem (that key's name) and idem_ttl_ms
     P:run:<id>:metrics    stream  one entry per metrics record, entry id `<step>-1`
     P:run:<id>:events     stream  the run's events (`k` kind, `d` JSON data, `t` time)

@@ -107,6 +107,23 @@ end
 return redis.call('HGETALL', KEYS[1])
 """
 
+# KEYS: run hash
+# ARGV: the restart count, then every finished status
+# Returns the run hash (HGETALL). Needs no op token: the count only rises, so a retry after a
+# lost reply changes nothing.
+RECORD_DRIVER_RESTARTS = """
+local run = redis.call('HMGET', KEYS[1], 'status', 'driver_restarts')
+if not run[1] then return redis.error_reply('KPO_NOT_FOUND') end
+local finished = false
+for i = 2, #ARGV do
+  if ARGV[i] == run[1] then finished = true end
+end
+if not finished and tonumber(run[2] or '0') < tonumber(ARGV[1]) then
+  redis.call('HSET', KEYS[1], 'driver_restarts', ARGV[1])
+end
+return redis.call('HGETALL', KEYS[1])
+"""
+
 # KEYS: run hash, metrics stream, events stream
 # ARGV: now, metrics event kind, then (step, record json) pairs
 # Returns how many records were stored.

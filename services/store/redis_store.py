@@ -49,6 +49,7 @@ from services.store.redis_scripts import (
     APPEND_LOGS,
     APPEND_METRICS,
     CREATE_RUN,
+    RECORD_DRIVER_RESTARTS,
     REQUEST_CANCEL,
     TRANSITION,
 )
@@ -97,6 +98,7 @@ class RedisStore(Store):
                 ("create", CREATE_RUN),
                 ("transition", TRANSITION),
                 ("cancel", REQUEST_CANCEL),
+                ("restarts", RECORD_DRIVER_RESTARTS),
                 ("metrics", APPEND_METRICS),
                 ("event", APPEND_EVENT),
                 ("logs", APPEND_LOGS),
@@ -240,6 +242,13 @@ class RedisStore(Store):
         args: list[str | int] = [repr(now), *sorted(status.value for status in TERMINAL_STATUSES)]
         # Never buffered: the API must know the request is stored before it says so.
         fields = self._writes.write_now(lambda: self._run_script("cancel", run_id, keys, args))
+        return decode_run(_hash_from_list(fields))
+
+    def _record_driver_restarts(self, run_id: str, restarts: int) -> RunRecord:
+        keys = [self._keys.run(run_id)]
+        args: list[str | int] = [restarts, *sorted(status.value for status in TERMINAL_STATUSES)]
+        # Never buffered: the reconciler reads the count back to decide the next restart.
+        fields = self._writes.write_now(lambda: self._run_script("restarts", run_id, keys, args))
         return decode_run(_hash_from_list(fields))
 
     # --- metrics, events, logs ---------------------------------------------------------------

@@ -26,7 +26,8 @@ CREATE TABLE IF NOT EXISTS runs (
     transitions TEXT NOT NULL,              -- JSON array of [status, at]
     error TEXT,
     last_step INTEGER NOT NULL DEFAULT -1,  -- highest stored metrics step
-    cancel_requested_at REAL                -- when a cancel was first asked for; NULL: never
+    cancel_requested_at REAL,               -- when a cancel was first asked for; NULL: never
+    driver_restarts INTEGER NOT NULL DEFAULT 0  -- drivers started again after one was lost
 );
 CREATE INDEX IF NOT EXISTS runs_by_status ON runs (status, seq);
 
@@ -70,7 +71,10 @@ def connect(path: Path, busy_timeout_s: float) -> sqlite3.Connection:
 
 # Columns added to `runs` after its first release, with their definitions: a file made before
 # gets them when it is next opened (CREATE TABLE IF NOT EXISTS leaves an existing table as it is).
-ADDED_RUN_COLUMNS = {"cancel_requested_at": "REAL"}
+ADDED_RUN_COLUMNS = {
+    "cancel_requested_at": "REAL",
+    "driver_restarts": "INTEGER NOT NULL DEFAULT 0",
+}
 
 
 def create_schema(conn: sqlite3.Connection) -> None:

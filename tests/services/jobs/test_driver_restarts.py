@@ -1,10 +1,10 @@
 """Runs as real Ray jobs on a real local head that advertises one driver slot.
 
 Each job reserves the slot and a job beyond it waits in Ray's queue; the store URL stays out of
-the jobs when told; a run whose driver died is submitted again (`RUN_ID.r1`, ...) and resumes
-from its checkpoint, fails with its log tail once the restarts are used up, and is never
-submitted again once cancelled, even when only the store knows of the cancel. Also the head's
-record and ports.
+the jobs when told; a run whose driver died, or whose job the cluster no longer knows, is
+submitted again (`RUN_ID.r1`, ...) and resumes from its checkpoint, fails with its log tail once
+the restarts (counted in the store) are used up, and is never submitted again once cancelled,
+even when only the store knows of the cancel. Also the head's record and ports.
 
 Drivers that must fail, hang or exit in a given way are stand-ins (`stand_in_python`); the one
 that is killed runs a real pipeline. Each test has a store of its own, so that its reconciler
@@ -258,6 +258,81 @@ def test_a_driver_that_keeps_dying_fails_its_run_with_the_log_tail_after_the_res
         "(restart 1 of 1), which resumes from the run's latest checkpoint, if it has one"
     ]
     assert reconciler.reconcile() == []
+
+
+def test_a_run_whose_job_is_gone_is_resubmitted_within_the_budget_the_store_keeps(
+    head: LocalRayHead, store: Store, tmp_path: Path
+) -> None:
+    """A running run of which this cluster knows no job is what a restarted Ray cluster shows
+    (its job history went with the old one). It is submitted again, counted in the store, and
+    the restart it used counts when its new driver dies too."""
+    script = 'echo "stand-in driver of $4: its node went away"; exit 3'
+    launcher = launcher_for(head, None, python=stand_in_python(tmp_path, script), driver_restarts=1)
+    run = store.create_run(tiny_run())
+    store.transition(run.id, RunStatus.RUNNING)  # its driver was on the cluster that was lost
+    reconciler = Reconciler(launcher, store, interval_s=0.5)
+    done = reconciled_until_final(reconciler, store, run.id)
+    assert done.status == RunStatus.FAILED and done.driver_restarts == 1
+    assert done.error is not None
+    assert f"job {run.id}.r1, driver exit code 3, after 2 attempts" in done.error, done.error
+    assert jobs_of(launcher, run.id) == [(f"{run.id}.r1", JobStatus.FAILED)]
+    lines = store.tail_logs(run.id, 100)
+    assert [line for line in lines if "submitted it again" in line] == [
+        "[kpo] its Ray job no longer exists (was the Ray cluster restarted?) (no job of the run "
+        "on this Ray cluster); submitted it again as attempt 1 (restart 1 of 1), which resumes "
+        "from the run's latest checkpoint, if it has one"
+    ]
+    assert reconciler.reconcile() == []
+
+
+def test_a_run_resubmitted_after_its_job_was_gone_is_cancelled_through_the_api(
+    head: LocalRayHead, store: Store, tmp_path: Path
+) -> None:
+    """On a restarted cluster the run's only job is a later attempt (`.r1`, no `RUN_ID`): the
+    cancel still finds it and stops it."""
+    launcher = launcher_for(head, None, python=stand_in_python(tmp_path, "exec sleep 600"))
+    run = store.create_run(tiny_run())
+    store.transition(run.id, RunStatus.RUNNING)
+    reconciler = Reconciler(launcher, store)
+    assert reconciler.reconcile() == [
+        f"{run.id}: its Ray job no longer exists (was the Ray cluster restarted?) (no job of the "
+        "run on this Ray cluster); resubmitted (restart 1 of 2)"
+    ]
+    resumed = f"{run.id}.r1"
+    wait_until(lambda: job_status(launcher, resumed) == JobStatus.RUNNING, 60, "the new job")
+    assert cancel_run(run.id, store, launcher).cancel_requested_at is not None
+    wait_until(lambda: job_status(launcher, resumed).is_terminal(), 60, "the job to stop")
+    assert jobs_of(launcher, run.id) == [(resumed, JobStatus.STOPPED)]
+    done = reconciled_until_final(reconciler, store, run.id)
+    assert done.status == RunStatus.CANCELLED, done.error
+
+
+@pytest.mark.parametrize("how", ["restarts-used-up", "cancel-requested"])
+def test_a_run_whose_job_is_gone_is_not_resubmitted_past_its_budget_or_its_cancel(
+    head: LocalRayHead, store: Store, tmp_path: Path, how: str
+) -> None:
+    launcher = launcher_for(
+        head, None, python=stand_in_python(tmp_path, "exit 0"), driver_restarts=2
+    )
+    run = store.create_run(tiny_run())
+    store.transition(run.id, RunStatus.RUNNING)
+    if how == "restarts-used-up":
+        store.record_driver_restarts(run.id, 2)  # both spent on clusters lost before this one
+    else:
+        store.request_cancel(run.id)
+    actions = Reconciler(launcher, store).reconcile()
+    assert actions == [
+        f"{run.id}: its job ended without a recorded outcome; recorded "
+        + ("failed" if how == "restarts-used-up" else "cancelled")
+    ]
+    done = store.get_run(run.id)
+    gone = "its Ray job no longer exists (was the Ray cluster restarted?)"
+    if how == "restarts-used-up":
+        assert done.status == RunStatus.FAILED
+        assert done.error == f"{gone}; not submitted again: its restarts (2) were used up"
+    else:
+        assert done.status == RunStatus.CANCELLED and done.error == gone
+    assert jobs_of(launcher, run.id) == []
 
 
 @pytest.mark.parametrize("how", ["stopped", "exited-as-cancelled", "cancelled-after-it-died"])

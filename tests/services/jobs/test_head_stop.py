@@ -1,6 +1,7 @@
-"""Two things that need a real local Ray head of their own: `kpo serve --stop` ends it cleanly
-(its live jobs are stopped first), and a job that waited longer than Ray's start timeout for a
-driver slot is submitted again without counting as a restart of its driver."""
+"""What needs a real local Ray head of its own: `kpo serve --stop` ends it cleanly (its live jobs
+are stopped first); a job that waited longer than Ray's start timeout for a driver slot is
+submitted again without counting as a restart of its driver; and a run whose whole Ray cluster
+was restarted goes on, on the new one, from its checkpoint."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
 import pytest
 from ray.job_submission import JobStatus
 from typer.testing import CliRunner
@@ -20,6 +22,8 @@ from services.cli import app
 from services.jobs.launcher import never_started
 from services.jobs.ray_head import HEAD_FILE, LocalRayHead, job_server_answers
 from services.jobs.reconciler import Reconciler
+from services.pipeline.checkpoints import latest_checkpoint
+from services.pipeline.job import run_output_dir
 from services.store import LocalStore, RunStatus
 from tests.services.jobs.ray_support import (
     DRIVER_SLOT,
@@ -138,3 +142,55 @@ def test_a_job_that_waited_too_long_for_a_slot_is_submitted_again_uncounted(
             and "(not counted as a restart)" in line
             for line in lines
         ), lines
+
+
+@pytest.mark.slow
+def test_a_run_whose_ray_cluster_is_restarted_resumes_on_the_new_one_from_its_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """The head (and with it every daemon, actor and driver of the cluster) is ended while a
+    real run trains; a new head starts for the same data directory, knowing no jobs. The
+    reconciler submits the run there, and its driver resumes from the last checkpoint."""
+    store_dir = tmp_path / "store"  # a local store both the jobs and the test open
+    store = LocalStore(store_dir)
+    try:
+        run = store.create_run(tiny_run("pipeline.steps=8", "pipeline.checkpoint_every=2"))
+        with own_head(tmp_path / "data") as head:
+            launcher = launcher_for(head, str(store_dir), driver_restarts=1)
+            launcher.submit(run)
+            checkpoints = run_output_dir(head.data_dir, run.id) / "checkpoints"
+            wait_until(lambda: latest_checkpoint(checkpoints), 180, "the run's first checkpoint")
+            info = launcher.client().get_job_info(run.id).driver_info
+            assert info is not None and info.pid
+            driver = psutil.Process(int(info.pid))
+            head.stop(timeout_s=2.0)
+            driver.wait(timeout=30)  # it went with its cluster, without a word to the store
+            lost = store.get_run(run.id)
+            assert lost.status == RunStatus.RUNNING and lost.driver_restarts == 0
+            assert len(store.read_metrics(run.id)) < 8
+
+            head.ensure()  # the new cluster
+            launcher = launcher_for(head, str(store_dir), driver_restarts=1)
+            assert launcher.jobs_of(run.id) is None
+            reconciler = Reconciler(launcher, store, interval_s=0.5)
+            reconciler.start()
+            try:
+                done = final(store, run.id, 240)
+            finally:
+                reconciler.close()
+            assert done.status == RunStatus.SUCCEEDED, done.error
+            resumed = launcher.jobs_of(run.id)
+            assert resumed is not None
+            assert [job.submission_id for job in resumed.jobs] == [f"{run.id}.r1"]
+        assert done.driver_restarts == 1
+        assert [t.status.value for t in done.transitions] == ["queued", "running", "succeeded"]
+        assert [r["step"] for r in store.read_metrics(run.id)] == list(range(1, 9))
+        lines = store.tail_logs(run.id, 1000)
+        assert any(
+            "(no job of the run on this Ray cluster); submitted it again as attempt 1 "
+            "(restart 1 of 1)" in line
+            for line in lines
+        ), lines
+        assert any("resumed from the checkpoint of step" in line for line in lines), lines
+    finally:
+        store.close()

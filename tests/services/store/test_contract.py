@@ -310,6 +310,55 @@ def test_concurrent_cancel_requests_agree_on_one_time(open_test_store: StoreOpen
     assert stores[0].get_run(run_id).cancel_requested_at in times
 
 
+# --- driver restarts -------------------------------------------------------------------------
+
+
+def test_the_driver_restart_count_only_rises_and_outlives_the_instance(
+    open_test_store: StoreOpener,
+) -> None:
+    store = open_test_store()
+    run = store.get_run(run_in(store, R))
+    assert run.driver_restarts == 0
+    once = store.record_driver_restarts(run.id, 1)
+    assert once == run.model_copy(update={"driver_restarts": 1})
+    # A retry, or a second control plane restarting the same lost driver, counts nothing more;
+    # a lower count (from a control plane that read the run before) takes nothing back.
+    assert store.record_driver_restarts(run.id, 1) == once
+    assert store.record_driver_restarts(run.id, 0) == once
+    assert store.record_driver_restarts(run.id, 3).driver_restarts == 3
+    assert open_test_store().get_run(run.id).driver_restarts == 3
+    # The count stays on the run through its last transition, and is not an event.
+    assert [e.kind for e in store.read_events(run.id)] == ["status"] * len(run.transitions)
+    assert store.transition(run.id, S).driver_restarts == 3
+    with pytest.raises(ValueError, match="never negative"):
+        store.record_driver_restarts(run.id, -1)
+    with pytest.raises(RunNotFound):
+        store.record_driver_restarts("run-000000000000", 1)
+
+
+@pytest.mark.parametrize("status", [S, F, C])
+def test_a_finished_runs_restart_count_is_left_as_it_is(store: Store, status: RunStatus) -> None:
+    run = store.get_run(run_in(store, status))
+    assert store.record_driver_restarts(run.id, 2) == run
+
+
+def test_concurrent_restart_counts_end_at_the_highest(open_test_store: StoreOpener) -> None:
+    stores = [open_test_store() for _ in range(8)]
+    run_id = run_in(stores[0], R)
+    barrier = threading.Barrier(len(stores))
+
+    def record(pair: tuple[int, Store]) -> int:
+        count, store = pair
+        barrier.wait()
+        return store.record_driver_restarts(run_id, count).driver_restarts
+
+    with ThreadPoolExecutor(len(stores)) as pool:
+        seen = list(pool.map(record, enumerate(stores, start=1)))
+    # Each caller sees at least its own count, and the run ends at the highest of them.
+    assert all(count >= own for own, count in enumerate(seen, start=1))
+    assert stores[0].get_run(run_id).driver_restarts == len(stores)
+
+
 # --- metrics ---------------------------------------------------------------------------------
 
 

@@ -1,8 +1,9 @@
-"""Runs stored before the store kept cancel requests read back with none, and can get one.
+"""Runs stored before the store kept cancel requests and driver restarts read back with none,
+and can get them.
 
-The local store's file of an older release has no `cancel_requested_at` column: opening it adds
-the column. A Redis hash has no such field until a cancel is requested, which is how every hash of
-an older release looks.
+The local store's file of an older release has no `cancel_requested_at` or `driver_restarts`
+column: opening it adds them. A Redis hash has no such field until a cancel is requested or a
+driver restarted, which is how every hash of an older release looks.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ CREATE TABLE runs (
 """
 
 
-def test_a_local_store_file_of_an_older_release_is_opened_and_gains_the_column(
+def test_a_local_store_file_of_an_older_release_is_opened_and_gains_the_columns(
     tmp_path: Path,
 ) -> None:
     directory = tmp_path / "data"
@@ -57,12 +58,13 @@ def test_a_local_store_file_of_an_older_release_is_opened_and_gains_the_column(
     try:
         run = store.get_run("run-0123456789ab")
         assert run.status == RunStatus.RUNNING and run.spec == {"name": "old"}
-        assert run.cancel_requested_at is None
+        assert run.cancel_requested_at is None and run.driver_restarts == 0
+        assert store.record_driver_restarts(run.id, 1).driver_restarts == 1
         requested = store.request_cancel(run.id)
         assert requested.cancel_requested_at is not None
     finally:
         store.close()
-    # A second opening finds the column there and changes nothing.
+    # A second opening finds the columns there and changes nothing.
     again = LocalStore(directory)
     try:
         assert again.get_run(run.id) == requested
@@ -70,7 +72,7 @@ def test_a_local_store_file_of_an_older_release_is_opened_and_gains_the_column(
         again.close()
 
 
-def test_a_redis_run_hash_without_the_field_reads_back_with_none(
+def test_a_redis_run_hash_without_the_fields_reads_back_with_none(
     redis_server: RedisServer,
 ) -> None:
     prefix = f"test-{uuid.uuid4().hex[:12]}"
@@ -80,11 +82,15 @@ def test_a_redis_run_hash_without_the_field_reads_back_with_none(
         run = store.create_run({"name": "old"})
         store.transition(run.id, RunStatus.RUNNING)
         hash_key = RedisKeys(prefix).run(run.id)
-        # What a run's hash held before cancel requests were kept: no field for them.
+        # What a run's hash held before cancel requests and restarts were kept: no field for
+        # them.
         assert "cancel_requested_at" not in raw.hkeys(hash_key)
         assert store.get_run(run.id).cancel_requested_at is None
         assert store.request_cancel(run.id).cancel_requested_at is not None
         assert "cancel_requested_at" in raw.hkeys(hash_key)
+        assert "driver_restarts" not in raw.hkeys(hash_key)
+        assert store.get_run(run.id).driver_restarts == 0
+        assert store.record_driver_restarts(run.id, 2).driver_restarts == 2
     finally:
         raw.close()
         store.close()

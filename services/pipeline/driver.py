@@ -54,6 +54,7 @@ from services.pipeline.actors import RunActors, check_cluster_resources, start_a
 from services.pipeline.buffer import RolloutBuffer
 from services.pipeline.checkpoint_writer import CheckpointWriter
 from services.pipeline.checkpoints import LEARNER_DIR, latest_checkpoint, read_driver_state
+from services.pipeline.curves import CurveDrawer
 from services.pipeline.evaluation import Evaluator, held_out_prompts
 from services.pipeline.outputs import (
     EVAL_FILE,
@@ -63,7 +64,6 @@ from services.pipeline.outputs import (
     RunState,
     json_safe_record,
 )
-from services.pipeline.plots import PLOTTED_KEYS, plot_curves
 from services.pipeline.prompts import PromptStream, chats_strings
 from services.pipeline.records import (
     group_from_json,
@@ -218,6 +218,7 @@ class RunDriver:
         self._cancel = False
         self._model_dir: Path | None = None
         self._checkpoints = CheckpointWriter()
+        self._curves = CurveDrawer(run_dir.path, spec.name)
         self._held_record: MetricsRecord | None = None  # waits for its step's checkpoint
         self.supervisor = ActorSupervisor(
             spec,
@@ -327,7 +328,8 @@ class RunDriver:
             self._checkpoints.close()
             if actors is not None:
                 actors.kill()
-            self._plot()
+            self._curves.redraw()
+            self._curves.finish()
 
     def _start_actors(self) -> RunActors:
         assert self._model_dir is not None
@@ -433,6 +435,7 @@ class RunDriver:
             if self._checkpoints.done:
                 self._on_checkpointed()
                 continue
+            self._curves.poll()
             if self._cancel:
                 if not self._learner_busy():
                     return
@@ -761,7 +764,7 @@ class RunDriver:
         if self._held_record is not None:
             record, self._held_record = self._held_record, None
             self._emit(record)
-        self._plot()  # the curves are redrawn as often as the run is checkpointed
+        self._curves.redraw()  # as often as the run is checkpointed
 
     def _checkpoint_now(self, actors: RunActors) -> None:
         if self._checkpoints.busy:
@@ -799,11 +802,6 @@ class RunDriver:
         assert self.spec.eval is not None
         prompts = held_out_prompts(self.spec.task, self.spec.seed, self.spec.eval.max_prompts)
         return [self.prompts.as_drawn(prompt) for prompt in prompts]
-
-    def _plot(self) -> None:
-        records = self.run_dir.read_metrics(PLOTTED_KEYS)
-        if records:
-            plot_curves(records, self.run_dir.curves, title=self.spec.name)
 
     def _report_status(self, state: RunState, error: str | None = None, **details: Any) -> None:
         for observer in self.observers:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from services.metrics import RECORD
-from services.pipeline.outputs import MetricsRecord
+from services.pipeline.outputs import CURVES_FILE, MetricsRecord, read_metrics
 
 # curves.png's panels, in drawing order (left to right, top to bottom), and whether a trend line
 # is drawn over the noisy values. The keys a panel draws are those services/metrics.py declares
@@ -74,6 +76,30 @@ def plot_curves(records: Sequence[MetricsRecord], path: Path, title: str = "") -
         axis.set_xlabel("learner step")
     figure.suptitle(title)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    # Into place in one rename: whoever reads the file (the dashboard, a person) never sees half
+    # a PNG, and a drawing that is killed leaves the previous one.
+    partial = path.with_name(f".{path.name}.partial")
+    figure.savefig(partial, dpi=110, format="png")
     plt.close(figure)
+    os.replace(partial, path)
     return path
+
+
+def draw_run_curves(out_dir: Path, title: str = "") -> Path | None:
+    """Redraw `out_dir`'s curves.png from its metrics file; None while it has no records."""
+    records = read_metrics(out_dir, PLOTTED_KEYS)
+    return plot_curves(records, out_dir / CURVES_FILE, title) if records else None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m services.pipeline.plots RUN_DIR [--title T]`: what `CurveDrawer` runs."""
+    parser = argparse.ArgumentParser(description=draw_run_curves.__doc__)
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--title", default="")
+    args = parser.parse_args(argv)
+    draw_run_curves(args.run_dir, args.title)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -20,8 +20,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from itertools import islice
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,38 +30,9 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from services.generation.base import SamplingSettings
 from services.messages import Prompt, ScoredGroup
 from services.reward.scoring import is_correct
-from services.spec import ArithTask, DatasetTask, EvalConfig, GenerationConfig, TaskConfig
-from services.tasks import iter_mixed_prompts, iter_prompts
-from services.tasks.dataset_files import load_dataset_prompts
+from services.spec import EvalConfig, GenerationConfig
 
-EVAL_ID_PREFIX = "eval:"
 log = logging.getLogger(__name__)
-
-
-class NoHeldOutPrompts(ValueError):
-    """`eval` is set, but the task has no held-out prompts."""
-
-
-def held_out_prompts(task: TaskConfig, seed: int, count: int) -> list[Prompt]:
-    """The first `count` held-out prompts of `task`, ids prefixed `eval:` (string prompts as
-    they are: the driver makes them chats as it does training prompts)."""
-    if isinstance(task, ArithTask):
-        source = (
-            iter_mixed_prompts(seed, task.difficulty, task.difficulty_max, "eval")
-            if task.difficulty_max is not None
-            else iter_prompts(seed, task.difficulty, "eval")
-        )
-        prompts = list(islice(source, count))
-    elif isinstance(task, DatasetTask) and task.eval_path is not None:
-        prompts = load_dataset_prompts(Path(task.eval_path), task.format, task.eval_split)[:count]
-    elif isinstance(task, DatasetTask) and Path(task.path).is_dir():
-        prompts = load_dataset_prompts(Path(task.path), task.format, task.eval_split)[:count]
-    else:
-        raise NoHeldOutPrompts(
-            f"a {task.name} task has no held-out prompts: use a dataset task "
-            "with task.eval_path (or a save_to_disk directory with an eval_split)"
-        )
-    return [replace(p, prompt_id=f"{EVAL_ID_PREFIX}{p.prompt_id}") for p in prompts]
 
 
 def eval_sampling(

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 from dockerfile_parse import DockerfileParser
+from packaging.utils import canonicalize_name
 
 from tests.deploy.manifests import CHART, REPO, load_all
 
@@ -94,8 +95,8 @@ def test_control_plane_target_has_no_cuda() -> None:
     stage = stages()["control-plane"]
     assert not stage.base.startswith("nvidia/"), stage.base
     runs = " ".join(stage.values("RUN"))
-    assert "download.pytorch.org/whl/cpu" in runs, "torch must come from the CPU index"
-    assert "vllm" not in runs.lower()
+    # Nor torch at all: tests/deploy/test_control_plane_lock.py.
+    assert "vllm" not in runs.lower() and "nvidia" not in runs.lower()
     assert "/healthz" in stage.values("HEALTHCHECK")[0]
     values = yaml.safe_load((CHART / "values.yaml").read_text(encoding="utf-8"))
     assert stage.values("EXPOSE") == [str(values["controlPlane"]["port"])]
@@ -201,8 +202,13 @@ IMAGE_PYTHON = {
 
 @cache
 def lock_entries() -> list[tuple[str, str, list[str]]]:
-    """(name, version, hashes) of each requirement of the lock, in file order."""
-    text = LOCK.read_text(encoding="utf-8").replace("\\\n", " ")
+    """(name, version, hashes) of each requirement of the GPU image's lock, in file order."""
+    return read_lock(LOCK)
+
+
+def read_lock(path: Path) -> list[tuple[str, str, list[str]]]:
+    """(name, version, hashes) of each requirement of a lock file, in file order."""
+    text = path.read_text(encoding="utf-8").replace("\\\n", " ")
     entries = []
     for line in text.splitlines():
         line = line.strip()
@@ -215,12 +221,8 @@ def lock_entries() -> list[tuple[str, str, list[str]]]:
     return entries
 
 
-def canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def lock_pins() -> dict[str, str]:
-    return {canonical(name): version for name, version, _ in lock_entries()}
+    return {canonicalize_name(name): version for name, version, _ in lock_entries()}
 
 
 def test_gpu_worker_installs_exactly_the_lock() -> None:
@@ -232,7 +234,7 @@ def test_gpu_worker_installs_exactly_the_lock() -> None:
     assert "deploy/docker/gpu-worker.lock.txt /tmp/gpu-worker.lock.txt" in stage.values("COPY")
     assert "ubuntu24.04" in stage.base and "CPython 3.12" in LOCK.read_text(encoding="utf-8")
     entries = lock_entries()
-    names = [canonical(name) for name, _, _ in entries]
+    names = [canonicalize_name(name) for name, _, _ in entries]
     assert len(names) == len(set(names)), "a package pinned twice"
     for name, _, hashes in entries:
         assert hashes and all(re.fullmatch(r"sha256:[0-9a-f]{64}", h) for h in hashes), name
@@ -262,7 +264,7 @@ def test_lock_agrees_with_the_pins_and_the_projects_requirements() -> None:
             requirements.append(Requirement(text))
     assert len(requirements) > 20
     for requirement in requirements:
-        name = canonical(requirement.name)
+        name = canonicalize_name(requirement.name)
         assert name in pins, f"{requirement} is not in the lock"
         assert requirement.specifier.contains(pins[name], prereleases=True), (
             f"the lock's {name}=={pins[name]} does not satisfy {requirement}"

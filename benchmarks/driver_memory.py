@@ -7,8 +7,10 @@ the number of live allocations it traces) and the memory Python has allocated an
 the end it prints both as MiB per 1,000 steps (least-squares slopes over the samples after the
 warm-up) and the allocation sites whose live memory grew most between the first sample after the
 warm-up and the last. When the traced heap grows as the RSS does, the top sites are the cause;
-when it stays flat, the growth is in native memory (Ray's core worker, the allocator), which no
-Python object holds.
+when it stays flat, the growth is in native memory (a library's buffers, freed memory the
+allocator keeps), which no Python object holds. That is how the driver's own growth was found:
+native, in steps of about 8 MiB at every checkpoint, when the curves were drawn (matplotlib)
+in the driver itself; services/pipeline/curves.py now draws them in a child process.
 
 tracemalloc slows every allocation (here about 1.3-2x the step time), so the figures are per
 step, not per minute.

@@ -73,7 +73,8 @@ class JobSettings(BaseSettings):
         ge=0,
         validation_alias="KPO_DRIVER_RESTARTS",
         description="how often the reconciler resubmits a run whose driver ended without "
-        "recording its outcome (it resumes from its latest checkpoint) before failing it",
+        "recording its outcome, or went with a restarted Ray cluster (it resumes from its "
+        "latest checkpoint), before failing it; counted in the store, across clusters",
     )
 
     @field_validator("ray_driver_resource")

@@ -556,7 +556,9 @@ def test_images_by_digest(helm: str) -> None:
     default = {where: c["image"] for where, _, c in every_container(render(helm)) if "image" in c}
     assert default[f"Deployment/{CONTROL_PLANE} control-plane"] == "kpo-control-plane:0.1.0"
     # The built-in Redis is pinned by default: the official index of redis:7.4.2-alpine.
-    assert default["StatefulSet/kpo-redis redis"] == "redis@sha256:02419de7eddf55aa5bcf49efb74e88fa8d931b4d77c07eff8a6b2144472b6952"
+    assert default["StatefulSet/kpo-redis redis"] == (
+        "redis@sha256:02419de7eddf55aa5bcf49efb74e88fa8d931b4d77c07eff8a6b2144472b6952"
+    )
     bad = helm_template(helm, sets=["ray.image.digest=sha256:short"])
     assert bad.returncode != 0 and "ray.image.digest" in bad.stderr
 

@@ -5,6 +5,7 @@ was restarted goes on, on the new one, from its checkpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -58,6 +59,15 @@ def own_head(
             stop_live_jobs(launcher_for(head, None))
         head.stop(timeout_s=2.0)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def gone(process: psutil.Process) -> bool:
+    """Whether the process has ended: no longer there, or a zombie whose parent (Ray's job
+    supervisor, dead with the head) is not there to reap it."""
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def test_serve_stop_stops_the_live_jobs_first_then_ends_the_head(tmp_path: Path) -> None:
@@ -163,8 +173,13 @@ def test_a_run_whose_ray_cluster_is_restarted_resumes_on_the_new_one_from_its_ch
             info = launcher.client().get_job_info(run.id).driver_info
             assert info is not None and info.pid
             driver = psutil.Process(int(info.pid))
+            # A head pod that dies takes every process in it along, the driver too. Here the
+            # driver runs in a session of its own, outside the head's process group, so it is
+            # killed as the pod's end would kill it, at once and without a word to the store.
             head.stop(timeout_s=2.0)
-            driver.wait(timeout=30)  # it went with its cluster, without a word to the store
+            with contextlib.suppress(psutil.NoSuchProcess):
+                driver.kill()
+            wait_until(lambda: gone(driver), 60, "the driver to go with its cluster")
             lost = store.get_run(run.id)
             assert lost.status == RunStatus.RUNNING and lost.driver_restarts == 0
             assert len(store.read_metrics(run.id)) < 8

@@ -25,22 +25,15 @@ from packaging.utils import canonicalize_name
 
 from services.jobs.ray_head import free_port
 from tests.deploy.manifests import REPO
+from tests.deploy.test_dockerfile import IMAGE_PYTHON as GPU_IMAGE_PYTHON
 from tests.deploy.test_dockerfile import read_lock, stages
 
 LOCK = REPO / "deploy" / "docker" / "control-plane.lock.txt"
 REQUIREMENTS_IN = REPO / "deploy" / "docker" / "control-plane.in"
 # What the control plane must never carry: the training stack (several GB with torch's CUDA).
 TRAINING_ONLY = {"torch", "transformers", "tokenizers", "datasets", "pyarrow", "peft", "numpy"}
-IMAGE_PYTHON = {
-    "python_version": "3.11",
-    "python_full_version": "3.11.7",
-    "sys_platform": "linux",
-    "platform_system": "Linux",
-    "platform_machine": "x86_64",
-    "implementation_name": "cpython",
-    "platform_python_implementation": "CPython",
-    "os_name": "posix",
-}
+# The GPU image's platform markers, with the control plane's Python.
+IMAGE_PYTHON = {**GPU_IMAGE_PYTHON, "python_version": "3.11", "python_full_version": "3.11.7"}
 TOKEN = "lock-only-test-token-0123456789"
 
 

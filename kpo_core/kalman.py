@@ -405,7 +405,6 @@ class _PrefixFilter(torch.autograd.Function):
     def forward(
         ctx: Any,
         z: Tensor,
-        valid: Tensor,
         weight: Tensor,
         lengths: Tensor,
         plan: _PrefixPlan,
@@ -413,13 +412,9 @@ class _PrefixFilter(torch.autograd.Function):
     ) -> Tensor:
         n = z.shape[-1]
         gain = weight * plan.gains[:n]  # K_t m_t
-        # Masking by a multiply is several times cheaper than torch.where on CPU. But 0 * inf is
-        # NaN, and padded log-probs may be -inf or NaN: one sum tells whether any entry is
-        # non-finite (or large enough to overflow it), and then where() it is.
-        if bool(torch.isfinite(z.sum())):
-            b = z * gain
-        else:
-            b = torch.where(valid, z, 0.0) * plan.gains[:n]
+        # Masking by a multiply (several times cheaper than torch.where on CPU) is safe: the
+        # caller hands rows compacted into zeros (`_compact`), so no NaN or inf sits off the mask.
+        b = z * gain
         x = _shared_solve(plan.levels, b)
         if x0 != 0.0:
             x = torch.addcmul(x, plan.from_start[:n], x.new_tensor(x0))
@@ -432,7 +427,7 @@ class _PrefixFilter(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad_x: Tensor) -> tuple[Tensor, None, None, None, None, None]:
+    def backward(ctx: Any, grad_x: Tensor) -> tuple[Tensor, None, None, None, None]:
         weight, gain, last = ctx.saved_tensors
         # The state held at padded positions is x at the row's last valid token: their gradient
         # goes there. (A row with no valid token holds x0; adding at index 0 is harmless, as z
@@ -440,7 +435,40 @@ class _PrefixFilter(torch.autograd.Function):
         grad = grad_x * weight
         held_grad = (grad_x - grad).sum(-1, keepdim=True)
         grad.scatter_add_(-1, last, held_grad)
-        return _shared_solve_transposed(ctx.plan.levels, grad) * gain, None, None, None, None, None
+        return _shared_solve_transposed(ctx.plan.levels, grad) * gain, None, None, None, None
+
+
+def _compact(z: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Every row's valid tokens moved to its front, zeros after them: (rows [N, T], lengths [N],
+    count [N, T] of valid tokens up to and including each position).
+
+    The filter over a row depends only on the sequence of its valid z and their count, so the
+    compacted rows are right-padded whatever the mask was (left padding, holes), and take the
+    prefix path. A scatter, not a data-dependent branch: the mask is never read on the host.
+    """
+    n = z.shape[-1]
+    count = valid.to(torch.int64).cumsum(-1)
+    # Masked tokens go to a spare column n, cut off afterwards (they all write 0 there).
+    dest = torch.where(valid, count - 1, n)
+    spare = z.new_zeros(z.shape[0], n + 1)
+    rows = spare.scatter(-1, dest, torch.where(valid, z, 0.0))[:, :n]
+    return rows, count[:, -1], count
+
+
+def _filter_compacted(
+    z: Tensor, valid: Tensor, q: float, r: float, p0: float, x0: float, dtype: torch.dtype
+) -> Tensor:
+    """The filter of rows z [N, T] (mask valid [N, T]) for scalar noise, through `_compact`."""
+    n = z.shape[-1]
+    rows, lengths, count = _compact(z.to(dtype), valid)
+    positions = torch.arange(n, device=z.device)
+    weight = (positions < lengths.unsqueeze(-1)).to(dtype)
+    plan = _prefix_plan(q, r, p0, n, dtype, z.device)
+    compact: Tensor = _PrefixFilter.apply(rows, weight, lengths, plan, x0)  # type: ignore[no-untyped-call]
+    # Position t holds the state after the row's count_t-th valid token (its own value on a
+    # valid token, the held state on a masked one), x0 before the first.
+    state = compact.gather(-1, (count - 1).clamp_min(0))
+    return torch.where(count > 0, state, x0)
 
 
 def _prefix_lengths(weight: Tensor) -> Tensor | None:
@@ -462,6 +490,19 @@ def _terms_from_gains(
     log_a = torch.log1p(-gains).clamp_min(_LOG_ZERO).to(dtype)
     b = gains.to(dtype) * z.to(dtype).masked_fill(~valid, 0.0)
     return log_a, b
+
+
+def _scalar_gains(mask: Tensor, q: float, r: float, p0: float) -> Tensor:
+    """Per-token gains [N, T] float64 for scalar q and r: the table at each valid token's count.
+
+    The table is kept on the mask's device (`_cached_table`), and nothing is read back."""
+    valid = mask.to(torch.bool)
+    n = max(mask.shape[-1], 1)
+    key = ("gains", q, r, p0, mask.device)
+    table = _cached_table(key, n, lambda size: kalman_gains(size, q, r, p0).to(mask.device))
+    count = valid.to(torch.int64).cumsum(-1)
+    index = (count * valid).clamp_min(1) - 1
+    return torch.where(valid, table[index], 0.0)
 
 
 def _row_gains_by_table(mask: Tensor, q: float, r: Tensor, p0: float) -> Tensor:
@@ -519,6 +560,8 @@ def _parallel_gains(mask: Tensor, q: Noise, r: Noise, p0: float) -> Tensor:
     """Per-token gains [N, T] float64 of the rows of the mask flattened to [N, T]."""
     # An explicit row count: reshape(-1, 0) is ambiguous for a mask with no tokens.
     rows = mask.reshape(math.prod(mask.shape[:-1]), mask.shape[-1])
+    if not isinstance(q, Tensor) and not isinstance(r, Tensor):
+        return _scalar_gains(rows, q, r, p0)
     n = rows.shape[0]
     r_rows = (
         r.reshape(n) if isinstance(r, Tensor) else torch.full((n,), float(r), dtype=torch.float64)
@@ -544,26 +587,19 @@ def _filter_parallel(z: Tensor, mask: Tensor, q: Noise, r: Noise, p0: float, x0:
         log_a, b = _terms_from_gains(z, mask, gains, dtype)
         max_decay = float(-log_a.min()) if log_a.numel() else 0.0
     else:
+        # Scalar noise: every mask is compacted to right padding and takes the section above's
+        # path, with no branch on the data (the general scan below serves tensor noise).
         n = z.shape[-1]
         valid = mask.to(torch.bool).reshape(-1, n)
-        # A 0/1 float mask, through uint8: that conversion is vectorised on CPU, bool's is not.
-        weight = valid.view(torch.uint8).to(dtype)
-        lengths = _prefix_lengths(weight)
-        if lengths is not None:  # right padding (the common case): the section above
-            plan = _prefix_plan(q, r, p0, n, dtype, z.device)
-            rows = z.to(dtype).reshape(valid.shape)
-            x: Tensor = _PrefixFilter.apply(rows, valid, weight, lengths, plan, x0)  # type: ignore[no-untyped-call]
-            return x.reshape(z.shape)
-        lookup = _lookup(q, r, p0, n, dtype, z.device)
-        _, log_a, b = _recurrence_terms(z, mask, lookup.gain_log_a[: n + 1], dtype)
-        max_decay = lookup.max_decay[n - 1]
+        filtered = _filter_compacted(z.reshape(valid.shape), valid, q, r, p0, x0, dtype)
+        return filtered.reshape(z.shape)
     if x0 != 0.0:
         # x_0 = a_0 x0 + b_0: folding x0 into the first term lets the scan start from zero.
         b = b + torch.nn.functional.pad(log_a[..., :1].exp() * x0, (0, b.shape[-1] - 1))
     block = _block_size(max_decay, dtype)
     rows = b.reshape(-1, b.shape[-1])
-    x = _LinearRecurrence.apply(log_a.reshape(rows.shape), rows, block)  # type: ignore[no-untyped-call]
-    return x.reshape(z.shape)
+    scanned: Tensor = _LinearRecurrence.apply(log_a.reshape(rows.shape), rows, block)  # type: ignore[no-untyped-call]
+    return scanned.reshape(z.shape)
 
 
 def _filter_sequential(z: Tensor, mask: Tensor, q: Noise, r: Noise, p0: float, x0: float) -> Tensor:

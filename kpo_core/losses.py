@@ -37,10 +37,12 @@ from kpo_core.config import (
 )
 from kpo_core.ratios import (
     RatioEstimate,
-    behaviour_weights,
-    count_extreme_tokens,
+    behaviour_weight_tensors,
+    extreme_token_count,
     get_estimator,
     masked_log_ratio,
+    masked_mean_or,
+    metric_floats,
 )
 
 NonFinitePolicy = Literal["raise", "mask"]
@@ -93,21 +95,29 @@ class LossNormaliser:
     is split into micro-batches (and over ranks), each part's loss is divided by the counts of
     the whole, so that the parts' losses (and gradients) add up to the unsplit one, as verl's
     global batch info does.
+
+    The counts are floats or 0-dim tensors: `of` counts a mask on its device without reading
+    the counts back, so that a step never waits on the device for its denominators.
     """
 
-    tokens: float
-    sequences: float
+    tokens: float | Tensor
+    sequences: float | Tensor
     width: int
 
     @classmethod
     def of(cls, mask: Tensor, width: int | None = None) -> LossNormaliser:
-        """The counts of a bool mask [B, T]; the width is T unless given."""
+        """The counts of a bool mask [B, T] (0-dim tensors); the width is T unless given."""
         lengths = mask.sum(-1)
         return cls(
-            tokens=float(lengths.sum()),
-            sequences=float((lengths > 0).sum()),
+            tokens=lengths.sum(),
+            sequences=(lengths > 0).sum(),
             width=int(mask.shape[-1]) if width is None else width,
         )
+
+
+def _at_least_one(count: float | Tensor) -> float | Tensor:
+    """max(count, 1), on the device for a tensor count."""
+    return count.clamp_min(1.0) if isinstance(count, Tensor) else max(count, 1.0)
 
 
 def aggregate_loss(
@@ -132,7 +142,7 @@ def aggregate_loss(
     if mode == "token-sum":
         return token_sum.sum()
     if mode == "token-mean":
-        return token_sum.sum() / max(counts.tokens, 1.0)
+        return token_sum.sum() / _at_least_one(counts.tokens)
     if mode == "seq-mean-token-mean":
         per_sequence = token_sum / lengths.clamp_min(1.0)
     elif mode == "seq-mean-token-sum":
@@ -142,7 +152,7 @@ def aggregate_loss(
     else:
         valid = ", ".join(LOSS_AGG_MODES)
         raise ValueError(f"unknown loss_agg_mode {mode!r}; valid modes: {valid}")
-    return (per_sequence * nonempty).sum() / max(counts.sequences, 1.0)
+    return (per_sequence * nonempty).sum() / _at_least_one(counts.sequences)
 
 
 def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
@@ -191,28 +201,27 @@ def _broadcast_advantages(advantages: Tensor, mask: Tensor) -> Tensor:
     )
 
 
-def _nonfinite_tokens(tensors: dict[str, Tensor], mask: Tensor) -> tuple[Tensor, dict[str, int]]:
+def _nonfinite_tokens(tensors: dict[str, Tensor], mask: Tensor) -> Tensor:
     bad = torch.zeros_like(mask)
-    counts = {}
-    for name, tensor in tensors.items():
-        here = ~torch.isfinite(tensor) & mask
-        counts[name] = int(here.sum())
-        bad |= here
-    return bad, counts
+    for tensor in tensors.values():
+        bad |= ~torch.isfinite(tensor) & mask
+    return bad
 
 
 def _check_inputs(
     tensors: dict[str, Tensor], mask: Tensor, nonfinite: NonFinitePolicy
-) -> tuple[Tensor, int]:
-    """Validate shapes and finiteness; returns the mask to use and the count of dropped tokens."""
+) -> tuple[Tensor, Tensor]:
+    """Validate shapes and finiteness; returns the mask to use and the count of dropped tokens
+    (a 0-dim tensor: "mask" never reads it back, "raise" must, to decide whether to raise)."""
     for name, tensor in tensors.items():
         if tensor.shape != mask.shape:
             raise ValueError(
                 f"{name} shape {list(tensor.shape)} must equal mask shape {list(mask.shape)}"
             )
-    bad, counts = _nonfinite_tokens(tensors, mask)
-    dropped = int(bad.sum())
-    if dropped and nonfinite == "raise":
+    bad = _nonfinite_tokens(tensors, mask)
+    dropped = bad.sum()
+    if nonfinite == "raise" and bool(dropped):
+        counts = {name: int((~torch.isfinite(t) & mask).sum()) for name, t in tensors.items()}
         where = ", ".join(f"{name}: {n}" for name, n in counts.items() if n)
         raise NonFiniteInputError(
             f"NaN/inf in valid tokens ({where}); pass nonfinite='mask' to drop those tokens"
@@ -318,14 +327,21 @@ class TokenPolicyLoss:
 
     per_token: [B, T], 0 off `mask`. mask: bool [B, T], the input mask less the tokens dropped
     for NaN/inf. clipped: bool [B, T], tokens whose clipped term won. ratio: [B, T] detached,
-    the estimator's ratio (for KPO the filtered one), 1 off `mask`. metrics: as `policy_loss`.
+    the estimator's ratio (for KPO the filtered one), 1 off `mask`. metric_tensors: the metrics
+    of `policy_loss` as 0-dim tensors on the loss's device, never read back here (a training
+    loop sums them over its micro-batches and reads them once); `metrics` reads them as floats.
     """
 
     per_token: Tensor
     mask: Tensor
     clipped: Tensor
     ratio: Tensor
-    metrics: dict[str, float]
+    metric_tensors: dict[str, Tensor]
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The metrics as floats (one read-back of all of them); as `policy_loss`."""
+        return metric_floats(dict(self.metric_tensors))
 
 
 def token_policy_loss(
@@ -363,21 +379,28 @@ def token_policy_loss(
     per_token, clipped = clipped_surrogate(estimate, adv, mask)
     metrics = _loss_metrics(logp, ref_logp, estimate, clipped, mask)
     if behaviour_logp is not None:
-        weights, weight_metrics = behaviour_weights(
+        weights, weight_metrics = behaviour_weight_tensors(
             ref_logp, behaviour_logp, mask, correction or OffPolicyCorrection()
         )
         per_token = per_token * weights
         metrics.update(weight_metrics)
-    metrics["nonfinite_tokens"] = float(dropped)
-    metrics["extreme_ratio_tokens"] = float(_extreme_tokens(logp, ref_logp, behaviour_logp, mask))
+    metrics["nonfinite_tokens"] = dropped
+    metrics["extreme_ratio_tokens"] = _extreme_tokens(logp, ref_logp, behaviour_logp, mask)
     one = torch.ones((), dtype=estimate.ratio.dtype, device=estimate.ratio.device)
     ratio = torch.where(mask, estimate.ratio.detach(), one)
-    return TokenPolicyLoss(per_token, mask, clipped, ratio, metrics)
+    device = mask.device
+    # Floats (a custom estimator's metrics) go to the device too: one dtype, one device, so
+    # that a caller can stack them all into one read.
+    tensors = {
+        key: torch.as_tensor(value, device=device).to(torch.float64).reshape(())
+        for key, value in metrics.items()
+    }
+    return TokenPolicyLoss(per_token, mask, clipped, ratio, tensors)
 
 
 def _extreme_tokens(
     logp: Tensor, ref_logp: Tensor, behaviour_logp: Tensor | None, mask: Tensor
-) -> int:
+) -> Tensor:
     """Valid tokens with |z| or (with behaviour_logp) |log w| above MAX_ABS_LOG_RATIO."""
     with torch.no_grad():
         logp = logp.detach()
@@ -385,25 +408,33 @@ def _extreme_tokens(
         if behaviour_logp is not None:
             log_w = masked_log_ratio(ref_logp, behaviour_logp, mask).abs()
             extreme = torch.maximum(extreme, log_w)
-        return count_extreme_tokens(extreme, mask)
+        return extreme_token_count(extreme, mask)
+
+
+def _masked_extreme(values: Tensor, mask: Tensor, largest: bool, empty: float) -> Tensor:
+    """Max (or min) of `values` over `mask`, `empty` for an empty mask; 0-dim, no read-back."""
+    if not values.numel():
+        return values.new_tensor(empty)
+    fill = -torch.inf if largest else torch.inf
+    kept = torch.where(mask, values, fill)
+    top = kept.amax() if largest else kept.amin()
+    return torch.where(mask.any(), top, empty)
 
 
 def _loss_metrics(
     logp: Tensor, ref_logp: Tensor, estimate: RatioEstimate, clipped: Tensor, mask: Tensor
-) -> dict[str, float]:
+) -> dict[str, Tensor | float]:
+    # Masked reductions through where(), not boolean indexing: nothing here reads a value or a
+    # data-dependent shape back to the host. An empty mask reports the on-policy placeholders
+    # (ratios 1, no clipping, no KL).
     with torch.no_grad():
-        valid = int(mask.sum())
-        if valid == 0:
-            metrics = dict.fromkeys(("ratio_mean", "ratio_max", "ratio_min"), 1.0)
-            metrics.update(clip_fraction=0.0, approx_kl=0.0)
-            return {**metrics, **estimate.metrics}
-        ratio = estimate.ratio.detach()[mask]
-        kl = kl_k3(logp.detach()[mask], ref_logp.detach()[mask])
-        metrics = {
-            "clip_fraction": float(clipped.sum()) / valid,
-            "ratio_mean": float(ratio.mean()),
-            "ratio_max": float(ratio.max()),
-            "ratio_min": float(ratio.min()),
-            "approx_kl": float(kl.mean()),
+        ratio = estimate.ratio.detach()
+        kl = kl_k3(logp.detach(), ref_logp.detach())
+        metrics: dict[str, Tensor | float] = {
+            "clip_fraction": masked_mean_or(clipped.to(torch.float64), mask, 0.0),
+            "ratio_mean": masked_mean_or(ratio, mask, 1.0),
+            "ratio_max": _masked_extreme(ratio, mask, largest=True, empty=1.0),
+            "ratio_min": _masked_extreme(ratio, mask, largest=False, empty=1.0),
+            "approx_kl": masked_mean_or(kl, mask, 0.0),
         }
     return {**metrics, **estimate.metrics}

@@ -65,7 +65,9 @@ class RatioEstimate:
     (scalars or [B, T]); None for an unclipped surrogate -A * rho. dual_clip: ratio cap for A < 0.
     clipped: [B, T] bool for estimators that clip inside the ratio (GMPO), else None (the
     surrogate decides). backstop: [B, T] bool of tokens that get no gradient on top of the
-    window (KPO's `token_clip`), counted as clipped. metrics: estimator-specific floats.
+    window (KPO's `token_clip`), counted as clipped. metrics: estimator-specific values, 0-dim
+    tensors on the ratio's device (or floats): the built-in estimators never read a value back to
+    the host, so that a training step need not wait on the device for its metrics.
     """
 
     ratio: Tensor
@@ -73,7 +75,7 @@ class RatioEstimate:
     clip_high: Bound
     dual_clip: Bound = None
     clipped: Tensor | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, Tensor | float] = field(default_factory=dict)
     backstop: Tensor | None = None
 
 
@@ -136,7 +138,12 @@ def masked_log_ratio(logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
 
 def count_extreme_tokens(log_ratio: Tensor, mask: Tensor) -> int:
     """Valid tokens whose |log-ratio| exceeds `MAX_ABS_LOG_RATIO` (NaN counts as not extreme)."""
-    return int(((log_ratio.abs() > MAX_ABS_LOG_RATIO) & mask).sum())
+    return int(extreme_token_count(log_ratio, mask))
+
+
+def extreme_token_count(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    """`count_extreme_tokens` as a 0-dim int64 tensor on the device (no read-back)."""
+    return ((log_ratio.abs() > MAX_ABS_LOG_RATIO) & mask).sum()
 
 
 def straight_through(log_value: Tensor, logp: Tensor) -> Tensor:
@@ -235,22 +242,34 @@ def token_backstop(
     return (above | below) & mask
 
 
-def _fraction(flags: Tensor, mask: Tensor) -> float:
-    return float(flags.sum()) / max(int(mask.sum()), 1)
+def _fraction(flags: Tensor, mask: Tensor) -> Tensor:
+    """The share of `mask`'s tokens that are flagged, 0-dim float64 (0 for an empty mask)."""
+    return flags.sum(dtype=torch.float64) / mask.sum().clamp_min(1)
+
+
+def masked_mean_or(values: Tensor, mask: Tensor, empty: float) -> Tensor:
+    """Mean of `values` over `mask` as a 0-dim tensor, `empty` when the mask has no token.
+
+    where(), not boolean indexing: the result's shape never depends on the data, so nothing is
+    read back to the host (NaN or inf off the mask stay out of the sum).
+    """
+    count = mask.sum()
+    total = torch.where(mask, values, 0.0).sum()
+    mean = total / count.clamp_min(1)
+    return torch.where(count > 0, mean, torch.full_like(mean, empty))
 
 
 def _kalman_metrics(
     x: Tensor, gains: Tensor, mask: Tensor, max_log_ratio: float
-) -> dict[str, float]:
-    if not bool(mask.any()):
-        return {"kalman_gain_mean": 0.0, "kalman_shrinkage_mean": 0.0, "filtered_ratio_mean": 1.0}
+) -> dict[str, Tensor | float]:
     # With x0 = 0 the filtered value is a weighted sum of the log-ratios so far whose weights
     # add up to W_t = 1 - prod(1 - K): how far the filter has moved from its prior.
     shrinkage = -torch.expm1(torch.log1p(-gains).cumsum(-1))
+    # An empty mask reports the prior: no gain, no shrinkage, ratio 1.
     return {
-        "kalman_gain_mean": float(gains[mask].mean()),
-        "kalman_shrinkage_mean": float(shrinkage[mask].mean()),
-        "filtered_ratio_mean": float(x.clamp(max=max_log_ratio).exp()[mask].mean()),
+        "kalman_gain_mean": masked_mean_or(gains, mask, 0.0),
+        "kalman_shrinkage_mean": masked_mean_or(shrinkage, mask, 0.0),
+        "filtered_ratio_mean": masked_mean_or(x.clamp(max=max_log_ratio).exp(), mask, 1.0),
     }
 
 
@@ -271,6 +290,30 @@ def cumulative_ratio(
 def behaviour_weights(
     ref_logp: Tensor, behaviour_logp: Tensor, mask: Tensor, cfg: OffPolicyCorrection
 ) -> tuple[Tensor, dict[str, float]]:
+    """`behaviour_weight_tensors` with its metrics read back as floats (one read)."""
+    w, metrics = behaviour_weight_tensors(ref_logp, behaviour_logp, mask, cfg)
+    return w, metric_floats(metrics)
+
+
+def metric_floats(metrics: dict[str, Tensor | float]) -> dict[str, float]:
+    """Metrics of 0-dim tensors (or floats) as floats, read back in one transfer.
+
+    A NaN marks a metric with no value (e.g. a weight statistic over no token): it is left out.
+    """
+    if not metrics:
+        return {}
+    tensors = [v for v in metrics.values() if isinstance(v, Tensor)]
+    device = tensors[0].device if tensors else None
+    values = [torch.as_tensor(v, dtype=torch.float64, device=device) for v in metrics.values()]
+    floats = torch.stack(values).tolist()
+    return {
+        key: value for key, value in zip(metrics, floats, strict=True) if not math.isnan(value)
+    }
+
+
+def behaviour_weight_tensors(
+    ref_logp: Tensor, behaviour_logp: Tensor, mask: Tensor, cfg: OffPolicyCorrection
+) -> tuple[Tensor, dict[str, Tensor | float]]:
     """Detached decoupled-PPO weights w = pi_ref / pi_behaviour, [B, T], with TIS/MIS applied.
 
     Token level: w_t = exp(ref_logp_t - behaviour_logp_t). Sequence level: the product of a
@@ -285,19 +328,19 @@ def behaviour_weights(
         elif cfg.level == "sequence-mean":
             log_w = _sequence_mean(log_w, mask).expand_as(log_w)
         w = log_w.clamp(max=MAX_ABS_LOG_RATIO).exp()
-        metrics: dict[str, float] = {}
-        valid = mask.sum().clamp_min(1)
+        metrics: dict[str, Tensor | float] = {}
         if cfg.tis_cap is not None:
-            metrics["tis_truncated_fraction"] = float(((w > cfg.tis_cap) & mask).sum() / valid)
+            metrics["tis_truncated_fraction"] = _fraction((w > cfg.tis_cap) & mask, mask)
             w = w.clamp(max=cfg.tis_cap)
         if cfg.mis_low is not None or cfg.mis_high is not None:
             low = cfg.mis_low if cfg.mis_low is not None else 0.0
             high = cfg.mis_high if cfg.mis_high is not None else float("inf")
             outside = ((w < low) | (w > high)) & mask
-            metrics["mis_masked_fraction"] = float(outside.sum() / valid)
+            metrics["mis_masked_fraction"] = _fraction(outside, mask)
             w = torch.where(outside, 0.0, w)
         w = torch.where(mask, w, 0.0)
-        if bool(mask.any()):
-            metrics["behaviour_weight_mean"] = float(w[mask].mean())
-            metrics["behaviour_weight_max"] = float(w[mask].max())
+        # Over no token the statistics have no value: NaN, which `metric_floats` leaves out.
+        metrics["behaviour_weight_mean"] = masked_mean_or(w, mask, math.nan)
+        top = torch.where(mask, w, -math.inf).amax() if w.numel() else w.new_tensor(-math.inf)
+        metrics["behaviour_weight_max"] = torch.where(mask.any(), top, math.nan)
     return w, metrics

@@ -497,16 +497,35 @@ class LearnerConfig(StrictModel):
         0,
         ge=0,
         le=MAX_TOKEN_BUDGET,
-        description="padded tokens per forward pass: each rank's share of a minibatch is "
-        "packed into micro-batches under this budget and gradients accumulate (the result "
-        "equals the whole minibatch); 0: one forward per minibatch share",
+        description="tokens per forward pass (real tokens with packed rows, else padded): "
+        "each rank's share of a minibatch is split into micro-batches under this budget and "
+        "gradients accumulate (the result equals the whole minibatch); 0: one forward per "
+        "minibatch share",
+    )
+    pack_rows: bool | Literal["auto"] = Field(
+        "auto",
+        description="concatenate a micro-batch's rows into one sequence without padding "
+        "(position ids restart per row; attention through torch's variable-length kernel on "
+        "CUDA, per row on CPU); auto: on CUDA with sdpa or flash-attention, padded elsewhere",
+    )
+    compile: bool = Field(
+        False,
+        description="compile each decoder layer on its own with torch.compile (regional "
+        "compilation: one compiled layer serves them all); the first steps pay the compile",
     )
     logprob_chunk_tokens: int = Field(
         1024,
         ge=1,
         le=MAX_TOKEN_BUDGET,
         description="response positions projected to the vocabulary at once when computing "
-        "log-probs and entropy (bounds the float32 logits to chunk x vocabulary)",
+        "log-probs and entropy",
+    )
+    logprob_vocab_chunk: int = Field(
+        32_768,
+        ge=1,
+        le=MAX_TOKEN_BUDGET,
+        description="vocabulary entries per block of that projection (online log-sum-exp): "
+        "the float32 logits held at once are logprob_chunk_tokens x this, forward and backward",
     )
     attn_implementation: AttnImplementation = Field(
         "sdpa",

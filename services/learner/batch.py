@@ -38,6 +38,10 @@ class TrainingBatch:
     with a finite reward); versions: [B] int64, policy version that sampled the row;
     staleness: [B] int64, learner version minus that version; truncated: [B] bool
     (finish_reason "length").
+
+    prompt_lengths, response_lengths: [B] Python ints, the rows' real token counts, kept on
+    the host: micro-batch plans, crops and packing read them there, so that the step never
+    waits on the device to learn a shape.
     """
 
     input_ids: Tensor
@@ -52,6 +56,8 @@ class TrainingBatch:
     versions: Tensor
     staleness: Tensor
     truncated: Tensor
+    prompt_lengths: tuple[int, ...]
+    response_lengths: tuple[int, ...]
 
     @property
     def num_rows(self) -> int:
@@ -75,17 +81,14 @@ class TrainingBatch:
     @property
     def longest_response(self) -> int:
         """The longest response among the rows, in tokens (at least 1)."""
-        if not self.num_rows:
-            return 1
-        return max(1, int(self.attention_mask[:, self.prompt_width :].sum(-1).max()))
+        return max((1, *self.response_lengths))
 
     def cropped(self) -> TrainingBatch:
         """The batch without the pad columns all its rows share: P and T shrink to the longest
         prompt and response among its rows (at least one response column). A micro-batch of
         short rows is thus padded to its own widths, not to those of the whole batch."""
         width_p = self.prompt_width
-        real = self.attention_mask.bool()
-        prompt = int(real[:, :width_p].sum(-1).max()) if self.num_rows else 0
+        prompt = max((0, *self.prompt_lengths))
         response = self.longest_response
         keep = slice(width_p - prompt, width_p + response)
         return replace(
@@ -98,13 +101,32 @@ class TrainingBatch:
             behaviour_logp=self.behaviour_logp[:, :response],
         )
 
-    def select(self, rows: Tensor) -> TrainingBatch:
-        """The batch restricted to `rows` ([b] int64 indices); widths P and T are kept."""
-        return replace(self, **{f.name: getattr(self, f.name)[rows] for f in fields(self)})
+    def select(self, rows: Sequence[int]) -> TrainingBatch:
+        """The batch restricted to `rows` (indices, on the host); widths P and T are kept."""
+        index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        tensors = {name: getattr(self, name)[index] for name in self._tensor_fields()}
+        return replace(
+            self,
+            **tensors,
+            prompt_lengths=tuple(self.prompt_lengths[r] for r in rows),
+            response_lengths=tuple(self.response_lengths[r] for r in rows),
+        )
 
     def to(self, device: torch.device | str) -> TrainingBatch:
-        """The batch with every tensor on `device`."""
-        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        """The batch with every tensor on `device` (copied without waiting where it can)."""
+        return replace(
+            self,
+            **{
+                name: getattr(self, name).to(device, non_blocking=True)
+                for name in self._tensor_fields()
+            },
+        )
+
+    @classmethod
+    def _tensor_fields(cls) -> tuple[str, ...]:
+        return tuple(
+            f.name for f in fields(cls) if f.name not in ("prompt_lengths", "response_lengths")
+        )
 
 
 def _check_response(response: Response, row: int) -> None:
@@ -165,4 +187,6 @@ def collate(groups: Sequence[ScoredGroup], pad_id: int, learner_version: int) ->
         versions=versions,
         staleness=learner_version - versions,
         truncated=torch.tensor([r.finish_reason == "length" for r in responses]),
+        prompt_lengths=tuple(len(r.prompt_token_ids) for r in responses),
+        response_lengths=tuple(len(r.response_token_ids) for r in responses),
     )

@@ -1,4 +1,4 @@
-"""Log-probs of the sampled response tokens under the learner's current weights, in chunks.
+"""Log-probs of the sampled response tokens under the learner's current weights.
 
 The logits are divided by the sampling temperature before the softmax, because the behaviour
 log-probs were taken at that temperature (as verl does): with the weights that generated a batch
@@ -6,19 +6,25 @@ and temperature-only sampling (top_k 0, top_p 1), the result equals the behaviou
 float32 summation order. Top-k / top-p truncation is NOT reproduced: against a truncated
 behaviour distribution the on-policy ratio is pi_T(y) / pi_trunc(y) <= 1, not 1.
 
-Memory: the decoder runs once over input_ids [B, P+T]; only the hidden states of the valid
-response positions (N of them) are projected to the vocabulary, `chunk_tokens` positions at a
-time, each chunk in float32 and under activation checkpointing, so neither the forward nor the
-backward ever holds more than [chunk_tokens, V] float32 logits (an 8k-token row of a 152k
-vocabulary: 5 GB at once unchunked, 0.6 GB per 1,024-token chunk).
+Memory and speed: the decoder runs once over the micro-batch (padded [B, P+T], or its rows
+packed into one sequence without padding: `packed_attention`); only the hidden states of the
+response positions (N of them) meet the head, through `vocab_chunked_logprobs`: chunks of
+`chunk_tokens` positions times `vocab_chunk` vocabulary entries with an online log-sum-exp,
+recomputed in the backward, so neither pass holds more than [chunk_tokens, vocab_chunk] float32
+logits (an 8k-token row of a 152k vocabulary held 5 GB unchunked).
 
-A position whose logits hold NaN or +inf (an overflow, a poisoned weight) gets log-prob NaN, and
-its logits are replaced by zeros before the softmax, so that no NaN reaches the gradient of the
-other tokens: the loss then masks and counts that token like any other non-finite log-prob
+Which positions are scored is known on the host (`TrainingBatch.response_lengths`): the indices
+are built there and copied once, and no step here waits on the device for a value or a shape.
+
+A position whose logits hold NaN or +inf gets log-prob NaN and passes no gradient to the other
+tokens: the loss then masks and counts that token like any other non-finite log-prob
 (docs/numerics.md).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -26,12 +32,22 @@ from torch.utils.checkpoint import checkpoint
 
 from kpo_core.losses import token_entropy
 from services.learner.batch import TrainingBatch
+from services.learner.packed_attention import EveryLayer, PackedRows
+from services.learner.vocab_logprobs import vocab_chunked_logprobs
+
+# Packed sequences are padded to a multiple of this many tokens, and the longest row rounded up
+# to a power of two, when the decoder layers are compiled: a few distinct shapes, not one per
+# micro-batch, so compiled code is reused instead of recompiled.
+COMPILED_LENGTH_MULTIPLE = 256
 
 
 def chunk_logprobs(
     hidden: Tensor, head: nn.Module, targets: Tensor, temperature: float, with_entropy: bool
 ) -> tuple[Tensor, Tensor]:
-    """log pi(target) and (if asked, detached) entropy of one chunk of positions.
+    """log pi(target) and (if asked, detached) entropy of one chunk of positions, through the
+    head module with [n, V] logits at once: the path for a head that is not a plain linear
+    layer (an adapter-wrapped one), and the reference `vocab_chunked_logprobs` is tested
+    against.
 
     hidden [n, H] in the compute dtype; targets [n] int64. Returns logp [n] float32 (NaN where
     the position's logits are not finite) and entropy [n] float32 (zeros unless with_entropy):
@@ -41,13 +57,11 @@ def chunk_logprobs(
     logits = head(hidden)
     # float32 at least (float64 stays float64: the equivalence tests run in it).
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # [n, V]
-    log_z = torch.logsumexp(logits, dim=-1)
     # log Z is NaN or inf exactly when a logit of the position is NaN or +inf (or all are -inf).
-    bad = ~torch.isfinite(log_z)
-    if bool(bad.any()):
-        # where(), not a product: the gradient of the replaced logits is exactly 0, not 0 * NaN.
-        logits = torch.where(bad.unsqueeze(-1), 0.0, logits)
-        log_z = torch.logsumexp(logits, dim=-1)
+    bad = ~torch.isfinite(torch.logsumexp(logits, dim=-1))
+    # where(), not a product: the gradient of the replaced logits is exactly 0, not 0 * NaN.
+    logits = torch.where(bad.unsqueeze(-1), 0.0, logits)
+    log_z = torch.logsumexp(logits, dim=-1)
     chosen = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     logp = torch.where(bad, torch.nan, chosen - log_z)
     if with_entropy:
@@ -58,22 +72,52 @@ def chunk_logprobs(
     return logp, entropy
 
 
+def _spans(starts: Sequence[int], lengths: Sequence[int]) -> Tensor:
+    """The concatenated ranges [s, s + n) of every (s, n), as a host int64 tensor."""
+    start = torch.tensor(starts, dtype=torch.long)
+    length = torch.tensor(lengths, dtype=torch.long)
+    offsets = torch.cumsum(length, 0) - length
+    total = int(sum(lengths))
+    return torch.arange(total) + torch.repeat_interleave(start - offsets, length, output_size=total)
+
+
+def _to_device(index: Tensor, device: torch.device) -> Tensor:
+    """A host index tensor on `device`, copied without making the host wait."""
+    if device.type == "cuda":
+        index = index.pin_memory()
+    return index.to(device, non_blocking=True)
+
+
 class ResponseLogProbs(nn.Module):
     """A causal LM seen as the function batch -> (response log-probs, token entropy).
 
     Wrapping the model makes this the one forward the learner calls: under FSDP2 the wrapper is
     the root module, so the embedding, final norm and output head (the root's parameters) are
     gathered for exactly this forward and its backward, and the chunked head runs inside it.
-    `policy` is the Hugging Face model, whose parameter names the checkpoints keep. `packed`:
-    rows are concatenated without padding (`_hidden`), for attention kernels that take
-    variable-length rows (flash-attention).
+    `policy` is the Hugging Face model, whose parameter names the checkpoints keep.
+
+    `packed`: a micro-batch's rows are concatenated without padding (`_hidden`); the policy must
+    then attend within each row: loaded with `packed_attention.PACKED_ATTENTION`, or with
+    flash-attention (`flash`: it takes the rows' boundaries as keyword arguments).
+    `compiled`: the decoder layers are compiled, so packed lengths are rounded to few sizes.
     """
 
-    def __init__(self, policy: nn.Module, chunk_tokens: int, packed: bool = False) -> None:
+    def __init__(
+        self,
+        policy: nn.Module,
+        chunk_tokens: int,
+        vocab_chunk: int = 32_768,
+        packed: bool = False,
+        flash: bool = False,
+        compiled: bool = False,
+    ) -> None:
         super().__init__()
         self.policy = policy
         self.chunk_tokens = chunk_tokens
+        self.vocab_chunk = vocab_chunk
         self.packed = packed
+        self.flash = flash
+        self.compiled = compiled
 
     def forward(
         self, batch: TrainingBatch, temperature: float, with_entropy: bool
@@ -83,19 +127,43 @@ class ResponseLogProbs(nn.Module):
         mask, and everywhere unless `with_entropy`). Differentiable in the policy's
         parameters when grad is enabled."""
         mask = batch.response_mask
-        # With no response token to score (empty responses, a rank's filler pass), one ghost
-        # position keeps the head in the graph with a zero gradient: every rank of an FSDP
-        # group must reduce the same gradients, whatever its rows.
-        ghost = not bool(mask.any())
-        hidden, where = self._hidden(batch)  # [X, H]; where [B, P+T]: row of each token
-        if ghost:
-            states, targets = hidden[-1:], batch.input_ids[:1, -1]  # [1, H], [1]
+        hidden, scored = self._hidden(batch)  # [X, H]; host indices of the scored states
+        width = batch.response_width
+        rows = range(batch.num_rows)
+        lengths = batch.response_lengths
+        # Every response token is scored, masked or not (the mask is applied to the result):
+        # which tokens are masked is device data, how many tokens there are is host data.
+        slots = _to_device(_spans([r * width for r in rows], lengths), batch.device)
+        if not slots.numel():
+            # With no response token at all (empty responses), one ghost position keeps the
+            # head in the graph with a zero gradient: every rank of an FSDP group must reduce
+            # the same gradients, whatever its rows.
+            states, targets = hidden[-1:], batch.input_ids[:1, -1]
         else:
-            # Columns P-1 .. P+T-2 predict response slots 0 .. T-1.
-            total, width = batch.input_ids.shape[1], batch.response_width
-            scored = where[:, total - width - 1 : total - 1][mask]
-            states, targets = hidden[scored], batch.response_ids[mask]  # [N, H], [N]
+            states = hidden.index_select(0, _to_device(scored, batch.device))
+            targets = batch.response_ids.flatten().index_select(0, slots)
+        logp, entropy = self._score(states, targets, temperature, with_entropy)
+        zeros = torch.zeros(mask.shape, dtype=logp.dtype, device=logp.device)
+        if not slots.numel():
+            # where(), not a product: the ghost's log-prob may be NaN.
+            never = torch.zeros((), dtype=torch.bool, device=logp.device)
+            return zeros + torch.where(never, logp.sum(), 0.0), zeros.float()
+        flat = zeros.flatten()
+        logp_out = flat.index_copy(0, slots, logp).view(mask.shape)
+        entropy = entropy.detach().float()  # a metric: float32 whatever the compute dtype
+        entropy_out = flat.detach().float().index_copy(0, slots, entropy).view(mask.shape)
+        return torch.where(mask, logp_out, 0.0), torch.where(mask, entropy_out, 0.0)
+
+    def _score(
+        self, states: Tensor, targets: Tensor, temperature: float, with_entropy: bool
+    ) -> tuple[Tensor, Tensor]:
+        """(logp [N], entropy [N]) of the scored states through the output head."""
         head = self.policy.get_output_embeddings()  # type: ignore[operator]
+        if type(head) is nn.Linear:
+            return vocab_chunked_logprobs(
+                states, head.weight, head.bias, targets, temperature,
+                self.chunk_tokens, self.vocab_chunk, with_entropy,
+            )  # fmt: skip
         parts_logp, parts_entropy = [], []
         for start in range(0, int(targets.shape[0]), self.chunk_tokens):
             end = start + self.chunk_tokens
@@ -107,43 +175,68 @@ class ResponseLogProbs(nn.Module):
                 logp, entropy = chunk_logprobs(*args)
             parts_logp.append(logp)
             parts_entropy.append(entropy)
-        logp, entropy = torch.cat(parts_logp), torch.cat(parts_entropy).detach()
-        zeros = torch.zeros(mask.shape, dtype=logp.dtype, device=logp.device)
-        if ghost:
-            # where(), not a product: the ghost's log-prob may be NaN.
-            return zeros + torch.where(
-                torch.zeros((), dtype=torch.bool, device=logp.device), logp.sum(), 0.0
-            ), zeros
-        entropy_out = torch.zeros_like(zeros, dtype=entropy.dtype).masked_scatter(mask, entropy)
-        return zeros.masked_scatter(mask, logp), entropy_out
+        return torch.cat(parts_logp), torch.cat(parts_entropy).detach()
 
     def _hidden(self, batch: TrainingBatch) -> tuple[Tensor, Tensor]:
-        """The decoder's last hidden states as rows [X, H], and for every (row, column) of the
-        batch the index of its state there [B, P+T] (meaningful at real tokens only).
+        """The decoder's last hidden states as rows [X, H], and the host indices [N] of the
+        states that predict the response tokens, row by row (row r's slot j is predicted by
+        its column P - 1 + j).
 
         Padded: one forward over [B, P+T] with the attention mask (X = B (P+T)). Packed: the
         real tokens of every row concatenated into one sequence whose position ids restart at
-        each row (X = the real tokens): transformers then attends within each row only (with
-        flash-attention, through its variable-length kernels, so padding costs nothing).
+        each row (X = the real tokens, plus a pad row when compiled).
         """
         decoder = self.policy.get_decoder()  # type: ignore[operator]
-        real = batch.attention_mask.bool()
-        if self.packed and batch.num_rows > 1:
+        total, width_p = batch.input_ids.shape[1], batch.prompt_width
+        prompts, responses = batch.prompt_lengths, batch.response_lengths
+        rows = range(batch.num_rows)
+        if not self.packed:
             hidden = decoder(
-                input_ids=batch.input_ids[real].unsqueeze(0),
-                position_ids=batch.position_ids[real].unsqueeze(0),
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
+                position_ids=batch.position_ids,
                 use_cache=False,
-            ).last_hidden_state[0]
-            where = (real.flatten().cumsum(0) - 1).reshape(real.shape)
-            return hidden, where
+            ).last_hidden_state
+            scored = _spans([r * total + width_p - 1 for r in rows], responses)
+            return hidden.flatten(0, 1), scored
+        lengths = [p + t for p, t in zip(prompts, responses, strict=True)]
+        real = _spans(
+            [r * total + width_p - p for r, p in zip(rows, prompts, strict=True)], lengths
+        )
+        offsets = [sum(lengths[:r]) for r in rows]
+        scored = _spans([o + p - 1 for o, p in zip(offsets, prompts, strict=True)], responses)
+        index = _to_device(real, batch.device)
+        input_ids = batch.input_ids.flatten().index_select(0, index)
+        position_ids = batch.position_ids.flatten().index_select(0, index)
+        longest = 0
+        if self.compiled:
+            filler = -sum(lengths) % COMPILED_LENGTH_MULTIPLE
+            if filler:
+                lengths.append(filler)
+                input_ids = torch.cat([input_ids, input_ids.new_zeros(filler)])
+                position_ids = torch.cat(
+                    [position_ids, torch.arange(filler, device=position_ids.device)]
+                )
+            longest = 1 << (max(lengths) - 1).bit_length()
+        packed_rows = PackedRows.of(lengths, batch.device, longest)
+        extra: dict[str, Any] = {}
+        if self.flash:
+            # transformers' flash-attention path reads the boundaries from these arguments.
+            cumulative, longest_row = packed_rows.cumulative, packed_rows.longest
+            extra = {
+                "cu_seq_lens_q": cumulative,
+                "cu_seq_lens_k": cumulative,
+                "max_length_q": longest_row,
+                "max_length_k": longest_row,
+            }
         hidden = decoder(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=batch.position_ids,
+            input_ids=input_ids.unsqueeze(0),
+            attention_mask=None if self.flash else EveryLayer(packed_rows),
+            position_ids=position_ids.unsqueeze(0),
             use_cache=False,
-        ).last_hidden_state
-        where = torch.arange(real.numel(), device=real.device).reshape(real.shape)
-        return hidden.flatten(0, 1), where
+            **extra,
+        ).last_hidden_state[0]
+        return hidden, scored
 
 
 def response_logprobs(
@@ -156,9 +249,13 @@ def response_logprobs(
 
 @torch.no_grad()
 def reference_logprobs(
-    model: ResponseLogProbs, batch: TrainingBatch, temperature: float, parts: list[Tensor]
+    model: ResponseLogProbs,
+    batch: TrainingBatch,
+    temperature: float,
+    parts: Sequence[Sequence[int]],
 ) -> Tensor:
-    """`response_logprobs` without gradient, [B, T], computed one row set of `parts` at a time.
+    """`response_logprobs` without gradient, [B, T], computed one row set of `parts` (host
+    row indices) at a time.
 
     Used for the proximal log-probs at the start of a step; `parts` are the micro-batches'
     rows, so the activation memory is that of one micro-batch.
@@ -167,5 +264,6 @@ def reference_logprobs(
     for rows in parts:
         part = batch.select(rows).cropped()
         logp, _ = response_logprobs(model, part, temperature, False)
-        out[rows, : part.response_width] = logp
+        index = _to_device(torch.tensor(list(rows), dtype=torch.long), batch.device)
+        out[index, : part.response_width] = logp
     return out

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from kpo_core.diagnostics import ratio_diagnostics
-from kpo_core.ratios import MAX_ABS_LOG_RATIO, masked_log_ratio
+from kpo_core.ratios import MAX_ABS_LOG_RATIO, masked_log_ratio, masked_mean_or, metric_floats
 from services.learner.batch import TrainingBatch
 
 # Counts: summed over a step's minibatches (present even when every minibatch was skipped).
@@ -27,7 +27,12 @@ SUMMED = frozenset(
 PER_PASS = ("nonfinite_tokens", "extreme_ratio_tokens")
 
 
-def batch_metrics(batch: TrainingBatch) -> dict[str, float]:
+def batch_metrics(batch: TrainingBatch, num_groups: int | None = None) -> dict[str, float]:
+    """`batch_metric_tensors` read back as floats (one read)."""
+    return metric_floats(dict(batch_metric_tensors(batch, num_groups)))
+
+
+def batch_metric_tensors(batch: TrainingBatch, num_groups: int | None = None) -> dict[str, Tensor]:
     """Reward, accuracy, length, truncation, staleness and token counts of a batch.
 
     Rewards that are NaN/inf are counted (`nonfinite_rewards`) and left out of reward_mean,
@@ -36,30 +41,46 @@ def batch_metrics(batch: TrainingBatch) -> dict[str, float]:
     (including groups with at most one finite reward: they carry no GRPO learning signal).
     empty_responses counts responses with no token; tokens_trained counts every response
     token of the batch, including those the loss later masks.
+
+    0-dim float64 tensors on the batch's device, nothing read back. `num_groups`: the number of
+    groups the rows' group_ids index (known to the caller on the host); without it the distinct
+    ids are counted with `torch.unique` (a data-dependent shape, which waits on the device).
     """
     rewards = batch.rewards.double()
     finite = torch.isfinite(rewards)
-    kept = rewards[finite]
+    count = finite.sum()
+    kept = torch.where(finite, rewards, 0.0)
+    reward_mean = kept.sum() / count.clamp_min(1)
+    spread = torch.where(finite, rewards - reward_mean, 0.0)
+    reward_std = (spread.square().sum() / count.clamp_min(1)).sqrt()
     lengths = batch.response_mask.sum(-1).double()
-    groups, inverse = torch.unique(batch.group_ids, return_inverse=True)
-    shape = (groups.numel(),)
+    if num_groups is None:
+        _, inverse = torch.unique(batch.group_ids, return_inverse=True)
+        present = torch.ones(int(inverse.max()) + 1 if inverse.numel() else 0, dtype=torch.bool)
+    else:
+        inverse = batch.group_ids
+        # Groups without a row (no responses) are not groups of this batch.
+        present = torch.zeros(num_groups, dtype=torch.bool, device=inverse.device)
+        present = present.index_fill(0, inverse, True)
+    shape = (present.numel(),)
     high = torch.where(finite, rewards, -math.inf)
     low = torch.where(finite, rewards, math.inf)
     g_max = rewards.new_full(shape, -math.inf).scatter_reduce(0, inverse, high, "amax")
     g_min = rewards.new_full(shape, math.inf).scatter_reduce(0, inverse, low, "amin")
     staleness = batch.staleness.double()
+    zero_variance = ((g_min >= g_max) & present.to(g_min.device)).sum() / present.sum()
     return {
-        "reward_mean": float(kept.mean()) if kept.numel() else 0.0,
-        "reward_std": float(kept.std(correction=0)) if kept.numel() else 0.0,
-        "accuracy": float(batch.correct.double().mean()),
-        "response_length_mean": float(lengths.mean()),
-        "truncated_fraction": float(batch.truncated.double().mean()),
-        "zero_variance_group_fraction": float((g_min >= g_max).double().mean()),
-        "nonfinite_rewards": float((~finite).sum()),
-        "empty_responses": float((lengths == 0).sum()),
-        "staleness_mean": float(staleness.mean()),
-        "staleness_max": float(staleness.max()),
-        "tokens_trained": float(lengths.sum()),
+        "reward_mean": reward_mean,
+        "reward_std": reward_std,
+        "accuracy": batch.correct.double().mean(),
+        "response_length_mean": lengths.mean(),
+        "truncated_fraction": batch.truncated.double().mean(),
+        "zero_variance_group_fraction": zero_variance.double(),
+        "nonfinite_rewards": (~finite).sum().double(),
+        "empty_responses": (lengths == 0).sum().double(),
+        "staleness_mean": staleness.mean(),
+        "staleness_max": staleness.max(),
+        "tokens_trained": lengths.sum(),
     }
 
 
@@ -75,8 +96,7 @@ def finite_mask(mask: Tensor, *tensors: Tensor) -> Tensor:
 
 def masked_mean(values: Tensor, mask: Tensor) -> float:
     """Mean of `values` [B, T] over `mask` (NaN off the mask is ignored); 0.0 for an empty mask."""
-    total = torch.where(mask, values, 0.0).sum()
-    return float(total / mask.sum().clamp_min(1))
+    return float(masked_mean_or(values, mask, 0.0))
 
 
 @torch.no_grad()
@@ -165,3 +185,109 @@ def reduce_minibatches(records: Sequence[dict[str, float]]) -> dict[str, float]:
         else:
             out[key] = sum(values) / len(values)
     return out
+
+
+def _kind(key: str) -> str:
+    """How `merge_micro_batches` combines a key: "sum", "max", "min" or (weighted) "mean"."""
+    if key in SUMMED:
+        return "sum"
+    if key.endswith("_max"):
+        return "max"
+    if key.endswith("_min"):
+        return "min"
+    return "mean"
+
+
+class MinibatchAccumulator:
+    """`merge_micro_batches` on the device: one minibatch's micro-batch metrics summed as they
+    come, with nothing read back, then packed for one collective per step (`sum_part`,
+    `max_part`) and merged on the host from the ranks' reduced values (`merged`).
+
+    Every rank adds the same passes with the same keys (filler passes too, with `real` False,
+    and no token): the packed layouts of the ranks then agree. Means are weighted by the parts'
+    valid tokens; without any valid token in the minibatch a key takes the parts' own value, the
+    placeholder every part without a token reports (e.g. ratio_mean 1), averaged over the real
+    parts of every rank.
+    """
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+        self._sums: dict[str, Tensor] = {}
+        self._fallback: dict[str, Tensor] = {}
+        self._extreme: dict[str, Tensor] = {}
+        self._tokens: Tensor | None = None
+        self._real_parts = 0
+
+    @property
+    def tokens(self) -> Tensor:
+        """The valid tokens of the parts added so far on this rank (0-dim float64)."""
+        assert self._tokens is not None, "no part added"
+        return self._tokens
+
+    def add(self, metrics: dict[str, Tensor], tokens: Tensor, real: bool) -> None:
+        """One micro-batch's 0-dim metrics and its valid token count; `real` False: a filler."""
+        tokens = tokens.to(torch.float64)
+        if self._tokens is None:
+            self.keys = list(metrics)
+            self._tokens = torch.zeros_like(tokens)
+        has_tokens = tokens > 0
+        self._tokens = self._tokens + tokens
+        self._real_parts += int(real)
+        for key in self.keys:
+            value = metrics[key].to(torch.float64)
+            kind = _kind(key)
+            if real and kind != "sum":
+                self._fallback[key] = self._fallback.get(key, 0.0) + value
+            if kind == "sum":
+                self._sums[key] = self._sums.get(key, 0.0) + value
+            elif kind == "mean":
+                # where(), not a product: a part without tokens may report NaN (no value).
+                weighted = torch.where(has_tokens, tokens * value, 0.0)
+                self._sums[key] = self._sums.get(key, 0.0) + weighted
+            else:
+                # min is packed as max of -value: one MAX collective serves both.
+                signed = value if kind == "max" else -value
+                kept = torch.where(has_tokens, signed, -torch.inf)
+                previous = self._extreme.get(key)
+                self._extreme[key] = kept if previous is None else torch.maximum(previous, kept)
+
+    def sum_part(self) -> Tensor:
+        """[tokens, real parts, per key: weighted sum or sum, and the placeholder sum] float64."""
+        tokens = self.tokens
+        parts: list[Tensor | float] = [tokens, float(self._real_parts)]
+        for key in self.keys:
+            parts.append(self._sums[key])
+            if _kind(key) != "sum":
+                parts.append(self._fallback.get(key, 0.0))
+        return torch.stack(
+            [torch.as_tensor(p, dtype=torch.float64, device=tokens.device) for p in parts]
+        )
+
+    def max_part(self) -> Tensor:
+        """[per max/min key: the max (min: max of -value) over parts with tokens] float64."""
+        values = [self._extreme[key] for key in self.keys if _kind(key) in ("max", "min")]
+        if not values:
+            return self.tokens.new_zeros(0)
+        return torch.stack(values)
+
+    def merged(self, summed: Sequence[float], maxed: Sequence[float]) -> dict[str, float]:
+        """The minibatch's record from the ranks' reduced `sum_part` and `max_part` values."""
+        tokens, real_parts = summed[0], max(summed[1], 1.0)
+        out: dict[str, float] = {}
+        position, extreme = 2, iter(maxed)
+        for key in self.keys:
+            kind = _kind(key)
+            value = summed[position]
+            position += 1
+            if kind == "sum":
+                out[key] = value
+                continue
+            fallback = summed[position] / real_parts
+            position += 1
+            if kind == "mean":
+                out[key] = value / tokens if tokens > 0 else fallback
+            else:
+                top = next(extreme)
+                signed = top if kind == "max" else -top
+                out[key] = signed if tokens > 0 else fallback
+        return out

@@ -29,6 +29,7 @@ metrics record. The policy, case by case, is docs/numerics.md.
 
 from __future__ import annotations
 
+import gc
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -54,14 +55,13 @@ from services.learner.distributed import RankGroup
 from services.learner.export import write_hf_files
 from services.learner.logprobs import reference_logprobs, response_logprobs
 from services.learner.lora import MergedWeights, base_model, write_adapter_config
+from kpo_core.ratios import masked_mean_or
 from services.learner.metrics import (
     PER_PASS,
-    MicroBatchRecord,
-    batch_metrics,
+    MinibatchAccumulator,
+    batch_metric_tensors,
     diagnostic_metrics,
     finite_mask,
-    masked_mean,
-    merge_micro_batches,
     raw_ratios,
     reduce_minibatches,
 )
@@ -83,6 +83,47 @@ def linear_warmup(warmup_steps: int) -> Callable[[int], float]:
         return 1.0 if warmup_steps == 0 else min(1.0, (step + 1) / warmup_steps)
 
     return factor
+
+
+class MicroBatchTooLarge(RuntimeError):
+    """A micro-batch's forward or backward ran out of device memory (the message says which
+    setting to change, and to what)."""
+
+
+def micro_batch_tokens(batch: TrainingBatch, packed: bool) -> int:
+    """The tokens one forward over `batch` costs, from the host lengths: its padded size
+    (rows x widths), or with packed rows the sum of their lengths."""
+    if packed and batch.num_rows > 1:
+        return sum(batch.prompt_lengths) + sum(batch.response_lengths)
+    return batch.num_rows * (batch.prompt_width + batch.response_width)
+
+
+def too_large(batch: TrainingBatch, packed: bool, budget: int) -> MicroBatchTooLarge:
+    """The error for a micro-batch of `batch` that did not fit: a `learner.micro_batch_tokens`
+    that would (half its tokens, in multiples of 256, at least its longest row), or, for a
+    single row, the settings that shrink one row's memory."""
+    tokens = micro_batch_tokens(batch, packed)
+    longest = max(p + t for p, t in zip(batch.prompt_lengths, batch.response_lengths, strict=True))
+    setting = f"learner.micro_batch_tokens={budget}" + (" (no limit)" if budget == 0 else "")
+    if batch.num_rows == 1:
+        return MicroBatchTooLarge(
+            f"a micro-batch of one row ({tokens} tokens) ran out of device memory with "
+            f"{setting}: even one row cannot fit; set learner.gradient_checkpointing=true or "
+            "lower learner.logprob_chunk_tokens (or use shorter responses)"
+        )
+    fit = max(longest, tokens // 2 // 256 * 256)
+    return MicroBatchTooLarge(
+        f"a micro-batch of {batch.num_rows} rows ({tokens} tokens) ran out of device memory "
+        f"with {setting}; set learner.micro_batch_tokens={fit} (or lower)"
+    )
+
+
+def free_device_memory(device: torch.device) -> None:
+    """Release what an interrupted forward or backward left behind (its tensors are garbage
+    once the exception is dropped) back to the device."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 @dataclass(frozen=True)
@@ -108,8 +149,9 @@ class Minibatch:
 
     def part(self, micro: MicroBatch) -> Minibatch:
         """The micro-batch's rows, cropped to their own widths (a filler carries no loss)."""
-        index = torch.tensor(micro.rows, dtype=torch.long, device=self.rows.device)
-        batch = self.batch.select(index).cropped()
+        # The rows are host data: the crop reads host lengths, the index is copied without a wait.
+        index = torch.tensor(micro.rows, dtype=torch.long).to(self.rows.device, non_blocking=True)
+        batch = self.batch.select(micro.rows).cropped()
         width = batch.response_width
         if micro.filler:
             batch = replace(batch, response_mask=torch.zeros_like(batch.response_mask))
@@ -127,7 +169,7 @@ class Minibatch:
 class RatioLog:
     """Detached raw and estimator ratios of every micro-batch of a step with their masks, padded
     to the batch's response width (every epoch: the step's diagnostics), and what `save`
-    writes of the first epoch's rows."""
+    writes of the first epoch's rows. Kept on the device until the step's end (`to_host`)."""
 
     width: int
     raw: list[Tensor] = field(default_factory=list)
@@ -142,8 +184,8 @@ class RatioLog:
         self, raw: Tensor, filtered: Tensor, mask: Tensor, part: Minibatch, minibatch: int | None
     ) -> None:
         """Log one micro-batch; `minibatch` (its index) is given in the first epoch only."""
-        raw, filtered = self._pad(raw.cpu(), 1.0), self._pad(filtered.float().cpu(), 1.0)
-        mask = self._pad(mask.cpu(), False)
+        raw, filtered = self._pad(raw.float(), 1.0), self._pad(filtered.float(), 1.0)
+        mask = self._pad(mask, False)
         self.raw.append(raw)
         self.filtered.append(filtered)
         self.masks.append(mask)
@@ -152,12 +194,27 @@ class RatioLog:
                 {
                     "log_ratio": raw.log(),
                     "mask": mask,
-                    "row": part.rows.cpu(),
-                    "staleness": part.batch.staleness.cpu(),
-                    "advantage": part.advantages.detach().float().cpu(),
-                    "minibatch": torch.full((part.batch.num_rows,), minibatch),
+                    "row": part.rows,
+                    "staleness": part.batch.staleness,
+                    "advantage": part.advantages.detach().float(),
+                    "minibatch": torch.full((part.batch.num_rows,), minibatch, device=mask.device),
                 }
             )
+
+    def to_host(self, keep_rows: bool) -> RatioLog:
+        """This log on the host, the ratios in one copy (one wait on the device instead of one
+        per micro-batch); the first epoch's rows only when `keep_rows` (a step that saves)."""
+        host = RatioLog(self.width)
+        if self.raw:
+            n = len(self.raw)
+            packed = torch.cat([*self.raw, *self.filtered, *(m.float() for m in self.masks)])
+            sizes = [t.shape[0] for t in self.raw] * 3
+            parts = torch.split(packed.cpu(), sizes)
+            host.raw, host.filtered = list(parts[:n]), list(parts[n : 2 * n])
+            host.masks = [m.bool() for m in parts[2 * n :]]
+        if keep_rows:
+            host.first_epoch = [{k: v.cpu() for k, v in row.items()} for row in self.first_epoch]
+        return host
 
     def merge(self, others: Sequence[RatioLog]) -> RatioLog:
         """One log of several ranks' logs."""
@@ -292,43 +349,57 @@ class LearnerCore:
         minibatch that meets it: minibatches already applied in this step keep their updates,
         and the version does not advance.
         """
-        batch = collate(groups, self.pad_id, self._version).to(self.device)
-        finite_rewards = torch.isfinite(batch.rewards)
-        if self.learner.nonfinite == "raise" and not bool(finite_rewards.all()):
-            count = int((~finite_rewards).sum())
+        rewards = [scored.reward for group in groups for scored in group.responses]
+        # Checked on the host, where the rewards are: no wait on the device.
+        bad_rewards = sum(not math.isfinite(reward) for reward in rewards)
+        if self.learner.nonfinite == "raise" and bad_rewards:
             raise NonFiniteInputError(
-                f"{count} of {batch.num_rows} rewards are NaN/inf; learner.nonfinite='mask' "
+                f"{bad_rewards} of {len(rewards)} rewards are NaN/inf; learner.nonfinite='mask' "
                 "drops those responses instead"
             )
+        batch = collate(groups, self.pad_id, self._version).to(self.device)
+        finite_rewards = torch.isfinite(batch.rewards)
         advantages = self._advantages(batch)
-        metrics = batch_metrics(batch)
+        batch_stats = batch_metric_tensors(batch, num_groups=len(groups))
         # Responses without a finite reward are not trained on: no token of theirs is valid.
         batch = replace(batch, response_mask=batch.response_mask & finite_rewards.unsqueeze(-1))
         ref_logp, behaviour_logp = self._references(batch)
         lr = float(self.scheduler.get_last_lr()[0])
-        records: list[dict[str, float]] = []
+        steps: list[tuple[MinibatchAccumulator, dict[str, float]]] = []
         ratios = RatioLog(batch.response_width)
         passes = 0
         for epoch in range(self.learner.ppo_epochs):
             for index, rows in enumerate(self._minibatch_rows(batch.num_rows)):
-                behaviour = None if behaviour_logp is None else behaviour_logp[rows]
+                # Host rows select the batch; their copy on the device indexes the references.
+                index_t = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+                behaviour = None if behaviour_logp is None else behaviour_logp[index_t]
                 part = Minibatch(
-                    batch.select(rows), rows, advantages[rows], ref_logp[rows], behaviour
+                    batch.select(rows),
+                    index_t,
+                    advantages[index_t],
+                    ref_logp[index_t],
+                    behaviour,
                 )
-                record, count = self._train_minibatch(part, index if epoch == 0 else None, ratios)
-                records.append(record)
+                accumulator, outcome, count = self._train_minibatch(
+                    part, index if epoch == 0 else None, ratios
+                )
+                steps.append((accumulator, outcome))
                 passes += count
         self.scheduler.step()
         self._version += 1
         self._steps += 1
-        ratios = ratios.merge(self.group.gather(ratios))
+        records = self._minibatch_records(steps, batch_stats)
+        every = self.learner.record_ratios_every
+        saving = bool(every and self.ratio_dir and self._version % every == 0)
+        host_ratios = ratios.to_host(keep_rows=saving)
+        host_ratios = host_ratios.merge(self.group.gather(host_ratios))
         if self.group.rank != 0:
             return {}  # the group's record is rank 0's
-        every = self.learner.record_ratios_every
-        if every and self.ratio_dir and self._version % every == 0:
-            ratios.save(ratio_file(self.ratio_dir, self._version - 1), self._version - 1)
+        metrics, records = records[0], records[1:]
+        if saving and self.ratio_dir is not None:
+            host_ratios.save(ratio_file(self.ratio_dir, self._version - 1), self._version - 1)
         metrics.update(reduce_minibatches(records))
-        metrics.update(ratios.metrics())
+        metrics.update(host_ratios.metrics())
         for key in PER_PASS:
             # A count per pass over the batch, like tokens_trained (not multiplied by the epochs).
             metrics[key] /= self.learner.ppo_epochs
@@ -339,6 +410,34 @@ class LearnerCore:
             learner_world_size=float(self.group.world_size),
         )
         return metrics
+
+    def _minibatch_records(
+        self,
+        steps: Sequence[tuple[MinibatchAccumulator, dict[str, float]]],
+        batch_stats: dict[str, Tensor],
+    ) -> list[dict[str, float]]:
+        """[the batch statistics, then each minibatch's record], read back in one transfer.
+
+        The minibatches' device sums of every rank are reduced in two collectives for the whole
+        step (a sum and a max), not one per minibatch; each record then adds the loss, gradient
+        norm and skip counts its optimiser step already read.
+        """
+        sums = [accumulator.sum_part() for accumulator, _ in steps]
+        maxes = [accumulator.max_part() for accumulator, _ in steps]
+        summed = self.group.sum(torch.cat(sums))
+        maxed = self.group.max(torch.cat(maxes))
+        stats = torch.stack(list(batch_stats.values())).to(summed)
+        # The step's one read of its metrics: everything it counted, on the device until now.
+        values = torch.cat([stats, summed, maxed.to(summed)]).tolist()
+        records = [dict(zip(batch_stats, values[: len(stats)], strict=True))]
+        at_sum, at_max = len(stats), len(stats) + len(summed)
+        for (accumulator, outcome), sum_part, max_part in zip(steps, sums, maxes, strict=True):
+            record = accumulator.merged(
+                values[at_sum : at_sum + len(sum_part)], values[at_max : at_max + len(max_part)]
+            )
+            at_sum, at_max = at_sum + len(sum_part), at_max + len(max_part)
+            records.append({**record, **outcome})
+        return records
 
     def _advantages(self, batch: TrainingBatch) -> Tensor:
         """Group-relative advantages [B] of the batch's rewards (NaN/inf ones dropped: A = 0)."""

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Event as EventType
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -40,15 +42,28 @@ def manifest_of(state: dict[str, torch.Tensor]) -> WeightsManifest:
     return WeightsManifest(7, plan_buckets(specs, 4 * 2**20))
 
 
-def receiver_main(group: WeightGroup, manifest: WeightsManifest, out: Queue[Any]) -> None:
+def receiver_main(
+    group: WeightGroup, manifest: WeightsManifest, out: Queue[Any], read: EventType
+) -> None:
     channel = connect(group, 1, timeout_s=TIMEOUT_S, host=HOST)
-    got: dict[str, torch.Tensor] = {}
+    got: dict[str, np.ndarray] = {}
     devices = set()
     for bucket in channel.receive(manifest):
         devices.update(tensor.device.type for tensor in bucket.values())
-        got.update({name: tensor.cpu() for name, tensor in bucket.items()})
+        # Plain arrays, pickled by value: a torch CPU tensor on a queue travels as a handle to
+        # this process's shared memory, which is gone once it exits (ConnectionResetError in
+        # the parent). numpy has no bfloat16, so the bits travel as int16.
+        got.update(
+            {name: tensor.cpu().view(torch.int16).numpy() for name, tensor in bucket.items()}
+        )
     out.put({"kind": type(channel).__name__, "devices": sorted(devices), "weights": got})
+    read.wait(TIMEOUT_S)  # alive until the parent has the result
     channel.close()
+
+
+def bfloat16_of(bits: np.ndarray) -> torch.Tensor:
+    """The bfloat16 tensor whose bits `receiver_main` sent as int16."""
+    return torch.from_numpy(bits).view(torch.bfloat16)
 
 
 def test_ranks_on_one_gpu_hand_buckets_over_as_cuda_ipc_handles() -> None:
@@ -58,7 +73,8 @@ def test_ranks_on_one_gpu_hand_buckets_over_as_cuda_ipc_handles() -> None:
     group = open_weight_group(2, "nccl", 1, host=HOST, timeout_s=TIMEOUT_S)
     context = mp.get_context("spawn")  # CUDA cannot be used in a forked child
     out: Queue[Any] = context.Queue()
-    receiver = context.Process(target=receiver_main, args=(group, manifest, out))
+    read = context.Event()
+    receiver = context.Process(target=receiver_main, args=(group, manifest, out, read))
     receiver.start()
     try:
         channel = connect(group, 0, timeout_s=TIMEOUT_S, host=HOST)
@@ -67,11 +83,12 @@ def test_ranks_on_one_gpu_hand_buckets_over_as_cuda_ipc_handles() -> None:
         channel.send(manifest, ({s.name: cuda[s.name] for s in b} for b in manifest.buckets))
         result = out.get(timeout=TIMEOUT_S)
     finally:
+        read.set()
         receiver.join(TIMEOUT_S)
         if receiver.is_alive():
             receiver.kill()
     assert result["kind"] == "IpcChannel" and result["devices"] == ["cuda"]
     assert result["weights"].keys() == state.keys()
     for name, tensor in state.items():
-        assert torch.equal(result["weights"][name], tensor), name
+        assert torch.equal(bfloat16_of(result["weights"][name]), tensor), name
     channel.close()

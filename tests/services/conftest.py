@@ -1,4 +1,5 @@
-"""Fixtures shared by the service tests: a random tiny model on disk and a local Ray instance."""
+"""Fixtures shared by the service tests: a Redis server and a local Ray instance (the tiny model
+on disk is tests/conftest.py's)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,9 @@ import pytest
 import ray
 
 from services.pipeline.actors import ACTOR_ENV
-from tests.services.generation.tiny_model import save_tiny_model
 from tests.services.store.redis_server import RedisServer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random tiny Qwen2 (`tests/services/generation/tiny_model.py`), saved once per session."""
-    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"))
 
 
 @pytest.fixture(scope="module")

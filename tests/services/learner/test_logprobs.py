@@ -12,6 +12,7 @@ model sees position differences within a row, which left padding does not change
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from transformers import AutoModelForCausalLM
 from kpo_core.losses import token_entropy
 from services.learner.batch import TrainingBatch, collate
 from services.learner.logprobs import ResponseLogProbs, reference_logprobs, response_logprobs
+from services.learner.packed_attention import register_packed_attention
 from tests.services.learner.conftest import sample_groups
 
 TOLERANCE = 5e-5
@@ -102,25 +104,11 @@ def test_chunked_logprobs_equal_one_projection_in_values_and_gradients(
     (expected_logp * weights).sum().backward()
     expected_grads = gradients(model.policy)
     torch.testing.assert_close(logp, expected_logp, rtol=0, atol=1e-9)
-    torch.testing.assert_close(entropy, expected_entropy, rtol=0, atol=1e-6)
+    # The reference's entropy is float32 (token_entropy), the chunked one float64 until its end.
+    torch.testing.assert_close(entropy, expected_entropy, rtol=0, atol=1e-5)
     assert chunked_grads.keys() == expected_grads.keys() and chunked_grads
     for name, grad in chunked_grads.items():
         torch.testing.assert_close(grad, expected_grads[name], rtol=0, atol=1e-9, msg=name)
-
-
-def test_the_head_never_sees_more_than_one_chunk(tiny_model_dir: Path) -> None:
-    batch = collate(sample_groups(tiny_model_dir), PAD, learner_version=0)
-    model = policy(tiny_model_dir, chunk_tokens=5)
-    rows_seen: list[int] = []
-    handle = model.policy.lm_head.register_forward_hook(
-        lambda module, args, output: rows_seen.append(output.shape[0])
-    )
-    logp, _ = model(batch, 1.0, with_entropy=False)
-    logp.sum().backward()
-    handle.remove()
-    valid = int(batch.response_mask.sum())
-    # Forward chunks, then the same chunks recomputed in the backward (activation checkpointing).
-    assert max(rows_seen) == 5 and sum(rows_seen) == 2 * valid
 
 
 def test_reference_logprobs_in_parts_equal_one_forward(tiny_model_dir: Path) -> None:
@@ -128,7 +116,7 @@ def test_reference_logprobs_in_parts_equal_one_forward(tiny_model_dir: Path) -> 
     model = policy(tiny_model_dir)
     with torch.no_grad():
         whole, _ = response_logprobs(model, batch, 1.0, with_entropy=False)
-    parts = list(torch.tensor_split(torch.arange(batch.num_rows), 5))
+    parts = [p.tolist() for p in torch.tensor_split(torch.arange(batch.num_rows), 5)]
     in_parts = reference_logprobs(model, batch, 1.0, parts)
     assert not in_parts.requires_grad
     torch.testing.assert_close(in_parts, whole, rtol=1e-6, atol=1e-6)
@@ -147,19 +135,24 @@ def test_a_batch_without_response_tokens_keeps_the_head_in_the_graph(tiny_model_
     assert head.grad is not None and bool((head.grad == 0).all())
 
 
-def poison_logits(model: ResponseLogProbs, cells: dict[int, float]) -> object:
-    """A forward hook on lm_head adding value v to a few logits of scored positions [N, V].
-
-    Added, as an overflow would make them: an assignment would also cut the gradient there.
-    """
+def poison_hidden(model: ResponseLogProbs, cells: dict[int, float]) -> object:
+    """A forward hook on the decoder's final norm adding value v to one feature of the hidden
+    state that scores position p (the p-th response token in row-major order), for each
+    (p, v) of `cells`: its logits are then NaN (v NaN) or +-inf (v inf), as an overflow would
+    make them. Added, not assigned: an assignment would also cut the gradient there."""
+    batch_width = {}
 
     def hook(module: torch.nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
         poison = torch.zeros_like(output)
-        for position, value in cells.items():
-            poison[position, : 1 + (position % 3)] = value  # a few vocabulary entries
+        for (row, column), value in cells.items():
+            poison[row, batch_width["prompt"] - 1 + column, 0] = value
         return output + poison
 
-    return model.policy.lm_head.register_forward_hook(hook)
+    def remember(batch: TrainingBatch) -> None:
+        batch_width["prompt"] = batch.prompt_width
+
+    handle = model.policy.model.norm.register_forward_hook(hook)
+    return handle, remember
 
 
 def test_nonfinite_logits_give_nan_logprobs_there_and_a_finite_gradient(
@@ -167,20 +160,16 @@ def test_nonfinite_logits_give_nan_logprobs_there_and_a_finite_gradient(
 ) -> None:
     batch = collate(sample_groups(tiny_model_dir), PAD, learner_version=0)
     model = policy(tiny_model_dir)
-    # Scored positions are the valid response tokens in row-major order: 0 is row 0's slot 0.
-    positions = batch.response_mask.nonzero()
-    cells = {0: float("nan"), 1: float("inf"), 2: float("-inf")}
-    handle = poison_logits(model, cells)
+    positions = [tuple(p) for p in batch.response_mask.nonzero().tolist()[:2]]
+    handle, remember = poison_hidden(model, dict(zip(positions, [float("nan"), float("inf")])))
+    remember(batch)
     logp, entropy = response_logprobs(model, batch, 1.0, with_entropy=True)
-    assert entropy is not None and bool(torch.isfinite(entropy).all())
-    # NaN and +inf make the position's log Z non-finite: NaN. -inf in a few entries is an
-    # ordinary (zero-probability) logit: the log-prob stays finite unless the token is one.
+    assert entropy is not None
     bad = torch.zeros_like(batch.response_mask)
-    for position in (0, 1):
-        row, column = positions[position].tolist()
-        assert bool(logp[row, column].isnan())
+    for row, column in positions:
+        assert bool(logp[row, column].isnan()) and bool(entropy[row, column].isnan())
         bad[row, column] = True
-    assert bool(torch.isfinite(logp[~bad]).all())
+    assert bool(torch.isfinite(logp[~bad]).all()) and bool(torch.isfinite(entropy[~bad]).all())
     # The loss drops the NaN tokens with where(); what reaches the weights must be finite.
     torch.where(bad, 0.0, logp).sum().backward()
     handle.remove()  # type: ignore[attr-defined]
@@ -188,21 +177,47 @@ def test_nonfinite_logits_give_nan_logprobs_there_and_a_finite_gradient(
         assert parameter.grad is not None and bool(torch.isfinite(parameter.grad).all()), name
 
 
-def test_packed_rows_give_the_log_probs_and_gradients_of_padded_rows(tiny_model_dir: Path) -> None:
-    """Rows concatenated without padding (what flash-attention runs on GPUs) against padded
-    rows. transformers attends within each packed row with any kernel (a block-diagonal mask
-    here), so the packing itself is checked on CPU; float64 for the same reason as above."""
-    batch = collate(sample_groups(tiny_model_dir), PAD, learner_version=0)
-    padded = policy(tiny_model_dir).double()
-    packed = policy(tiny_model_dir).double()
-    packed.packed = True
+def packed_policy(model_dir: Path) -> ResponseLogProbs:
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, attn_implementation=register_packed_attention()
+    )
+    return ResponseLogProbs(model, 1024, packed=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_packed_rows_give_the_log_probs_and_gradients_of_padded_rows(
+    tiny_model_dir: Path, dtype: torch.dtype
+) -> None:
+    """Rows concatenated without padding (`learner.pack_rows`; varlen attention on CUDA, each
+    row's own causal attention here) against padded rows, with rows of very different lengths
+    (a 2-token response beside 40-token ones) and a masked row. float64 sees the computation
+    itself; float32 is what the learner runs (tolerance 1e-5)."""
+    long_groups = sample_groups(tiny_model_dir, max_new_tokens=40, seed=5)
+    short_groups = sample_groups(tiny_model_dir, max_new_tokens=2, seed=6)
+    batch = collate(long_groups[:2] + short_groups[:1], PAD, learner_version=0)
+    lengths = sorted(set(batch.response_lengths))
+    assert lengths[0] <= 2 and lengths[-1] >= 20, lengths
+    mask = batch.response_mask.clone()
+    mask[1] = False  # a masked row (a NaN reward) is scored, then zeroed
+    batch = replace(batch, response_mask=mask)
+    padded = policy(tiny_model_dir).to(dtype)
+    packed = packed_policy(tiny_model_dir).to(dtype)
+    weights = torch.linspace(-1.0, 1.0, mask.numel(), dtype=dtype).reshape(mask.shape)
     results = []
     for model in (padded, packed):
         logp, entropy = model(batch, 0.7, with_entropy=True)
-        logp.sum().backward()
+        (logp * weights).sum().backward()
         results.append((logp, entropy, gradients(model.policy)))
     (logp, entropy, grads), (packed_logp, packed_entropy, packed_grads) = results
-    torch.testing.assert_close(packed_logp, logp, rtol=0, atol=1e-9)
-    torch.testing.assert_close(packed_entropy, entropy, rtol=0, atol=1e-6)
+    atol = 1e-9 if dtype == torch.float64 else 1e-5
+    assert bool((packed_logp[1] == 0).all()) and bool((packed_logp[0] != 0).any())
+    torch.testing.assert_close(packed_logp, logp, rtol=0, atol=atol)
+    torch.testing.assert_close(packed_entropy, entropy, rtol=0, atol=1e-5)
+    assert grads.keys() == packed_grads.keys() and grads
     for name, grad in grads.items():
-        torch.testing.assert_close(packed_grads[name], grad, rtol=0, atol=1e-9, msg=name)
+        # Relative to the gradient's own scale: float32 sums of many tokens' contributions (the
+        # embedding's rows) differ in their last bits between the two attention layouts.
+        scale = float(grad.abs().max())
+        error = float((packed_grads[name] - grad).abs().max())
+        print(f"{name}: max |packed - padded| {error:.2e} of a max |grad| {scale:.2e}")
+        assert error <= atol * max(scale, 1.0), name

@@ -65,6 +65,12 @@ class RankGroup:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
+    def max(self, tensor: Tensor) -> Tensor:
+        """The element-wise max of `tensor` over the ranks (in place, and returned)."""
+        if self.distributed:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor
+
     def sum_floats(self, values: list[float], device: torch.device) -> list[float]:
         """Sum a few Python floats over the ranks (float64 on the collective's device)."""
         summed = self.sum(torch.tensor(values, dtype=torch.float64, device=device))

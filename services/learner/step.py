@@ -30,6 +30,7 @@ metrics record. The policy, case by case, is docs/numerics.md.
 from __future__ import annotations
 
 import gc
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -49,13 +50,13 @@ from kpo_core.losses import (
     aggregate_loss,
     token_policy_loss,
 )
+from kpo_core.ratios import masked_mean_or
 from services.learner import checkpoint
 from services.learner.batch import TrainingBatch, collate
 from services.learner.distributed import RankGroup
 from services.learner.export import write_hf_files
 from services.learner.logprobs import reference_logprobs, response_logprobs
 from services.learner.lora import MergedWeights, base_model, write_adapter_config
-from kpo_core.ratios import masked_mean_or
 from services.learner.metrics import (
     PER_PASS,
     MinibatchAccumulator,
@@ -447,13 +448,12 @@ class LearnerCore:
         ).float()
 
     def _plan(self, batch: TrainingBatch) -> list[MicroBatch]:
-        """This rank's passes over `batch` (every rank computes every rank's plan alike)."""
-        real = batch.attention_mask.bool()
-        width_p = batch.prompt_width
-        prompts = real[:, :width_p].sum(-1).tolist()
-        responses = real[:, width_p:].sum(-1).tolist()
+        """This rank's passes over `batch` (every rank computes every rank's plan alike), from
+        the rows' host lengths: planning never waits on the device."""
         world, budget = self.group.world_size, self.learner.micro_batch_tokens
-        plan = plan_minibatch(prompts, responses, world, budget, self.model.packed)
+        plan = plan_minibatch(
+            batch.prompt_lengths, batch.response_lengths, world, budget, self.model.packed
+        )
         return plan[self.group.rank]
 
     def _references(self, batch: TrainingBatch) -> tuple[Tensor, Tensor | None]:
@@ -465,78 +465,109 @@ class LearnerCore:
         if self.algorithm.reference == "behaviour":
             return batch.behaviour_logp, None
         plan = self._plan(batch)
-        rows = [torch.tensor(micro.rows, device=self.device) for micro in plan if not micro.filler]
-        fillers = [torch.tensor(micro.rows, device=self.device) for micro in plan if micro.filler]
-        with compute_context(self.learner, self.device):
-            proximal = reference_logprobs(self.model, batch, self.temperature, rows)
-            # Filler passes keep the ranks' collectives in step; their values are dropped.
-            reference_logprobs(self.model, batch, self.temperature, fillers)
-        return self.group.sum(proximal), batch.behaviour_logp
+        rows = [micro.rows for micro in plan if not micro.filler]
+        fillers = [micro.rows for micro in plan if micro.filler]
+        try:
+            with compute_context(self.learner, self.device):
+                proximal = reference_logprobs(self.model, batch, self.temperature, rows)
+                # Filler passes keep the ranks' collectives in step; their values are dropped.
+                reference_logprobs(self.model, batch, self.temperature, fillers)
+        except torch.OutOfMemoryError:
+            pass  # raised below, outside the handler, once the failed pass's tensors are freed
+        else:
+            return self.group.sum(proximal), batch.behaviour_logp
+        free_device_memory(self.device)
+        # The largest of this rank's micro-batches names the size.
+        parts = [batch.select(micro.rows).cropped() for micro in plan]
+        failed = max(parts, key=lambda part: micro_batch_tokens(part, self.model.packed))
+        raise too_large(failed, self.model.packed, self.learner.micro_batch_tokens)
 
-    def _minibatch_rows(self, num_rows: int) -> list[Tensor]:
-        """Row indices of each minibatch: `minibatches` slices of a fresh seeded permutation."""
-        order = torch.randperm(num_rows, generator=self.generator)
-        slices = torch.tensor_split(order, self.learner.minibatches)
-        return [rows.to(self.device) for rows in slices if rows.numel()]
+    def _minibatch_rows(self, num_rows: int) -> list[list[int]]:
+        """Row indices of each minibatch, on the host: `minibatches` slices of a fresh seeded
+        permutation (drawn on the CPU generator; its one `tolist` waits on no device)."""
+        order = torch.randperm(num_rows, generator=self.generator).tolist()
+        size, extra = divmod(num_rows, self.learner.minibatches)
+        # tensor_split's slices: the first `extra` get one row more.
+        bounds = [i * size + min(i, extra) for i in range(self.learner.minibatches + 1)]
+        slices = [order[a:b] for a, b in itertools.pairwise(bounds)]
+        return [rows for rows in slices if rows]
 
     def _train_minibatch(
         self, minibatch: Minibatch, index: int | None, ratios: RatioLog
-    ) -> tuple[dict[str, float], int]:
+    ) -> tuple[MinibatchAccumulator, dict[str, float], int]:
         """This rank's micro-batches of one minibatch, then (if everything is finite) one
-        optimiser step. Returns the minibatch's metrics and this rank's forward passes.
+        optimiser step. Returns the minibatch's metrics, still on the device (`_minibatch_records`
+        reads them at the step's end), what its optimiser step decided, and this rank's passes.
 
         `index` (the minibatch's) is given in the first epoch, which also measures entropy.
         No step when no valid token is left: counted as skipped_minibatches if the minibatch
         had tokens (all NaN/inf), else as empty_minibatches (nothing to train).
+
+        The one read of the minibatch: its loss, valid tokens and gradient norm (summed over
+        the ranks), which decide whether AdamW steps; a skipped step must leave AdamW's moments
+        and step count as they were, which only a decision on the host can do for torch's AdamW.
         """
         self.optimizer.zero_grad(set_to_none=True)
         # The minibatch's own padded width, as its unsplit forward would be padded.
         normaliser = LossNormaliser.of(minibatch.valid(), minibatch.batch.longest_response)
         plan = self._plan(minibatch.batch)
-        parts: list[MicroBatchRecord] = []
-        loss_sum = 0.0
+        accumulator = MinibatchAccumulator()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for micro in plan:
             part = minibatch.part(micro)
-            record, views, loss_value = self._train_micro_batch(part, normaliser, index is not None)
-            loss_sum += loss_value
+            metrics, tokens, views, loss = self._train_micro_batch(
+                part, normaliser, index is not None
+            )
+            loss_sum = loss_sum + loss.to(torch.float64)
+            accumulator.add(metrics, tokens, real=not micro.filler)
             if not micro.filler:
-                parts.append(record)
                 ratios.add(*views, part, index)
-        merged = merge_micro_batches([r for rank in self.group.gather(parts) for r in rank])
-        metrics = merged.metrics
-        loss_value = self.group.sum_floats([loss_sum], self.device)[0]
-        valid = merged.tokens  # over every rank already
-        had_tokens = bool(minibatch.batch.response_mask.any())
+        had_tokens = minibatch.batch.response_mask.any().to(torch.float64)
+        totals = self.group.sum(torch.stack([loss_sum, accumulator.tokens, had_tokens]))
+        grad_norm = self._clip_gradients()
+        loss_value, valid, had, norm = torch.cat([totals, grad_norm.reshape(1)]).tolist()
         if valid == 0:
             self.optimizer.zero_grad(set_to_none=True)
-            metrics.update(
-                policy_loss=loss_value,
-                skipped_minibatches=float(had_tokens),
-                empty_minibatches=float(not had_tokens),
-            )
-            return metrics, len(plan)
-        grad_norm = self._clip_gradients()
-        applied = math.isfinite(loss_value) and math.isfinite(grad_norm)
+            outcome = {
+                "policy_loss": loss_value,
+                "skipped_minibatches": float(had > 0),
+                "empty_minibatches": float(had == 0),
+            }
+            return accumulator, outcome, len(plan)
+        applied = math.isfinite(loss_value) and math.isfinite(norm)
         if applied:
             self.optimizer.step()
         else:
             self.optimizer.zero_grad(set_to_none=True)
-        metrics.update(
-            policy_loss=loss_value,
-            grad_norm=grad_norm,
-            skipped_minibatches=float(not applied),
-            empty_minibatches=0.0,
-        )
-        return metrics, len(plan)
+        outcome = {
+            "policy_loss": loss_value,
+            "grad_norm": norm,
+            "skipped_minibatches": float(not applied),
+            "empty_minibatches": 0.0,
+        }
+        return accumulator, outcome, len(plan)
 
     def _train_micro_batch(
         self, part: Minibatch, normaliser: LossNormaliser, with_entropy: bool
-    ) -> tuple[MicroBatchRecord, tuple[Tensor, Tensor, Tensor], float]:
-        """Forward, loss (normalised by the whole minibatch), backward of one micro-batch.
+    ) -> tuple[dict[str, Tensor], Tensor, tuple[Tensor, Tensor, Tensor], Tensor]:
+        """Forward, loss (normalised by the whole minibatch), backward of one micro-batch; a
+        forward or backward that runs out of device memory raises `MicroBatchTooLarge`.
 
-        Returns its loss metrics, its (raw ratio, estimator ratio, mask) [b, t] for the ratio
-        diagnostics, and its share of the minibatch's loss.
+        Returns its loss metrics and valid token count (0-dim tensors, not read back), its
+        (raw ratio, estimator ratio, mask) [b, t] for the ratio diagnostics, and its share of
+        the minibatch's loss (detached).
         """
+        try:
+            return self._forward_backward(part, normaliser, with_entropy)
+        except torch.OutOfMemoryError:
+            pass  # raised below, outside the handler, once the failed pass's tensors are freed
+        self.optimizer.zero_grad(set_to_none=True)
+        free_device_memory(self.device)
+        raise too_large(part.batch, self.model.packed, self.learner.micro_batch_tokens)
+
+    def _forward_backward(
+        self, part: Minibatch, normaliser: LossNormaliser, with_entropy: bool
+    ) -> tuple[dict[str, Tensor], Tensor, tuple[Tensor, Tensor, Tensor], Tensor]:
         algorithm = self.algorithm
         with compute_context(self.learner, self.device):
             logp, entropy = response_logprobs(
@@ -560,24 +591,25 @@ class LearnerCore:
         # in the loss keeps masked and non-finite tokens' gradients exactly 0.
         torch.autograd.backward(loss)
         valid = token_loss.mask
-        metrics = dict(token_loss.metrics)
+        metrics = dict(token_loss.metric_tensors)
         if entropy is not None:
-            metrics["entropy"] = masked_mean(entropy, valid)
+            metrics["entropy"] = masked_mean_or(entropy, valid, 0.0)
         views = (raw_ratios(logp, part.ref_logp, valid), token_loss.ratio, valid)
-        return MicroBatchRecord(metrics, float(valid.sum())), views, float(loss.detach())
+        return metrics, valid.sum(), views, loss.detach()
 
-    def _clip_gradients(self) -> float:
-        """Total gradient 2-norm before clipping (over every rank's shard); clipped to
-        `max_grad_norm` unless it is None."""
+    def _clip_gradients(self) -> Tensor:
+        """Total gradient 2-norm before clipping (over every rank's shard), a 0-dim float64
+        tensor on the device; clipped to `max_grad_norm` unless it is None."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         if not params:
-            return 0.0
+            return torch.zeros((), dtype=torch.float64, device=self.device)
         if self.learner.max_grad_norm is None:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         else:
             norm = torch.nn.utils.clip_grad_norm_(params, self.learner.max_grad_norm)
         full = getattr(norm, "full_tensor", None)  # a DTensor under FSDP2
-        return float(full() if full is not None else norm)
+        total: Tensor = full() if full is not None else norm
+        return total.to(device=self.device, dtype=torch.float64)
 
     def _published(self) -> torch.nn.Module | WeightView:
         """What generation receives: the policy's weights, or with LoRA the base model's with

@@ -4,10 +4,10 @@ The head's logits of a 152k-word vocabulary in float32 are 0.6 MB per position: 
 micro-batch sizes they, their softmax and their gradient were most of the step's GPU time and
 memory. `vocab_chunked_logprobs` walks the positions in chunks of `position_chunk` and, within a
 chunk, the vocabulary in blocks of `vocab_chunk`, keeping an online log-sum-exp (running max m,
-running sum of exponentials s, and for the entropy the running sum of e^(l - m) l), so the
+running sum of exponentials s, and for the entropy the running sum of e^(l - m) (l - m)), so the
 largest float32 block is position_chunk x vocab_chunk:
 
-    log Z = m + log s,   logp = l[y] - log Z,   entropy = log Z - (sum_v e^(l_v - m) l_v) / s
+    log Z = m + log s,   logp = l[y] - log Z,   entropy = log s - (sum_v e^(l_v - m) (l_v - m)) / s
 
 with l = head(h) / temperature in float32 (the matrix product runs in the compute dtype, as
 under autocast). Only log Z [N] is saved for the backward, which recomputes each block's logits
@@ -99,18 +99,24 @@ class _VocabChunkedLogProbs(torch.autograd.Function):
                         torch.isneginf(new_max), 0.0, torch.exp(running_max - new_max)
                     )
                     weights = torch.exp(logits - new_max.unsqueeze(-1))
-                    running_sum = running_sum * rescale + weights.sum(-1)
                     if with_entropy:
-                        # 0 * -inf logits are NaN: a -inf logit adds nothing to E[l].
-                        products = torch.where(weights > 0, weights * logits, 0.0)
-                        running_dot = running_dot * rescale + products.sum(-1)
+                        # sum e^(l - m) (l - m), kept relative to the running max so that the
+                        # entropy is not a difference of two large numbers; moving the max from
+                        # m to m' shifts every earlier term by m - m'. A -inf logit adds 0.
+                        shift = torch.where(running_sum > 0, running_max - new_max, 0.0)
+                        centred = torch.where(
+                            weights > 0, weights * (logits - new_max.unsqueeze(-1)), 0.0
+                        )
+                        running_dot = (running_dot + shift * running_sum) * rescale
+                        running_dot = running_dot + centred.sum(-1)
+                    running_sum = running_sum * rescale + weights.sum(-1)
                     running_max = new_max
                     column, inside = _target_in_block(t, v_start, v_end - v_start)
                     picked = torch.where(inside, logits.gather(-1, column).squeeze(-1), picked)
                 log_z[start:end] = running_max + running_sum.log()
                 chosen[start:end] = picked
                 if with_entropy:
-                    entropy[start:end] = log_z[start:end] - running_dot / running_sum
+                    entropy[start:end] = running_sum.log() - running_dot / running_sum
         # log Z is NaN or +inf exactly when a logit of the position is NaN or +inf.
         bad = ~torch.isfinite(log_z)
         logp = torch.where(bad, torch.nan, chosen - log_z)

@@ -93,12 +93,16 @@ def _varlen(query: Tensor, key: Tensor, value: Tensor, rows: PackedRows, scale: 
         groups = query.shape[1] // key.shape[1]
         key, value = _repeat_heads(key, groups), _repeat_heads(value, groups)
     cumulative, longest = rows.cumulative, rows.longest
-    out: Tensor = varlen_attn(
+    out = varlen_attn(
         query, key, value, cumulative, cumulative, longest, longest, scale=scale, **options
     )
+    assert isinstance(out, Tensor)  # no auxiliary outputs asked for
     return out
 
 
+# Left out of a compiled layer: its loop over the rows would specialise the graph on every
+# layout of rows; it is the CPU reference, not the path compilation is for.
+@torch.compiler.disable  # type: ignore[untyped-decorator]
 def _per_row(query: Tensor, key: Tensor, value: Tensor, rows: PackedRows, scale: float) -> Tensor:
     """Causal SDPA over each row on its own: [X, H, D] in, [X, H, D] out."""
     groups = query.shape[1] // key.shape[1]
@@ -128,7 +132,7 @@ def packed_attention(
     """transformers' attention interface: query [1, H, X, D], key/value [1, H_kv, X, D] ->
     ([1, X, H, D], None). Any mask but `PackedRows` goes to SDPA unchanged."""
     if not isinstance(attention_mask, PackedRows):
-        return sdpa_attention_forward(  # type: ignore[no-any-return]
+        return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     if query.shape[0] != 1:

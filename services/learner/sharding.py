@@ -32,6 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from services.learner.distributed import RankGroup
 from services.learner.logprobs import ResponseLogProbs
 from services.learner.lora import apply_lora
+from services.learner.packed_attention import register_packed_attention, varlen_available
 from services.spec import LearnerConfig
 
 
@@ -51,6 +52,35 @@ def decoder_layers(policy: nn.Module) -> list[nn.Module]:
 def compute_dtype(learner: LearnerConfig) -> torch.dtype:
     dtype: torch.dtype = getattr(torch, learner.compute_dtype)
     return dtype
+
+
+def pack_rows(learner: LearnerConfig, device: torch.device) -> bool:
+    """Whether micro-batches are packed without padding: as set, or with `auto` where a
+    variable-length kernel runs them (CUDA with SDPA and torch's varlen attention, or
+    flash-attention); padded elsewhere, where per-row attention would be slower than padding."""
+    if learner.pack_rows != "auto":
+        return learner.pack_rows
+    if learner.attn_implementation.startswith("flash_attention"):
+        return True
+    return device.type == "cuda" and learner.attn_implementation == "sdpa" and varlen_available()
+
+
+def attention_implementation(learner: LearnerConfig, packed: bool) -> str:
+    """The policy's attention: flash-attention packs by itself; every other packed model
+    attends through `packed_attention` (SDPA for any padded forward)."""
+    if packed and not learner.attn_implementation.startswith("flash_attention"):
+        return register_packed_attention()
+    return learner.attn_implementation
+
+
+def compile_layers(policy: nn.Module) -> None:
+    """Compile each decoder layer on its own (regional compilation): the layers share one
+    code object, so one compilation serves them all, and a graph break stays inside a layer.
+    Shapes vary with the micro-batch; dynamic shapes after the first recompilation keep that
+    to a few compilations, and packed rows are rounded to a few lengths
+    (`logprobs.COMPILED_LENGTH_MULTIPLE`)."""
+    for layer in decoder_layers(policy):
+        layer.compile()
 
 
 def _load(model_path: str, on_meta: bool, attention: str) -> nn.Module:
@@ -76,16 +106,26 @@ def build_policy(
     train (services.learner.lora)."""
     sharded = learner.strategy == "fsdp2"
     on_meta = sharded and group.rank != 0
-    policy = _load(model_path, on_meta, learner.attn_implementation).eval()
+    packed = pack_rows(learner, device)
+    policy = _load(model_path, on_meta, attention_implementation(learner, packed)).eval()
     if learner.lora is not None:
         # Before activation checkpointing and sharding, which wrap the modules PEFT replaces.
         policy = apply_lora(policy, learner.lora)
-    # Flash-attention takes variable-length rows: micro-batches are packed, not padded.
-    packed = learner.attn_implementation.startswith("flash_attention")
-    model = ResponseLogProbs(policy, learner.logprob_chunk_tokens, packed)
+    model = ResponseLogProbs(
+        policy,
+        learner.logprob_chunk_tokens,
+        learner.logprob_vocab_chunk,
+        packed=packed,
+        flash=learner.attn_implementation.startswith("flash_attention"),
+        compiled=learner.compile,
+    )
     if learner.gradient_checkpointing:
         for layer in decoder_layers(policy):
             checkpoint_activations(layer)
+    if learner.compile:
+        # After activation checkpointing (recomputation replays the compiled layer) and
+        # before sharding (FSDP2's hooks stay outside the compiled region), as torchtitan does.
+        compile_layers(policy)
     if not sharded:
         return model.to(device)
     full_state = None if on_meta else policy.state_dict()

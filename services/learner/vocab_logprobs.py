@@ -57,7 +57,7 @@ class _VocabChunkedLogProbs(torch.autograd.Function):
     """(logp [N], entropy [N]) of `vocab_chunked_logprobs`; entropy carries no gradient."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden: Tensor,
         weight: Tensor,
@@ -127,7 +127,7 @@ class _VocabChunkedLogProbs(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: Any, grad_logp: Tensor, _grad_entropy: Tensor | None
     ) -> tuple[Tensor | None, ...]:
         hidden, weight, bias, targets, log_z = ctx.saved_tensors
@@ -204,7 +204,7 @@ def vocab_chunked_logprobs(
         raise ValueError(
             f"position_chunk and vocab_chunk must be >= 1, got {position_chunk}, {vocab_chunk}"
         )
-    logp, entropy = _VocabChunkedLogProbs.apply(
+    logp, entropy = _VocabChunkedLogProbs.apply(  # type: ignore[no-untyped-call]
         hidden, weight, bias, targets, temperature, position_chunk, vocab_chunk, with_entropy
     )
     return logp, entropy

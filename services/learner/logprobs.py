@@ -193,7 +193,7 @@ class ResponseLogProbs(nn.Module):
         if not self.packed:
             hidden = decoder(
                 input_ids=batch.input_ids,
-                attention_mask=batch.attention_mask,
+                attention_mask=EveryLayer(self._padded_mask(batch)),
                 position_ids=batch.position_ids,
                 use_cache=False,
             ).last_hidden_state
@@ -237,6 +237,28 @@ class ResponseLogProbs(nn.Module):
             **extra,
         ).last_hidden_state[0]
         return hidden, scored
+
+    def _padded_mask(self, batch: TrainingBatch) -> Tensor | None:
+        """The causal mask of padded rows [B, 1, L, L], from the host lengths: None (plain
+        causal attention, SDPA's fastest kernels) when no row is padded. A padding query
+        attends every key, so that no softmax row is empty (NaN); real queries never see
+        padding, so those rows reach nothing that is scored. Additive (0 / min) for eager
+        attention, boolean for the rest."""
+        total, width_p = batch.input_ids.shape[1], batch.prompt_width
+        full = all(p == width_p for p in batch.prompt_lengths) and all(
+            width_p + t == total for t in batch.response_lengths
+        )
+        if full:
+            return None
+        real = batch.attention_mask.bool()
+        causal = torch.ones((total, total), dtype=torch.bool, device=real.device).tril()
+        mask = (causal & real[:, None, :]) | ~real[:, :, None]
+        mask = mask.unsqueeze(1)
+        if self.policy.config._attn_implementation != "eager":  # type: ignore[union-attr]
+            return mask
+        dtype = next(self.policy.parameters()).dtype
+        additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+        return additive.masked_fill(~mask, torch.finfo(dtype).min)
 
 
 def response_logprobs(

@@ -57,15 +57,17 @@ class PackedRows:
 
 
 class EveryLayer(dict[str, Any]):
-    """The per-layer-type mask mapping a decoder takes, answering the packed rows for every
-    layer type (full and sliding attention alike: a row is shorter than any window we train)."""
+    """The per-layer-type mask mapping a decoder takes, answering the same mask (packed rows,
+    or a prepared padded mask) for every layer type: full and sliding attention alike, as a
+    row is shorter than any window we train with. Given this, transformers builds no mask of
+    its own (which would read the padding mask back to decide whether it can skip it)."""
 
-    def __init__(self, rows: PackedRows) -> None:
+    def __init__(self, mask: PackedRows | Tensor | None) -> None:
         super().__init__()
-        self.rows = rows
+        self.mask = mask
 
-    def __missing__(self, key: str) -> PackedRows:
-        return self.rows
+    def __missing__(self, key: str) -> PackedRows | Tensor | None:
+        return self.mask
 
 
 def _varlen_options() -> dict[str, Any]:

@@ -160,9 +160,17 @@ class MemoryEstimate:
     total: float
 
 
-def logits_bytes(shape: ModelShape, positions: int, dtype_bytes: int) -> float:
-    """5 C V 4 + b V H: the head's working memory for a chunk of C positions (below)."""
-    return 5 * positions * shape.vocab * 4 + dtype_bytes * shape.vocab * shape.hidden
+# learner.logprob_vocab_chunk's default: the head's logits are float32 blocks of C x this.
+VOCAB_CHUNK = 32_768
+
+
+def logits_bytes(
+    shape: ModelShape, positions: int, dtype_bytes: int, vocab_chunk: int = VOCAB_CHUNK
+) -> float:
+    """5 C Vc 4 + b V H: the head's working memory for a block of C positions x Vc
+    vocabulary entries (below)."""
+    block = positions * min(vocab_chunk, shape.vocab)
+    return 5 * block * 4 + dtype_bytes * shape.vocab * shape.hidden
 
 
 def estimate_rank_memory(
@@ -177,7 +185,7 @@ def estimate_rank_memory(
     """Peak memory of one learner rank. P parameters (P_root: embedding, final norm, untied
     head; P_layer: one decoder layer; `param_counts`), W ranks, N padded tokens per micro-batch,
     H hidden, I intermediate, L layers, V vocabulary, b bytes of the compute dtype,
-    C = min(logprob_chunk_tokens, N):
+    C = min(logprob_chunk_tokens, N), Vc = min(logprob_vocab_chunk, V):
 
         states   = 16 P / W      float32 weights, gradients, AdamW m and v, each 1/W per rank
         gathered = b (P_root + 2 P_layer) + 4 P_root                         (W > 1)
@@ -189,9 +197,10 @@ def estimate_rank_memory(
                    attention output, residuals: ~12 H; gate, up, their product: 4 I)
         saved    = L N H b                kept through the backward with gradient
                    checkpointing (each layer's input); L x layer without
-        logits   = 5 C V 4 + b V H        the float32 logits of one chunk, recomputed in the
-                   backward, with logsumexp's exp, its gradient, the gather's gradient and their
-                   sum (5 copies, measured), and the head weight's gradient from that chunk
+        logits   = 5 C Vc 4 + b V H       one float32 block of logits, recomputed in the
+                   backward, with its exponentials, their products (forward) or the softmax,
+                   its gradient and the gradient's cast (backward): about 5 copies; and the
+                   head weight's gradient
         working  = max(logits, layer)     the largest transient (logits alone without
                    checkpointing)
         total    = gathered + saved + max(states + logits, states + layer)

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: system-deps venv lint typecheck test test-vllm test-integrations test-deploy gpu-check helm-docs demo study bench bench-pipeline bench-learner bench-weight-sync bench-api bench-load soak driver-memory bench-generation bench-integrations audit clean
+.PHONY: system-deps venv lint typecheck test test-vllm test-integrations test-deploy gpu-check helm-docs demo study bench bench-pipeline bench-learner bench-learner-speed bench-weight-sync bench-api bench-load soak driver-memory bench-generation bench-integrations audit clean
 
 # The CPU build of torch goes in first: the package's torch range then resolves to it and
 # nothing pulls a CUDA build.
@@ -38,7 +38,7 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy kpo_core services benchmarks/study.py benchmarks/stability_study benchmarks/bench_load.py benchmarks/soak.py \
-		benchmarks/driver_memory.py benchmarks/bench_learner.py benchmarks/bench_weight_sync.py benchmarks/bench_pipeline.py \
+		benchmarks/driver_memory.py benchmarks/bench_learner.py benchmarks/bench_learner_speed.py benchmarks/bench_weight_sync.py benchmarks/bench_pipeline.py \
 		scripts/audit_dependencies.py scripts/gpu_check.py
 
 # tests/gpu runs where a GPU exists (scripts/gpu_check.sh); the CPU suite covers the same code.
@@ -90,6 +90,14 @@ bench-pipeline: $(STAMP)
 bench-learner: $(STAMP)
 	$(PY) benchmarks/bench_learner.py $(LEARNER_ARGS)
 
+# The learner's speed. On a GPU (LEARNER_SPEED_ARGS="--device cuda"): LearnerCore.train_step
+# against a plain hand-written step on three Qwen2.5-shaped cases (seconds per step, tokens/s,
+# MFU, peak memory, host syncs; ~3 min on one H200). By default, on CPU: the vocabulary-chunked
+# log-prob path against the per-position-chunk one, and a step's host reads (~2 min on 2 cores).
+LEARNER_SPEED_ARGS ?= --device cpu
+bench-learner-speed: $(STAMP)
+	$(PY) benchmarks/bench_learner_speed.py $(LEARNER_SPEED_ARGS)
+
 # Weight sync, object_store vs collective: seconds from the end of a learner step to two
 # generation workers holding the new weights, and each process's peak extra host memory, on
 # random models of Qwen2.5-0.5B's and 1.5B's shapes (about 16 GB of RAM at its peak). Flags
@@ -103,12 +111,14 @@ test-deploy: system-deps $(STAMP)
 
 # The checks that need a GPU, on a machine with one (never in CI): a short pipeline run on one GPU
 # (a random ~0.5B Qwen2 model, 3 learner steps on CUDA, vLLM, the collective weight transport;
-# each stage timed; within 8 minutes, nothing downloaded), then tests/gpu. PYTHON must have a
-# CUDA build of torch and vLLM (the gpu-worker image has both), e.g.
-# `make gpu-check GPU_PYTHON=/opt/venv/bin/python`.
+# each stage timed; within 8 minutes, nothing downloaded), then the learner part: tests/gpu and
+# the learner's speed against a plain step (within 5 minutes; torch and transformers only, no
+# vLLM or Ray). PYTHON must have a CUDA build of torch and, for the pipeline, vLLM and Ray (the
+# gpu-worker image has them), e.g. `make gpu-check GPU_PYTHON=/opt/venv/bin/python`;
+# `GPU_CHECK_PARTS=learner` runs the learner part alone.
 GPU_PYTHON ?= $(PY)
 gpu-check:
-	PYTHON=$(GPU_PYTHON) bash scripts/gpu_check.sh
+	PYTHON=$(GPU_PYTHON) bash scripts/gpu_check.sh $(GPU_CHECK_PARTS)
 
 # The dependency audit: every package of the virtualenv checked for known vulnerabilities with
 # pip-audit (pinned in requirements/audit.txt), falling back to PyPI's project JSON where its

@@ -8,7 +8,8 @@ implementation registered here as `PACKED_ATTENTION` reads them:
 
 - on CUDA, `torch.nn.attention.varlen.varlen_attn` (torch 2.10+: flash-attention's
   variable-length kernel, causal, grouped-query), with no flash-attn package;
-- elsewhere (the CPU reference that CI checks packed == padded with), causal SDPA row by row.
+- elsewhere (the CPU reference that CI checks packed == padded with, and float32 on CUDA),
+  causal SDPA row by row.
 
 A model loaded with this implementation attends as SDPA when it is given an ordinary mask, so
 the same model serves padded forwards too.
@@ -141,8 +142,23 @@ def packed_attention(
         raise ValueError(f"packed rows are one sequence, got a batch of {query.shape[0]}")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = (states[0].transpose(0, 1) for states in (query, key, value))  # [X, H, D]
-    attend = _varlen if q.is_cuda else _per_row
-    return attend(q, k, v, attention_mask, scale).unsqueeze(0), None
+    dtype = _half_dtype(q)
+    if dtype is None:
+        return _per_row(q, k, v, attention_mask, scale).unsqueeze(0), None
+    # varlen_attn is a custom op autocast does not cast, and its kernels take one 16-bit
+    # dtype; under autocast the rotary embedding hands q and k over in float32.
+    q, k, v = (states.to(dtype) for states in (q, k, v))
+    return _varlen(q, k, v, attention_mask, scale).unsqueeze(0), None
+
+
+def _half_dtype(states: Tensor) -> torch.dtype | None:
+    """The 16-bit dtype the variable-length kernel runs in here (autocast's, else the
+    states'), or None where it cannot: off CUDA, or in float32."""
+    if not states.is_cuda:
+        return None
+    device = states.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else states.dtype
+    return dtype if dtype in (torch.float16, torch.bfloat16) else None
 
 
 def register_packed_attention() -> str:

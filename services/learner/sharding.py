@@ -56,13 +56,19 @@ def compute_dtype(learner: LearnerConfig) -> torch.dtype:
 
 def pack_rows(learner: LearnerConfig, device: torch.device) -> bool:
     """Whether micro-batches are packed without padding: as set, or with `auto` where a
-    variable-length kernel runs them (CUDA with SDPA and torch's varlen attention, or
-    flash-attention); padded elsewhere, where per-row attention would be slower than padding."""
+    variable-length kernel runs them (CUDA with SDPA, bfloat16 compute and torch's varlen
+    attention, or flash-attention); padded elsewhere, where per-row attention would be slower
+    than padding."""
     if learner.pack_rows != "auto":
         return learner.pack_rows
     if learner.attn_implementation.startswith("flash_attention"):
         return True
-    return device.type == "cuda" and learner.attn_implementation == "sdpa" and varlen_available()
+    return (
+        device.type == "cuda"
+        and learner.attn_implementation == "sdpa"
+        and learner.compute_dtype == "bfloat16"
+        and varlen_available()
+    )
 
 
 def attention_implementation(learner: LearnerConfig, packed: bool) -> str:

@@ -149,9 +149,10 @@ def run_script(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_script_fails_without_a_gpu_rather_than_skip() -> None:
-    result = run_script("tests")
-    assert result.returncode != 0
-    assert "gpu_check: no CUDA device visible" in result.stderr
+    for part in ("tests", "learner"):
+        result = run_script(part)
+        assert result.returncode != 0
+        assert "gpu_check: no CUDA device visible" in result.stderr
     unknown = run_script("pipelin")
     assert unknown.returncode == 2 and "unknown part 'pipelin'" in unknown.stderr
 
@@ -164,3 +165,31 @@ def test_ci_never_runs_the_gpu_check() -> None:
     ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
     assert "gpu-check" not in ci and "gpu_check" not in ci and "tests/gpu" not in ci
     assert re.search(r"^gpu-check:", makefile, re.M)
+
+
+# What a bare CUDA machine lacks: the pipeline part needs them, the learner part must not.
+PIPELINE_ONLY = ("ray", "vllm", "fastapi", "redis")
+LEARNER_PART_MODULES = (
+    "tests.conftest",
+    "tests.gpu.conftest",
+    "tests.gpu.test_learner_cuda",
+    "tests.gpu.test_weights_ipc",
+    "bench_learner_speed",
+)
+
+
+def test_the_learner_part_imports_neither_ray_nor_vllm_nor_the_control_plane() -> None:
+    # None in sys.modules makes any import of the name fail, as on a machine without it.
+    blocked = "; ".join(f"sys.modules[{name!r}] = None" for name in PIPELINE_ONLY)
+    imports = "; ".join(f"import {module}" for module in LEARNER_PART_MODULES)
+    python_path = os.pathsep.join([str(REPO), str(REPO / "benchmarks")])
+    result = subprocess.run(
+        [sys.executable, "-c", f"import sys; {blocked}; {imports}"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": python_path},
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]

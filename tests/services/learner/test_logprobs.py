@@ -135,24 +135,21 @@ def test_a_batch_without_response_tokens_keeps_the_head_in_the_graph(tiny_model_
     assert head.grad is not None and bool((head.grad == 0).all())
 
 
-def poison_hidden(model: ResponseLogProbs, cells: dict[int, float]) -> object:
-    """A forward hook on the decoder's final norm adding value v to one feature of the hidden
-    state that scores position p (the p-th response token in row-major order), for each
-    (p, v) of `cells`: its logits are then NaN (v NaN) or +-inf (v inf), as an overflow would
-    make them. Added, not assigned: an assignment would also cut the gradient there."""
-    batch_width = {}
+def poison_hidden(
+    model: ResponseLogProbs, batch: TrainingBatch, cells: dict[tuple[int, int], float]
+) -> torch.utils.hooks.RemovableHandle:
+    """A forward hook on the decoder's final norm adding v to one feature of the hidden state
+    that scores response slot (r, j) (padded column P - 1 + j of row r), for each ((r, j), v)
+    of `cells`: its logits are then NaN (v NaN) or +-inf (v inf), as an overflow would make
+    them. Added, not assigned: an assignment would also cut the gradient there."""
 
     def hook(module: torch.nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
         poison = torch.zeros_like(output)
         for (row, column), value in cells.items():
-            poison[row, batch_width["prompt"] - 1 + column, 0] = value
+            poison[row, batch.prompt_width - 1 + column, 0] = value
         return output + poison
 
-    def remember(batch: TrainingBatch) -> None:
-        batch_width["prompt"] = batch.prompt_width
-
-    handle = model.policy.model.norm.register_forward_hook(hook)
-    return handle, remember
+    return model.policy.model.norm.register_forward_hook(hook)
 
 
 def test_nonfinite_logits_give_nan_logprobs_there_and_a_finite_gradient(
@@ -160,9 +157,9 @@ def test_nonfinite_logits_give_nan_logprobs_there_and_a_finite_gradient(
 ) -> None:
     batch = collate(sample_groups(tiny_model_dir), PAD, learner_version=0)
     model = policy(tiny_model_dir)
-    positions = [tuple(p) for p in batch.response_mask.nonzero().tolist()[:2]]
-    handle, remember = poison_hidden(model, dict(zip(positions, [float("nan"), float("inf")])))
-    remember(batch)
+    (first, second) = [(r, c) for r, c in batch.response_mask.nonzero().tolist()[:2]]
+    handle = poison_hidden(model, batch, {first: float("nan"), second: float("inf")})
+    positions = (first, second)
     logp, entropy = response_logprobs(model, batch, 1.0, with_entropy=True)
     assert entropy is not None
     bad = torch.zeros_like(batch.response_mask)
@@ -172,7 +169,7 @@ def test_nonfinite_logits_give_nan_logprobs_there_and_a_finite_gradient(
     assert bool(torch.isfinite(logp[~bad]).all()) and bool(torch.isfinite(entropy[~bad]).all())
     # The loss drops the NaN tokens with where(); what reaches the weights must be finite.
     torch.where(bad, 0.0, logp).sum().backward()
-    handle.remove()  # type: ignore[attr-defined]
+    handle.remove()
     for name, parameter in model.named_parameters():
         assert parameter.grad is not None and bool(torch.isfinite(parameter.grad).all()), name
 

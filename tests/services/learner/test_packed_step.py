@@ -55,7 +55,10 @@ def test_rows_are_packed_by_default_only_where_a_variable_length_kernel_runs_the
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert not pack_rows(LearnerConfig(), cpu)
     assert pack_rows(LearnerConfig(pack_rows=True), cpu)
-    assert not pack_rows(LearnerConfig(pack_rows=False, device="cuda"), cuda)
+    bfloat16 = {"device": "cuda", "compute_dtype": "bfloat16"}
+    assert pack_rows(LearnerConfig(**bfloat16), cuda)
+    assert not pack_rows(LearnerConfig(pack_rows=False, **bfloat16), cuda)
+    assert not pack_rows(LearnerConfig(device="cuda"), cuda)  # float32: varlen needs 16 bits
     assert not pack_rows(LearnerConfig(attn_implementation="eager", device="cuda"), cuda)
     assert pack_rows(LearnerConfig(attn_implementation="flash_attention_2"), cpu)
     assert attention_implementation(LearnerConfig(pack_rows=True), True) == PACKED_ATTENTION

@@ -66,6 +66,7 @@ def group_advantages(
     eps: float = 1e-6,
     std_unbiased: bool = True,
     nonfinite: NonFiniteRewards = "raise",
+    num_groups: int | None = None,
 ) -> Tensor:
     """Group-relative advantage of every response.
 
@@ -82,6 +83,11 @@ def group_advantages(
         nonfinite: ``"raise"``: NaN/inf rewards are an error; ``"drop"``: such a response gets
             advantage 0 and is left out of its group's mean, std and size (the caller finds
             them with ``~torch.isfinite(rewards)``).
+        num_groups: when the caller knows its groups on the host: their number ``K``, with
+            ``group_ids`` already their indices in ``[0, K)`` (a group may have no response).
+            The distinct ids are then not looked up with ``torch.unique``, whose data-dependent
+            output waits on the device; the advantages are the same. Ids outside ``[0, K)``
+            are the caller's error (not checked: that would wait on the device too).
 
     Returns:
         ``[N]`` advantages ``A_i`` on ``rewards``' device, with ``rewards``' dtype if it is a
@@ -93,7 +99,7 @@ def group_advantages(
         ValueError: ``rewards`` or ``group_ids`` not 1-D, different lengths or devices,
             ``group_ids`` not integer, ``rewards`` containing NaN/inf with ``nonfinite="raise"``
             (the message gives how many and the first index), unknown ``mode`` or
-            ``nonfinite``, or ``eps`` negative or not finite.
+            ``nonfinite``, ``eps`` negative or not finite, or ``num_groups`` negative.
     """
     _check_1d("rewards", rewards)
     _check_1d("group_ids", group_ids)
@@ -118,6 +124,8 @@ def group_advantages(
         raise ValueError(f"nonfinite must be one of {_NONFINITE}, got {nonfinite!r}")
     if not (eps >= 0.0 and eps != float("inf")):  # written so that NaN fails too
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
+    if num_groups is not None and num_groups < 0:
+        raise ValueError(f"num_groups must be >= 0, got {num_groups}")
 
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
     keep = torch.isfinite(rewards) if rewards.is_floating_point() else None
@@ -142,8 +150,11 @@ def group_advantages(
     r = torch.where(keep, r, torch.zeros_like(r))
 
     # inverse[i] in [0, K) is the dense index of response i's group; K = number of groups.
-    unique_ids, inverse = torch.unique(group_ids, return_inverse=True)
-    num_groups = unique_ids.shape[0]
+    if num_groups is None:
+        unique_ids, inverse = torch.unique(group_ids, return_inverse=True)
+        num_groups = unique_ids.shape[0]
+    else:
+        inverse = group_ids.long()
 
     counts = torch.zeros(num_groups, dtype=dtype, device=r.device).index_add_(
         0, inverse, keep.to(dtype)

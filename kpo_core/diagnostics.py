@@ -11,16 +11,32 @@ masked positions are removed (not treated as tokens), so left padding, right pad
 interior holes all give the same result. Work is tensorised over tokens and responses; the only
 Python loops are over the three token types and, in the low-frequency ratio, over the distinct
 response lengths (a length-n DFT cannot be taken on a zero-padded row).
+
+Everything is computed on the device the ratios are on. Each scalar statistic is a quotient of
+two sums over responses (`diagnostic_sums`), so the sums of disjoint sets of responses (e.g.
+those of several ranks) add up to those of their union, and `diagnostics_of_sums` finishes
+them. Only the response lengths and the results are read back to the host: the lengths set the
+shapes (the longest response, the distinct lengths of the DFTs), and a caller that knows them
+on the host already passes them to `diagnostic_sums`, which then reads nothing back.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["ratio_diagnostics", "token_types"]
+__all__ = [
+    "DIAGNOSTIC_SCALARS",
+    "DIAGNOSTIC_SUMS",
+    "diagnostic_sums",
+    "diagnostics_of_sums",
+    "ratio_diagnostics",
+    "token_types",
+]
 
 UP = 1
 DOWN = -1
@@ -28,6 +44,20 @@ ON = 0
 # Type code for positions past a response's end: differs from every real type so that a run
 # can never continue into padding.
 _PAD_TYPE = 2
+
+# The scalar statistics of `ratio_diagnostics`, in the order of their sums in `diagnostic_sums`.
+DIAGNOSTIC_SCALARS = (
+    "switch_frequency",
+    "run_length_up",
+    "run_length_down",
+    "run_length_on",
+    "low_frequency_ratio",
+    "global_variance",
+    "local_variance",
+)
+# The length of `diagnostic_sums`: the NaN and inf counts, then a (numerator, denominator) pair
+# per scalar statistic.
+DIAGNOSTIC_SUMS = 2 + 2 * len(DIAGNOSTIC_SCALARS)
 
 
 def token_types(ratios: Tensor, low: float = 3e-4, high: float = 4e-4) -> Tensor:
@@ -48,7 +78,8 @@ def token_types(ratios: Tensor, low: float = 3e-4, high: float = 4e-4) -> Tensor
 
 
 def _validate(ratios: Tensor, mask: Tensor, window: int, lfr_cutoff: float) -> Tensor:
-    """Check shapes, arguments and finiteness; return the mask as a [B, T] bool tensor."""
+    """Check shapes and arguments (finiteness is `_nonfinite`'s); return the mask as a [B, T]
+    bool tensor on the ratios' device."""
     if ratios.dim() != 2:
         raise ValueError(f"ratios must be 2-D [B, T], got shape {tuple(ratios.shape)}")
     if mask.shape != ratios.shape:
@@ -61,20 +92,25 @@ def _validate(ratios: Tensor, mask: Tensor, window: int, lfr_cutoff: float) -> T
         raise ValueError(f"window must be >= 1, got {window}")
     if not 0.0 < lfr_cutoff <= 1.0:
         raise ValueError(f"lfr_cutoff must be in (0, 1], got {lfr_cutoff}")
-    valid = mask.to(device=ratios.device, dtype=torch.bool)
-    # Only valid positions must be finite: padding routinely holds garbage.
+    return mask.to(device=ratios.device, dtype=torch.bool)
+
+
+def _nonfinite(ratios: Tensor, valid: Tensor) -> Tensor:
+    """[2] float64: the NaN and the +-inf ratios at valid positions (padding may hold anything)."""
     bad = valid & ~torch.isfinite(ratios)
-    if bool(bad.any()):
-        n_nan = int((bad & torch.isnan(ratios)).sum())
-        n_inf = int(bad.sum()) - n_nan
+    n_nan = (bad & torch.isnan(ratios)).sum()
+    return torch.stack([n_nan, bad.sum() - n_nan]).to(torch.float64)
+
+
+def _check_finite(n_nan: float, n_inf: float) -> None:
+    if n_nan or n_inf:
         raise ValueError(
             f"ratios contain non-finite values at valid (unmasked) positions: "
-            f"{n_nan} NaN, {n_inf} inf"
+            f"{int(n_nan)} NaN, {int(n_inf)} inf"
         )
-    return valid
 
 
-def _compact(ratios: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _compact(ratios: Tensor, valid: Tensor, max_len: int) -> tuple[Tensor, Tensor, Tensor]:
     """Left-align each response's valid tokens, preserving their order.
 
     Token t of response b goes to column c = (number of valid tokens before t), computed with
@@ -82,7 +118,8 @@ def _compact(ratios: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     scratch column T that is then dropped.
 
     Args:
-        ratios: [B, T] ratios (any float dtype); valid: [B, T] bool.
+        ratios: [B, T] ratios (any float dtype); valid: [B, T] bool; max_len: the most valid
+            tokens of a response (known on the host: no read here).
 
     Returns:
         x: [B, L] float64 compacted ratios, L = max_b n_b; positions >= n_b hold 1.0.
@@ -96,7 +133,6 @@ def _compact(ratios: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     src = torch.where(valid, ratios.to(torch.float64), 1.0)
     out = torch.ones(b, t + 1, dtype=torch.float64, device=ratios.device)
     out.scatter_(1, dest, src)
-    max_len = int(lengths.max()) if b > 0 else 0
     x = out[:, :max_len]
     keep = torch.arange(max_len, device=ratios.device)[None, :] < lengths[:, None]
     return x, keep, lengths
@@ -114,11 +150,16 @@ def _to_windows(values: Tensor, window: int, fill: float | int | bool) -> Tensor
     return padded.reshape(b, n_windows, window)
 
 
-def _masked_mean(values: Tensor, include: Tensor) -> Tensor:
-    """Mean of `values` over entries where `include` is True; 0.0 if there are none."""
-    count = include.sum()
+def _masked_sum(values: Tensor, include: Tensor) -> Tensor:
+    """[2] float64 (sum of `values` where `include` is True, number of such entries): their
+    mean is the quotient (0.0 if there are none, `_quotient`)."""
     total = torch.where(include, values, 0.0).sum()
-    return torch.where(count > 0, total / count.clamp(min=1), 0.0)
+    return torch.stack([total, include.sum().to(torch.float64)])
+
+
+def _quotient(numerator: float, denominator: float) -> float:
+    """numerator / denominator, 0.0 for an empty average (denominator 0)."""
+    return numerator / denominator if denominator > 0 else 0.0
 
 
 def _run_lengths(types: Tensor, keep: Tensor) -> Tensor:
@@ -133,7 +174,7 @@ def _run_lengths(types: Tensor, keep: Tensor) -> Tensor:
         types: [B, L] int8 token types of the compacted sequences; keep: [B, L] bool.
 
     Returns:
-        [3] float64: mean run length of (up, down, on).
+        [6] float64: (tokens, runs) of up, of down, of on: the mean run lengths' sums.
     """
     coded = torch.where(keep, types, torch.full_like(types, _PAD_TYPE))
     starts = keep.clone()
@@ -141,10 +182,9 @@ def _run_lengths(types: Tensor, keep: Tensor) -> Tensor:
     out = []
     for tau in (UP, DOWN, ON):
         is_tau = coded == tau
-        n_tokens = is_tau.sum().to(torch.float64)
-        n_runs = (starts & is_tau).sum().to(torch.float64)
-        out.append(torch.where(n_runs > 0, n_tokens / n_runs.clamp(min=1), 0.0))
-    return torch.stack(out)
+        out.append(is_tau.sum())
+        out.append((starts & is_tau).sum())
+    return torch.stack(out).to(torch.float64)
 
 
 def _switch_frequency(types: Tensor, keep: Tensor, window: int) -> Tensor:
@@ -158,7 +198,7 @@ def _switch_frequency(types: Tensor, keep: Tensor, window: int) -> Tensor:
         types: [B, L] int8; keep: [B, L] bool.
 
     Returns:
-        [] float64 switching frequency in [0, 1].
+        [2] float64: the switching frequency's sums (`_masked_sum`); it is in [0, 1].
     """
     length = types.shape[1]
     change = torch.zeros_like(keep)
@@ -170,7 +210,7 @@ def _switch_frequency(types: Tensor, keep: Tensor, window: int) -> Tensor:
     n_tokens = _to_windows(keep, window, False).sum(dim=-1)
     n_pairs = (n_tokens - 1).clamp(min=0).to(torch.float64)
     per_window = torch.where(n_pairs > 0, n_changes / n_pairs.clamp(min=1), 0.0)
-    return _masked_mean(per_window, n_tokens > 0)
+    return _masked_sum(per_window, n_tokens > 0)
 
 
 def _window_frequencies(types: Tensor, keep: Tensor, window: int) -> Tensor:
@@ -209,12 +249,12 @@ def _variances(x: Tensor, keep: Tensor, lengths: Tensor, window: int) -> Tensor:
         x: [B, L] float64 compacted ratios; keep: [B, L] bool; lengths: [B] long.
 
     Returns:
-        [2] float64: (global_variance, local_variance).
+        [4] float64: the sums (`_masked_sum`) of global_variance, then of local_variance.
     """
     n = lengths.clamp(min=1).to(torch.float64)
     mean = torch.where(keep, x, 0.0).sum(dim=1) / n
     var = torch.where(keep, (x - mean[:, None]) ** 2, 0.0).sum(dim=1) / n
-    global_var = _masked_mean(var, lengths >= 1)
+    global_var = _masked_sum(var, lengths >= 1)
 
     xw = _to_windows(x, window, 1.0)  # [B, W, window]
     kw = _to_windows(keep, window, False)
@@ -222,8 +262,8 @@ def _variances(x: Tensor, keep: Tensor, lengths: Tensor, window: int) -> Tensor:
     m_f = m.clamp(min=1).to(torch.float64)
     w_mean = torch.where(kw, xw, 0.0).sum(dim=-1) / m_f
     w_var = torch.where(kw, (xw - w_mean[..., None]) ** 2, 0.0).sum(dim=-1) / m_f
-    local_var = _masked_mean(w_var, m >= 2)
-    return torch.stack([global_var, local_var])
+    local_var = _masked_sum(w_var, m >= 2)
+    return torch.cat([global_var, local_var])
 
 
 def _band_weights(n: int, lfr_cutoff: float, like: Tensor) -> tuple[Tensor, Tensor]:
@@ -244,7 +284,9 @@ def _band_weights(n: int, lfr_cutoff: float, like: Tensor) -> tuple[Tensor, Tens
     return w_all, torch.where(k <= k_c, w_all, 0.0)
 
 
-def _low_frequency_ratio(x: Tensor, keep: Tensor, lengths: Tensor, lfr_cutoff: float) -> Tensor:
+def _low_frequency_ratio(
+    x: Tensor, keep: Tensor, lengths: Tensor, host_lengths: Sequence[int], lfr_cutoff: float
+) -> Tensor:
     """Low-frequency ratio (LFR): share of the ratio sequence's spectral energy at low |k|.
 
     For a response with n >= 2 valid ratios, let y_t = rho_t - mean(rho) and X_k = DFT(y)_k
@@ -262,25 +304,28 @@ def _low_frequency_ratio(x: Tensor, keep: Tensor, lengths: Tensor, lfr_cutoff: f
     A length-n DFT cannot be taken on a zero-padded row (padding changes it), so rows are
     sorted by length and each block of equal length gets one batched rfft: a Python loop over
     distinct lengths (at most B), not over tokens. On CPU this beats a single batched
-    chirp-z transform, which needs three complex FFTs of size >= 2L.
+    chirp-z transform, which needs three complex FFTs of size >= 2L. The blocks are found from
+    the lengths on the host (`host_lengths`): nothing is read back.
 
     Args:
-        x: [B, L] float64 compacted ratios; keep: [B, L] bool; lengths: [B] long.
+        x: [B, L] float64 compacted ratios; keep: [B, L] bool; lengths: [B] long;
+        host_lengths: the same lengths on the host.
 
     Returns:
-        [] float64 mean LFR.
+        [2] float64: the mean LFR's sums (`_masked_sum`).
     """
     if x.shape[1] < 2:  # no response has n >= 2 (and amax below needs a non-empty dim)
-        return torch.zeros((), dtype=torch.float64, device=x.device)
+        return torch.zeros(2, dtype=torch.float64, device=x.device)
     # Sorting makes equal lengths contiguous, so each distinct length is one block and one
     # FFT. Only the batch mean is needed, so the rows can stay in sorted order throughout.
     order = torch.argsort(lengths)
     xs, ks, ns = x[order], keep[order], lengths[order]
     low_energy = torch.zeros(ns.shape, dtype=torch.float64, device=x.device)
     all_energy = torch.zeros_like(low_energy)
-    n_vals, counts = torch.unique_consecutive(ns, return_counts=True)
+    # The blocks of the sorted rows (whatever order argsort gave rows of equal length).
+    blocks = sorted(Counter(host_lengths).items())
     start = 0
-    for n, count in zip(n_vals.tolist(), counts.tolist(), strict=True):
+    for n, count in blocks:
         rows = slice(start, start + count)
         start += count
         if n < 2:
@@ -295,7 +340,7 @@ def _low_frequency_ratio(x: Tensor, keep: Tensor, lengths: Tensor, lfr_cutoff: f
     constant = seq_max == torch.where(ks, xs, math.inf).amin(dim=1)
     smooth = constant | (all_energy == 0)
     lfr = torch.where(smooth, 1.0, low_energy / torch.where(smooth, 1.0, all_energy))
-    return _masked_mean(lfr, ns >= 2)
+    return _masked_sum(lfr, ns >= 2)
 
 
 def ratio_diagnostics(
@@ -331,31 +376,95 @@ def ratio_diagnostics(
             up / down tokens, averaged over responses that reach window j.
         Empty averages are 0.0; lists are empty if there are no valid tokens.
 
+    Computed on the ratios' device, with two reads back to the host: the lengths (and the
+    finiteness check), which set the shapes, then every result at once. `diagnostic_sums`
+    reads nothing back when its caller knows the lengths.
+
     Raises:
         ValueError: on bad shapes/arguments, or NaN/inf at a valid position.
     """
     valid = _validate(ratios, mask, window, lfr_cutoff)
-    x, keep, lengths = _compact(ratios.detach(), valid)
+    # Two reads: the lengths, which set the shapes (with the finiteness check), then the results.
+    n_nan, n_inf, *counts = torch.cat([_nonfinite(ratios, valid), valid.sum(dim=1)]).tolist()
+    _check_finite(n_nan, n_inf)
+    lengths = [int(n) for n in counts]
+    x, keep, lengths_t = _compact(ratios.detach(), valid, max(lengths, default=0))
     types = token_types(x, low, high)
-    scalars = torch.cat(
+    sums = _sums(x, keep, lengths_t, lengths, types, window, lfr_cutoff)
+    freqs = _window_frequencies(types, keep, window)
+    values = torch.cat([sums, freqs.flatten()]).tolist()
+    n_sums, n_windows = len(sums), freqs.shape[1]
+    out: dict[str, float | list[float]] = dict(
+        diagnostics_of_sums([n_nan, n_inf, *values[:n_sums]])
+    )
+    out["window_frequency_up"] = values[n_sums : n_sums + n_windows]
+    out["window_frequency_down"] = values[n_sums + n_windows :]
+    return out
+
+
+def _sums(
+    x: Tensor,
+    keep: Tensor,
+    lengths: Tensor,
+    host_lengths: Sequence[int],
+    types: Tensor,
+    window: int,
+    lfr_cutoff: float,
+) -> Tensor:
+    """[DIAGNOSTIC_SUMS - 2] float64: the (numerator, denominator) pairs of the scalars."""
+    return torch.cat(
         [
-            _switch_frequency(types, keep, window)[None],
+            _switch_frequency(types, keep, window),
             _run_lengths(types, keep),
-            _low_frequency_ratio(x, keep, lengths, lfr_cutoff)[None],
+            _low_frequency_ratio(x, keep, lengths, host_lengths, lfr_cutoff),
             _variances(x, keep, lengths, window),
         ]
-    ).tolist()  # one host transfer for all scalars
-    freqs = _window_frequencies(types, keep, window).tolist()
-    names = [
-        "switch_frequency",
-        "run_length_up",
-        "run_length_down",
-        "run_length_on",
-        "low_frequency_ratio",
-        "global_variance",
-        "local_variance",
-    ]
-    out: dict[str, float | list[float]] = dict(zip(names, scalars, strict=True))
-    out["window_frequency_up"] = freqs[0]
-    out["window_frequency_down"] = freqs[1]
-    return out
+    )
+
+
+def diagnostic_sums(
+    ratios: Tensor,
+    mask: Tensor,
+    lengths: Sequence[int],
+    window: int = 50,
+    low: float = 3e-4,
+    high: float = 4e-4,
+    lfr_cutoff: float = 0.1,
+) -> Tensor:
+    """The sums behind `ratio_diagnostics`' scalars, on the ratios' device, nothing read back.
+
+    Args:
+        ratios, mask, window, low, high, lfr_cutoff: as for `ratio_diagnostics`.
+        lengths: [B] on the host: each response's valid tokens (`mask`'s per row), which set
+            the shapes. Wrong lengths give wrong statistics; they are not checked.
+
+    Returns:
+        [DIAGNOSTIC_SUMS] float64: the NaN and the inf ratios at valid positions, then per
+        scalar of DIAGNOSTIC_SCALARS its numerator and denominator. The sums of disjoint sets
+        of responses add up to the sums of their union; `diagnostics_of_sums` finishes them.
+
+    Raises:
+        ValueError: on bad shapes or arguments (non-finite ratios are counted, not raised).
+    """
+    valid = _validate(ratios, mask, window, lfr_cutoff)
+    if len(lengths) != ratios.shape[0]:
+        raise ValueError(f"lengths has {len(lengths)} entries for {ratios.shape[0]} responses")
+    x, keep, lengths_t = _compact(ratios.detach(), valid, max(lengths, default=0))
+    types = token_types(x, low, high)
+    sums = _sums(x, keep, lengths_t, lengths, types, window, lfr_cutoff)
+    return torch.cat([_nonfinite(ratios, valid), sums])
+
+
+def diagnostics_of_sums(sums: Sequence[float]) -> dict[str, float]:
+    """The scalar statistics of `ratio_diagnostics` from (summed) `diagnostic_sums` values.
+
+    Raises:
+        ValueError: if the sums counted a NaN or inf ratio at a valid position.
+    """
+    if len(sums) != DIAGNOSTIC_SUMS:
+        raise ValueError(f"expected {DIAGNOSTIC_SUMS} sums, got {len(sums)}")
+    _check_finite(sums[0], sums[1])
+    pairs = sums[2:]
+    return {
+        name: _quotient(pairs[2 * i], pairs[2 * i + 1]) for i, name in enumerate(DIAGNOSTIC_SCALARS)
+    }

@@ -306,9 +306,7 @@ def metric_floats(metrics: dict[str, Tensor | float]) -> dict[str, float]:
     device = tensors[0].device if tensors else None
     values = [torch.as_tensor(v, dtype=torch.float64, device=device) for v in metrics.values()]
     floats = torch.stack(values).tolist()
-    return {
-        key: value for key, value in zip(metrics, floats, strict=True) if not math.isnan(value)
-    }
+    return {key: value for key, value in zip(metrics, floats, strict=True) if not math.isnan(value)}
 
 
 def behaviour_weight_tensors(

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kpo_core.diagnostics import ratio_diagnostics
+from kpo_core.diagnostics import diagnostics_of_sums, ratio_diagnostics
 from kpo_core.ratios import MAX_ABS_LOG_RATIO, masked_log_ratio, masked_mean_or, metric_floats
 from services.learner.batch import TrainingBatch
 
@@ -163,6 +163,12 @@ def diagnostic_metrics(prefix: str, ratios: Tensor, mask: Tensor) -> dict[str, f
     }
 
 
+def diagnostic_sum_metrics(prefix: str, sums: Sequence[float]) -> dict[str, float]:
+    """`diagnostic_metrics` from `diagnostic_sums` values (summed over several sets of rows:
+    then those of their union)."""
+    return {prefix + name: value for name, value in diagnostics_of_sums(sums).items()}
+
+
 def reduce_minibatches(records: Sequence[dict[str, float]]) -> dict[str, float]:
     """One value per key over the minibatch records of a step.
 
@@ -252,12 +258,15 @@ class MinibatchAccumulator:
                 self._extreme[key] = kept if previous is None else torch.maximum(previous, kept)
 
     def sum_part(self) -> Tensor:
-        """[tokens, real parts, per key: weighted sum or sum, and the placeholder sum] float64."""
+        """[tokens, real parts, per key: its sum (weighted for a mean; none for a max or min),
+        then its placeholder sum (not for a sum)] float64."""
         tokens = self.tokens
         parts: list[Tensor | float] = [tokens, float(self._real_parts)]
         for key in self.keys:
-            parts.append(self._sums[key])
-            if _kind(key) != "sum":
+            kind = _kind(key)
+            if kind in ("sum", "mean"):
+                parts.append(self._sums[key])
+            if kind != "sum":
                 parts.append(self._fallback.get(key, 0.0))
         return torch.stack(
             [torch.as_tensor(p, dtype=torch.float64, device=tokens.device) for p in parts]
@@ -277,8 +286,9 @@ class MinibatchAccumulator:
         position, extreme = 2, iter(maxed)
         for key in self.keys:
             kind = _kind(key)
-            value = summed[position]
-            position += 1
+            if kind in ("sum", "mean"):
+                value = summed[position]
+                position += 1
             if kind == "sum":
                 out[key] = value
                 continue

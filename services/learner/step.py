@@ -44,6 +44,7 @@ from transformers import AutoTokenizer
 
 from kpo_core.advantages import group_advantages
 from kpo_core.config import AlgorithmConfig
+from kpo_core.diagnostics import DIAGNOSTIC_SUMS, diagnostic_sums
 from kpo_core.losses import (
     LossNormaliser,
     NonFiniteInputError,
@@ -61,7 +62,7 @@ from services.learner.metrics import (
     PER_PASS,
     MinibatchAccumulator,
     batch_metric_tensors,
-    diagnostic_metrics,
+    diagnostic_sum_metrics,
     finite_mask,
     raw_ratios,
     reduce_minibatches,
@@ -170,12 +171,17 @@ class Minibatch:
 class RatioLog:
     """Detached raw and estimator ratios of every micro-batch of a step with their masks, padded
     to the batch's response width (every epoch: the step's diagnostics), and what `save`
-    writes of the first epoch's rows. Kept on the device until the step's end (`to_host`)."""
+    writes of the first epoch's rows. Kept on the device: the diagnostics are summed there
+    (`diagnostic_sums`) and read back with the step's other metrics. Their shapes depend on
+    the rows' valid token counts, which each optimiser step's decision reads (`unread_lengths`,
+    `read_lengths`): the host knows them by the step's end."""
 
     width: int
     raw: list[Tensor] = field(default_factory=list)
     filtered: list[Tensor] = field(default_factory=list)
     masks: list[Tensor] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    parts_read: int = 0  # the logged micro-batches whose rows' `lengths` the host knows
     first_epoch: list[dict[str, Tensor]] = field(default_factory=list)
 
     def _pad(self, values: Tensor, fill: float | bool) -> Tensor:
@@ -202,50 +208,52 @@ class RatioLog:
                 }
             )
 
-    def to_host(self, keep_rows: bool) -> RatioLog:
-        """This log on the host, the ratios in one copy (one wait on the device instead of one
-        per micro-batch); the first epoch's rows only when `keep_rows` (a step that saves)."""
-        host = RatioLog(self.width)
-        if self.raw:
-            n = len(self.raw)
-            packed = torch.cat([*self.raw, *self.filtered, *(m.float() for m in self.masks)])
-            sizes = [t.shape[0] for t in self.raw] * 3
-            parts = torch.split(packed.cpu(), sizes)
-            host.raw, host.filtered = list(parts[:n]), list(parts[n : 2 * n])
-            host.masks = [m.bool() for m in parts[2 * n :]]
-        if keep_rows:
-            host.first_epoch = [{k: v.cpu() for k, v in row.items()} for row in self.first_epoch]
-        return host
+    def unread_lengths(self) -> Tensor:
+        """[rows] float64: the valid tokens of each row logged since the last `read_lengths`,
+        on the device (on the host when there is none)."""
+        unread = self.masks[self.parts_read :]
+        if not unread:
+            return torch.zeros(0, dtype=torch.float64)
+        return torch.cat([mask.sum(dim=-1) for mask in unread]).to(torch.float64)
 
-    def merge(self, others: Sequence[RatioLog]) -> RatioLog:
-        """One log of several ranks' logs."""
-        merged = RatioLog(self.width)
-        for log in others:
-            merged.raw += log.raw
-            merged.filtered += log.filtered
-            merged.masks += log.masks
-            merged.first_epoch += log.first_epoch
-        return merged
+    def read_lengths(self, values: Sequence[float]) -> None:
+        """The host values of the last `unread_lengths`."""
+        self.lengths += [int(value) for value in values]
+        self.parts_read = len(self.masks)
+        assert len(self.lengths) == sum(m.shape[0] for m in self.masks), "lengths of other rows"
 
-    def save(self, path: Path, version: int) -> None:
-        """Write the first epoch's log-ratios for offline analysis (format: `ratio_file`)."""
+    def diagnostic_sums(self, device: torch.device) -> Tensor:
+        """[raw sums, estimator sums] ([2 * DIAGNOSTIC_SUMS] float64, `diagnostic_sums`) of
+        every logged row on the device, nothing read back: the sums of the ranks' logs add up
+        to those of all their rows."""
+        if not self.masks:
+            return torch.zeros(2 * DIAGNOSTIC_SUMS, dtype=torch.float64, device=device)
+        assert self.parts_read == len(self.masks), "lengths not read"
+        mask = torch.cat(self.masks)
+        return torch.cat(
+            [
+                diagnostic_sums(torch.cat(self.raw), mask, self.lengths),
+                diagnostic_sums(torch.cat(self.filtered), mask, self.lengths),
+            ]
+        ).to(device)
+
+    def rows_on_host(self) -> list[dict[str, Tensor]]:
+        """The first epoch's rows (what `save` writes), copied to the host."""
+        return [{key: value.cpu() for key, value in row.items()} for row in self.first_epoch]
+
+    @staticmethod
+    def save(rows: Sequence[dict[str, Tensor]], path: Path, version: int) -> None:
+        """Write the first epoch's log-ratios (`rows_on_host` of every rank) for offline
+        analysis (format: `ratio_file`)."""
         keys = (*RATIO_FILE_ROWS, "minibatch")
-        rows = {key: torch.cat([m[key] for m in self.first_epoch]) for key in keys}
-        order = torch.argsort(rows["minibatch"] * (rows["row"].max() + 1) + rows["row"])
-        record = {key: value[order] for key, value in rows.items()}
+        columns = {key: torch.cat([m[key] for m in rows]) for key in keys}
+        order = torch.argsort(columns["minibatch"] * (columns["row"].max() + 1) + columns["row"])
+        record = {key: value[order] for key, value in columns.items()}
         record["version"] = torch.tensor(version)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".partial")
         torch.save(record, partial)
         partial.replace(path)
-
-    def metrics(self) -> dict[str, float]:
-        """ratio_diagnostics of all rows at once, prefixed `raw_` and `filtered_`."""
-        mask = torch.cat(self.masks)
-        return {
-            **diagnostic_metrics("raw_", torch.cat(self.raw), mask),
-            **diagnostic_metrics("filtered_", torch.cat(self.filtered), mask),
-        }
 
 
 RATIO_FILE_ROWS = ("log_ratio", "mask", "row", "staleness", "advantage")
@@ -317,6 +325,9 @@ class LearnerCore:
             lr=learner.lr,
             betas=learner.betas,
             weight_decay=learner.weight_decay,
+            # Fused: the step counts live on the parameters' device, so a step reads nothing
+            # back (the default keeps them on the host and reads each one per parameter).
+            fused=True,
         )
         self.scheduler = LambdaLR(self.optimizer, linear_warmup(learner.warmup_steps))
         self.generator = torch.Generator().manual_seed(seed)
@@ -360,7 +371,7 @@ class LearnerCore:
             )
         batch = collate(groups, self.pad_id, self._version).to(self.device)
         finite_rewards = torch.isfinite(batch.rewards)
-        advantages = self._advantages(batch)
+        advantages = self._advantages(batch, len(groups))
         batch_stats = batch_metric_tensors(batch, num_groups=len(groups))
         # Responses without a finite reward are not trained on: no token of theirs is valid.
         batch = replace(batch, response_mask=batch.response_mask & finite_rewards.unsqueeze(-1))
@@ -389,18 +400,19 @@ class LearnerCore:
         self.scheduler.step()
         self._version += 1
         self._steps += 1
-        records = self._minibatch_records(steps, batch_stats)
+        records, diagnostics = self._minibatch_records(steps, batch_stats, ratios)
         every = self.learner.record_ratios_every
-        saving = bool(every and self.ratio_dir and self._version % every == 0)
-        host_ratios = ratios.to_host(keep_rows=saving)
-        host_ratios = host_ratios.merge(self.group.gather(host_ratios))
+        ratio_dir = self.ratio_dir if every and self._version % every == 0 else None
+        # Every rank's first-epoch rows, to rank 0 (a step that saves them only).
+        saved_rows = None if ratio_dir is None else self.group.gather(ratios.rows_on_host())
         if self.group.rank != 0:
             return {}  # the group's record is rank 0's
         metrics, records = records[0], records[1:]
-        if saving and self.ratio_dir is not None:
-            host_ratios.save(ratio_file(self.ratio_dir, self._version - 1), self._version - 1)
+        if ratio_dir is not None and saved_rows is not None:
+            every_rank = [row for rank_rows in saved_rows for row in rank_rows]
+            RatioLog.save(every_rank, ratio_file(ratio_dir, self._version - 1), self._version - 1)
         metrics.update(reduce_minibatches(records))
-        metrics.update(host_ratios.metrics())
+        metrics.update(diagnostics)
         for key in PER_PASS:
             # A count per pass over the batch, like tokens_trained (not multiplied by the epochs).
             metrics[key] /= self.learner.ppo_epochs
@@ -416,35 +428,53 @@ class LearnerCore:
         self,
         steps: Sequence[tuple[MinibatchAccumulator, dict[str, float]]],
         batch_stats: dict[str, Tensor],
-    ) -> list[dict[str, float]]:
-        """[the batch statistics, then each minibatch's record], read back in one transfer.
+        ratios: RatioLog,
+    ) -> tuple[list[dict[str, float]], dict[str, float]]:
+        """([the batch statistics, then each minibatch's record], the ratio diagnostics of
+        every rank's rows, prefixed raw_ and filtered_), read back in one transfer.
 
-        The minibatches' device sums of every rank are reduced in two collectives for the whole
-        step (a sum and a max), not one per minibatch; each record then adds the loss, gradient
-        norm and skip counts its optimiser step already read.
+        The minibatches' device sums of every rank, and the sums behind the diagnostics, are
+        reduced in two collectives for the whole step (a sum and a max), not one per
+        minibatch; each record then adds the loss, gradient norm and skip counts its optimiser
+        step already read.
         """
         sums = [accumulator.sum_part() for accumulator, _ in steps]
         maxes = [accumulator.max_part() for accumulator, _ in steps]
-        summed = self.group.sum(torch.cat(sums))
+        diagnostic = ratios.diagnostic_sums(self.device)
+        summed = self.group.sum(torch.cat([diagnostic, *sums]))
         maxed = self.group.max(torch.cat(maxes))
         stats = torch.stack(list(batch_stats.values())).to(summed)
         # The step's one read of its metrics: everything it counted, on the device until now.
         values = torch.cat([stats, summed, maxed.to(summed)]).tolist()
         records = [dict(zip(batch_stats, values[: len(stats)], strict=True))]
         at_sum, at_max = len(stats), len(stats) + len(summed)
+        diagnostics = {
+            **diagnostic_sum_metrics("raw_", values[at_sum : at_sum + DIAGNOSTIC_SUMS]),
+            **diagnostic_sum_metrics(
+                "filtered_", values[at_sum + DIAGNOSTIC_SUMS : at_sum + 2 * DIAGNOSTIC_SUMS]
+            ),
+        }
+        at_sum += len(diagnostic)
         for (accumulator, outcome), sum_part, max_part in zip(steps, sums, maxes, strict=True):
             record = accumulator.merged(
                 values[at_sum : at_sum + len(sum_part)], values[at_max : at_max + len(max_part)]
             )
             at_sum, at_max = at_sum + len(sum_part), at_max + len(max_part)
             records.append({**record, **outcome})
-        return records
+        return records, diagnostics
 
-    def _advantages(self, batch: TrainingBatch) -> Tensor:
-        """Group-relative advantages [B] of the batch's rewards (NaN/inf ones dropped: A = 0)."""
+    def _advantages(self, batch: TrainingBatch, num_groups: int) -> Tensor:
+        """Group-relative advantages [B] of the batch's rewards (NaN/inf ones dropped: A = 0);
+        the rows' group_ids index the step's `num_groups` groups."""
         cfg = self.algorithm.advantages
         return group_advantages(
-            batch.rewards, batch.group_ids, cfg.mode, cfg.eps, cfg.std_unbiased, nonfinite="drop"
+            batch.rewards,
+            batch.group_ids,
+            cfg.mode,
+            cfg.eps,
+            cfg.std_unbiased,
+            nonfinite="drop",
+            num_groups=num_groups,
         ).float()
 
     def _plan(self, batch: TrainingBatch) -> list[MicroBatch]:
@@ -506,6 +536,7 @@ class LearnerCore:
         The one read of the minibatch: its loss, valid tokens and gradient norm (summed over
         the ranks), which decide whether AdamW steps; a skipped step must leave AdamW's moments
         and step count as they were, which only a decision on the host can do for torch's AdamW.
+        The same read brings the valid tokens of this rank's rows (`RatioLog.read_lengths`).
         """
         self.optimizer.zero_grad(set_to_none=True)
         # The minibatch's own padded width, as its unsplit forward would be padded.
@@ -525,7 +556,11 @@ class LearnerCore:
         had_tokens = minibatch.batch.response_mask.any().to(torch.float64)
         totals = self.group.sum(torch.stack([loss_sum, accumulator.tokens, had_tokens]))
         grad_norm = self._clip_gradients()
-        loss_value, valid, had, norm = torch.cat([totals, grad_norm.reshape(1)]).tolist()
+        # With the decision: this rank's logged rows' valid tokens, the diagnostics' shapes.
+        lengths = ratios.unread_lengths().to(totals)
+        decision = torch.cat([totals, grad_norm.reshape(1), lengths]).tolist()
+        loss_value, valid, had, norm = decision[:4]
+        ratios.read_lengths(decision[4:])
         if valid == 0:
             self.optimizer.zero_grad(set_to_none=True)
             outcome = {

@@ -436,3 +436,15 @@ def test_broadcast_wrong_shapes_raise(
 ) -> None:
     with pytest.raises(ValueError, match=name):
         broadcast_to_tokens(torch.zeros(adv_shape), torch.ones(mask_shape))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_host_group_count_gives_the_same_advantages(mode: AdvantageMode) -> None:
+    # Group indices 0..4 of which 2 has no response; a NaN reward dropped in group 3.
+    rewards = f64([1.0, 0.0, 0.5, 2.0, 2.0, float("nan"), 1.0, 0.0, 3.0, 0.25])
+    group_ids = ids([0, 0, 0, 1, 1, 3, 3, 3, 4, 4])
+    looked_up = group_advantages(rewards, group_ids, mode, nonfinite="drop")
+    known = group_advantages(rewards, group_ids, mode, nonfinite="drop", num_groups=5)
+    assert torch.equal(known, looked_up)
+    with pytest.raises(ValueError, match="num_groups"):
+        group_advantages(rewards, group_ids, mode, nonfinite="drop", num_groups=-1)

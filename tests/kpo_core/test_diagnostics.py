@@ -15,7 +15,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kpo_core.diagnostics import ratio_diagnostics, token_types
+from kpo_core.diagnostics import (
+    DIAGNOSTIC_SCALARS,
+    DIAGNOSTIC_SUMS,
+    diagnostic_sums,
+    diagnostics_of_sums,
+    ratio_diagnostics,
+    token_types,
+)
 
 # With the default thresholds (low=3e-4, high=4e-4): UP_R > 1.0004 is up, DOWN_R < 0.9997 is
 # down, ON_R is on-policy.
@@ -441,3 +448,57 @@ def test_property_layout_invariance_and_bounds(
         assert scattered[k] == pytest.approx(expected[k], rel=1e-9, abs=1e-12), k
     assert 0.0 <= scalar(scattered, "switch_frequency") <= 1.0
     assert 0.0 <= scalar(scattered, "low_frequency_ratio") <= 1.0 + 1e-12
+
+
+# ---------------------------------------------------------------- sums
+
+
+def random_batch(seed: int, rows: int = 9, width: int = 130) -> tuple[torch.Tensor, ...]:
+    """[rows, width] ratios near 1 (float32, as the learner logs them) and a ragged mask."""
+    gen = torch.Generator().manual_seed(seed)
+    ratios = 1.0 + 1e-3 * torch.randn(rows, width, generator=gen)
+    mask = torch.rand(rows, width, generator=gen) < torch.rand(rows, 1, generator=gen)
+    ratios[~mask] = float("nan")  # garbage off the mask
+    return ratios, mask
+
+
+def test_diagnostics_of_sums_are_ratio_diagnostics() -> None:
+    ratios, mask = random_batch(0)
+    lengths = mask.sum(dim=1).tolist()
+    sums = diagnostic_sums(ratios, mask, lengths, window=7)
+    assert sums.shape == (DIAGNOSTIC_SUMS,) and sums.dtype == torch.float64
+    expected = ratio_diagnostics(ratios, mask, window=7)
+    # The same operations: equal to the last bit.
+    assert diagnostics_of_sums(sums.tolist()) == {k: expected[k] for k in DIAGNOSTIC_SCALARS}
+
+
+def test_sums_of_disjoint_rows_add_up_to_those_of_their_union() -> None:
+    ratios, mask = random_batch(1)
+    parts = [[0, 4, 5], [1, 2, 3, 6], [7, 8]]
+    total = sum(
+        diagnostic_sums(ratios[rows], mask[rows], mask[rows].sum(dim=1).tolist()) for rows in parts
+    )
+    assert isinstance(total, torch.Tensor)
+    pooled = diagnostics_of_sums(total.tolist())
+    expected = ratio_diagnostics(ratios, mask)
+    for key in DIAGNOSTIC_SCALARS:
+        assert pooled[key] == pytest.approx(expected[key], rel=1e-12, abs=1e-15), key
+
+
+def test_sums_count_nonfinite_ratios_and_their_diagnostics_raise() -> None:
+    ratios = torch.tensor([[1.0, float("nan"), float("inf"), float("-inf"), 7.0]])
+    mask = torch.tensor([[True, True, True, True, False]])
+    sums = diagnostic_sums(ratios, mask, [4])
+    assert sums[:2].tolist() == [1.0, 2.0]
+    with pytest.raises(ValueError, match="1 NaN, 2 inf"):
+        diagnostics_of_sums(sums.tolist())
+    with pytest.raises(ValueError, match="lengths"):
+        diagnostic_sums(ratios, mask, [4, 4])
+    with pytest.raises(ValueError, match="sums"):
+        diagnostics_of_sums([0.0])
+
+
+def test_sums_of_no_row_are_zero() -> None:
+    sums = diagnostic_sums(torch.ones(0, 5), torch.zeros(0, 5, dtype=torch.bool), [])
+    assert sums.tolist() == [0.0] * DIAGNOSTIC_SUMS
+    assert diagnostics_of_sums(sums.tolist()) == dict.fromkeys(DIAGNOSTIC_SCALARS, 0.0)

@@ -18,7 +18,7 @@ import torch
 from kpo_core.config import AlgorithmConfig
 from kpo_core.losses import NonFiniteInputError
 from kpo_core.ratios import ESTIMATORS
-from services.learner.batch import collate
+from services.learner.batch import TrainingBatch, collate
 from services.learner.step import LearnerCore
 from services.messages import ScoredGroup
 from services.spec import LearnerConfig
@@ -259,22 +259,40 @@ def test_nonfinite_behaviour_logprobs_mask_their_tokens(
     assert not same_parameters(core, before)
 
 
-def poison_lm_head(core: LearnerCore) -> torch.utils.hooks.RemovableHandle:
-    """NaN in every logit of the first two scored positions of every forward and +inf in one
-    logit of the third (the head sees the valid response positions only, [N, V]).
+def poison_hidden(core: LearnerCore) -> list[torch.utils.hooks.RemovableHandle]:
+    """NaN in the logits of the first two scored positions (row-major) of every forward and
+    +-inf in those of the third, through one feature of the final hidden state there (the
+    head's input: the log-prob path takes the head's weight, not the `lm_head` module).
 
-    Added rather than assigned, as an overflow would make them: an assignment would also cut
-    the gradient at those cells, hiding what the NaN does to the backward pass.
+    The forward's batch (`core.model`'s argument) tells where its scored positions are: slot j
+    of row r is scored from padded column P - 1 + j of its hidden states. Added rather than
+    assigned, as an overflow would make them: an assignment would also cut the gradient at
+    those cells, hiding what the NaN does to the backward pass.
     """
+    seen: list[TrainingBatch] = []
+
+    def remember(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        seen.append(args[0])
 
     def hook(module: torch.nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
+        batch = seen[-1]
+        assert not core.model.packed and output.shape[:2] == (
+            batch.num_rows,
+            batch.prompt_width + batch.response_width,
+        )
+        cells = batch.response_mask.nonzero().tolist()[:3]
+        assert len(cells) == 3, "a forward with fewer than 3 response tokens"
         poison = torch.zeros_like(output)
-        poison[0:2, :] = NAN
-        poison[2, 7] = INF
+        for (row, slot), value in zip(cells, (NAN, NAN, INF), strict=True):
+            poison[row, batch.prompt_width - 1 + slot, 0] = value
         return output + poison
 
-    lm_head: torch.nn.Module = core.model.policy.lm_head
-    return lm_head.register_forward_hook(hook)
+    policy: Any = core.model.policy
+    norm: torch.nn.Module = policy.model.norm
+    return [
+        core.model.register_forward_pre_hook(remember),
+        norm.register_forward_hook(hook),
+    ]
 
 
 @pytest.mark.parametrize("estimator", ESTIMATOR_NAMES)
@@ -282,10 +300,11 @@ def test_nonfinite_logits_mask_their_tokens_and_the_rest_trains(
     tiny_model_dir: Path, groups: list[ScoredGroup], estimator: str
 ) -> None:
     core = make_core(tiny_model_dir, estimator=estimator, ppo_epochs=2)
-    handle = poison_lm_head(core)
+    handles = poison_hidden(core)
     before = parameters(core)
     metrics = core.train_step(groups)
-    handle.remove()
+    for handle in handles:
+        handle.remove()
     assert_healthy(core, metrics)
     assert metrics["nonfinite_tokens"] == 3.0  # per pass over the batch
     # Without the logit guard the 0 * NaN of the masked tokens' gradient would skip the step.

@@ -8,8 +8,15 @@ import math
 import pytest
 import torch
 
+from kpo_core.diagnostics import diagnostic_sums
 from services.learner.batch import collate
-from services.learner.metrics import batch_metrics, diagnostic_metrics, reduce_minibatches
+from services.learner.host_reads import HostReads
+from services.learner.metrics import (
+    batch_metrics,
+    diagnostic_metrics,
+    diagnostic_sum_metrics,
+    reduce_minibatches,
+)
 from services.messages import ScoredGroup
 from tests.services.learner.test_batch import PAD, two_groups
 
@@ -94,3 +101,15 @@ def test_diagnostics_keep_only_the_scalars() -> None:
     # Types on, up, up, down: runs of 1, 2, 1; 2 switches over 3 adjacent pairs.
     assert metrics["raw_run_length_up"] == 2.0
     assert metrics["raw_switch_frequency"] == pytest.approx(2 / 3, abs=1e-12)
+
+
+def test_diagnostics_of_sums_read_nothing_until_the_sums_are_read() -> None:
+    gen = torch.Generator().manual_seed(0)
+    ratios = 1.0 + 1e-3 * torch.randn(6, 40, generator=gen)
+    mask = torch.rand(6, 40, generator=gen) < 0.8
+    lengths = mask.sum(dim=1).tolist()
+    with HostReads() as reads:
+        sums = diagnostic_sums(ratios, mask, lengths)
+    assert reads.total == 0, dict(reads.by_name)
+    metrics = diagnostic_sum_metrics("filtered_", sums.tolist())
+    assert metrics == diagnostic_metrics("filtered_", ratios, mask)

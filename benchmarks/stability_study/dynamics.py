@@ -15,20 +15,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from kpo_core.diagnostics import ratio_diagnostics
+from kpo_core.diagnostics import DIAGNOSTIC_SCALARS, ratio_diagnostics
 from kpo_core.kalman import kalman_filter
 from services.pipeline.driver import RATIO_DIR
 
 Q_OVER_R = (1e-6, 1e-4, 1e-2)
-SCALARS = (
-    "switch_frequency",
-    "run_length_up",
-    "run_length_down",
-    "run_length_on",
-    "low_frequency_ratio",
-    "global_variance",
-    "local_variance",
-)
+SCALARS = DIAGNOSTIC_SCALARS
 
 
 @dataclass(frozen=True)

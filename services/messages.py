@@ -50,6 +50,17 @@ class Response:
     # With in-flight weight updates, the version that sampled each response token (one per
     # token, never decreasing); empty when every token was sampled by `policy_version`.
     token_versions: list[int] = field(default_factory=list)
+    # Multi-turn (tool) responses: True at observation tokens (a tool's output placed in the
+    # context, not sampled: their behaviour log-prob is 0.0 and meaningless, they carry no loss
+    # and, in `token_versions`, the version of the model token before them); empty when every
+    # token was sampled by the model.
+    observation_mask: list[bool] = field(default_factory=list)
+
+    def is_model_token(self) -> list[bool]:
+        """Per response token: sampled by the model (True) or an observation (False)."""
+        if self.observation_mask:
+            return [not observed for observed in self.observation_mask]
+        return [True] * len(self.response_token_ids)
 
     def versions(self) -> list[int]:
         """The policy version that sampled each response token."""

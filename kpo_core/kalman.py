@@ -7,7 +7,9 @@ State-space model over the valid tokens of one response (scalar random walk):
 
 Per valid token: P- = P + Q;  K = P- / (P- + R);  x = x + K (z - x);  P = (1 - K) P-.
 A masked token leaves the state untouched, so left, right and interior padding and packed
-sequences give the same values on the valid tokens.
+sequences give the same values on the valid tokens. The observation tokens of a multi-turn
+response (tool output in the context, SPEC.md) are masked tokens: across one, x and P carry
+over, and the count n of valid tokens that indexes the gain table counts model tokens only.
 
 With constant Q and R the covariance recursion never reads z, so the gain is a fixed table K[n]
 over the count n of valid tokens so far, and the filter is the first-order linear recurrence

@@ -11,6 +11,11 @@ Per token, with ratio rho from an estimator (`kpo_core.ratios`) and window [lo, 
 A token is "clipped" when the clipped term is the larger one. With `behaviour_logp` the loss is
 multiplied by the detached decoupled-PPO weight pi_ref / pi_behaviour (AReaL, arXiv 2505.24298).
 Aggregation modes follow verl's names (SPEC.md); empty responses are left out of every mean.
+Masked positions (padding, and the observation tokens of a multi-turn response: tool output in
+the context) have no loss and no gradient, and no token or sequence count includes them:
+token-level GRPO/PPO simply skips them, and the sequence-level estimators see model tokens only
+(`kpo_core.ratios`). seq-mean-token-sum-norm's divisor is a length, not a count: `norm_length`,
+or else the padded width, which spans a response's observation tokens too.
 
 Bad numbers (docs/numerics.md): NaN/inf in a valid token of any input is an error
 (`nonfinite="raise"`) or drops that token, counted as `nonfinite_tokens` ("mask"); a valid token

@@ -17,6 +17,13 @@ differentiable tensor plus the clip window the surrogate in `kpo_core.losses` ap
 - `cumulative` (CTPO, arXiv 2605.07331): rho_t = exp(min(sg(c_t) + logp_t - sg(logp_t), 10)),
   c_t = sum_{k<=t} m_k z_k, clipped to [exp(-eps_low sqrt n_t), exp(eps_high sqrt n_t)].
 
+Masked positions (SPEC.md, "Multi-turn responses"): padding and the observation tokens of a
+multi-turn response (tool output placed in the context; no behaviour log-prob, no loss) are
+both off `mask`, and every estimator reads only its valid tokens, wherever the masked runs sit:
+lengths, means, sums and positions count valid (model) tokens, so a response with an
+observation in it gets, on its model tokens, the values of the same response with the
+observation cut out. Each estimator's docstring says what that means for it.
+
 Extreme inputs (docs/numerics.md): z is held to +-`LOG_RATIO_LIMIT` (far beyond any real
 log-ratio: a float32 probability cannot go below e^-104), so that no sum or filter over a
 response can overflow, and every ratio is exp of a log-ratio capped at `MAX_ABS_LOG_RATIO` (20)
@@ -160,6 +167,11 @@ def valid_counts(mask: Tensor) -> Tensor:
 def token_ratio(
     logp: Tensor, ref_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: TokenEstimator
 ) -> RatioEstimate:
+    """GRPO/PPO: each token's own ratio exp(z_t), clipped to [1 - clip_low, 1 + clip_high].
+
+    Across an observation nothing carries over: each model token stands alone, and the masked
+    observation tokens get ratio 1 and no loss.
+    """
     z = masked_log_ratio(logp, ref_logp, mask).clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO)
     return RatioEstimate(z.exp(), 1.0 - cfg.clip_low, 1.0 + cfg.clip_high, cfg.dual_clip_c)
 
@@ -174,6 +186,12 @@ def _sequence_mean(values: Tensor, mask: Tensor) -> Tensor:
 def sequence_ratio(
     logp: Tensor, ref_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: SequenceEstimator
 ) -> RatioEstimate:
+    """GSPO: the sequence ratio exp(mean z) over the response's valid tokens, on every token
+    with the token's own gradient (straight through).
+
+    Across an observation: the mean and its length count model tokens only (an observation
+    adds neither a term nor a token), so the ratio is that of the response without it.
+    """
     log_s = _sequence_mean(masked_log_ratio(logp, ref_logp, mask), mask)
     log_rho = straight_through(log_s.expand_as(logp), logp).clamp(max=cfg.max_log_ratio)
     return RatioEstimate(log_rho.exp(), 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
@@ -183,6 +201,11 @@ def sequence_ratio(
 def geometric_ratio(
     logp: Tensor, ref_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: GeometricEstimator
 ) -> RatioEstimate:
+    """GMPO: exp of the mean of the sign-trick clipped log-ratios z~ over the valid tokens.
+
+    Across an observation: the geometric mean and its length count model tokens only, as for
+    GSPO; observation tokens are never clipped (they are not tokens of the mean).
+    """
     z = masked_log_ratio(logp, ref_logp, mask)
     sign = torch.sign(advantages)
     z_clamped = z.clamp(-cfg.clip_low, cfg.clip_high)
@@ -202,6 +225,13 @@ def geometric_ratio(
 def kalman_ratio(
     logp: Tensor, ref_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: KalmanEstimator
 ) -> RatioEstimate:
+    """KPO: the Kalman-filtered log-ratio x_t (`kpo_core.kalman`) as the ratio's log.
+
+    Across an observation: an observation token is no measurement of the filter, exactly as a
+    masked token: no update, x and P carry over to the next model token, and the gain table's
+    count t (hence the gains, the posterior-width clip window and `reference_length`'s
+    matching) counts model tokens only.
+    """
     z = masked_log_ratio(logp, ref_logp, mask)
     q, p0 = cfg.effective_q, cfg.effective_p0
     if cfg.gradient == "straight_through":
@@ -277,6 +307,13 @@ def _kalman_metrics(
 def cumulative_ratio(
     logp: Tensor, ref_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: CumulativeEstimator
 ) -> RatioEstimate:
+    """CTPO: the cumulative log-ratio c_t = sum_{k<=t} m_k z_k as the ratio's log, clipped to
+    a window that widens like sqrt(n_t).
+
+    Across an observation: c_t sums model tokens only (an observation adds 0 and c carries
+    over), and n_t, the clip scale's position, counts model tokens only (`valid_counts`), not
+    the column: the second turn's first model token continues the first turn's count.
+    """
     cumulative = masked_log_ratio(logp, ref_logp, mask).cumsum(-1)
     rho = straight_through(cumulative, logp).clamp(max=cfg.max_log_ratio).exp()
     # The cumulative log-ratio's spread grows like sqrt(t), so the window does too.
@@ -316,8 +353,10 @@ def behaviour_weight_tensors(
 
     Token level: w_t = exp(ref_logp_t - behaviour_logp_t). Sequence level: the product of a
     response's token weights, broadcast to its tokens; sequence-mean level: their geometric
-    mean exp(mean log w). Truncation min(w, tis_cap) comes first,
-    then weights outside [mis_low, mis_high] are zeroed (the token stays in the denominators).
+    mean exp(mean log w). Products and means run over `mask`'s tokens only: the observation
+    tokens of a multi-turn response (no behaviour log-prob) are neither factors nor counted.
+    Truncation min(w, tis_cap) comes first, then weights outside [mis_low, mis_high] are zeroed
+    (the token stays in the denominators).
     """
     with torch.no_grad():
         log_w = masked_log_ratio(ref_logp, behaviour_logp, mask)

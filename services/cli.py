@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, NoReturn, cast
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, cast
 
 import typer
 import yaml
@@ -520,6 +520,63 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+sandbox_app = typer.Typer(help="The sandbox that runs the Python of tool calls.")
+app.add_typer(sandbox_app, name="sandbox")
+
+
+@sandbox_app.command("serve")
+def sandbox_serve(
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="port to listen on")] = 8090,
+    backend: Annotated[
+        str | None, typer.Option(help="bwrap (default) or process (no namespaces)")
+    ] = None,
+    max_concurrency: Annotated[int | None, typer.Option(min=1, help="calls run at once")] = None,
+    max_queue: Annotated[
+        int | None, typer.Option(min=0, help="calls waiting; past it: 429")
+    ] = None,
+    timeout: Annotated[
+        float | None, typer.Option(min=0.001, help="default wall clock of a call, seconds")
+    ] = None,
+    allow_unsafe_process: Annotated[
+        bool, typer.Option(help="allow the process backend (no namespaces, no isolation)")
+    ] = False,
+    insecure: Annotated[
+        bool, typer.Option(help="allow a non-loopback address without a sandbox token")
+    ] = False,
+) -> None:
+    """Run the sandbox server (POST /v1/run, GET /healthz). Other settings: KPO_SANDBOX_*
+    (limits, token); flags win over them."""
+    import logging
+
+    from services.tools.sandbox import SandboxUnavailable
+    from services.tools.server import SandboxSettings, serve
+
+    flags: dict[str, Any] = {
+        "backend": backend,
+        "max_concurrency": max_concurrency,
+        "max_queue": max_queue,
+        "timeout_s": timeout,
+        "allow_unsafe_process": allow_unsafe_process or None,
+    }
+    try:
+        # Flags win over KPO_SANDBOX_*: given ones are validated as the settings' own fields.
+        settings = SandboxSettings(**{k: v for k, v in flags.items() if v is not None})
+        token = settings.bearer_token()
+    except (ValidationError, OSError) as error:
+        fail(f"sandbox settings: {error}")
+    if token is None and not insecure and not _is_loopback(host):
+        fail(
+            f"{host} is not a loopback address: set KPO_SANDBOX_TOKEN (or "
+            "KPO_SANDBOX_TOKEN_FILE), or pass --insecure where a network policy guards it"
+        )
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        serve(settings, host, port)
+    except SandboxUnavailable as error:
+        fail(f"the sandbox cannot run here: {error}", 1)
 
 
 if __name__ == "__main__":

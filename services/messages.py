@@ -9,7 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-FinishReason = Literal["stop", "length"]
+# Why a response ended: "stop" (the model sampled an end-of-sequence token), "length"
+# (generation.max_new_tokens model tokens). Multi-turn (tool) responses may also end at a limit
+# of services/tools/rollout.py: "max_turns" or "max_calls" (a tool call the limit did not let
+# run), "max_context" (tools.max_context_tokens, observation tokens included).
+FinishReason = Literal["stop", "length", "max_turns", "max_calls", "max_context"]
 
 
 # One chat message as chat templates take it: {"role": "system" | "user" | "assistant",
@@ -55,6 +59,10 @@ class Response:
     # and, in `token_versions`, the version of the model token before them); empty when every
     # token was sampled by the model.
     observation_mask: list[bool] = field(default_factory=list)
+    # The result status of each tool call the response made, in order ("ok", "error",
+    # "timeout", "refused", "unavailable": `services.tools.sandbox.ToolResult`), whether or not
+    # its observation fitted in the context.
+    tool_calls: list[str] = field(default_factory=list)
 
     def is_model_token(self) -> list[bool]:
         """Per response token: sampled by the model (True) or an observation (False)."""

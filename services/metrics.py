@@ -227,8 +227,16 @@ REWARD = Group(
             "ratio",
             "Fraction of groups whose finite rewards are all equal (no GRPO learning signal).",
         ),
-        _record("response_length_mean", "tokens", "Mean response length of the batch."),
-        _record("truncated_fraction", "ratio", "Fraction of responses cut at the token limit."),
+        _record(
+            "response_length_mean",
+            "tokens",
+            "Mean response length of the batch, in model tokens (observation tokens left out).",
+        ),
+        _record(
+            "truncated_fraction",
+            "ratio",
+            "Fraction of responses cut by a limit (tokens, context, turns, calls).",
+        ),
     ),
 )
 OPTIMISATION = Group(
@@ -288,7 +296,7 @@ BAD_NUMBERS = Group(
             "Tokens whose |log-ratio| exceeded 20 (saturated).",
             note="Per pass over the batch (summed over minibatches, divided by the epochs).",
         ),
-        _record("empty_responses", "responses", "Responses without a token."),
+        _record("empty_responses", "responses", "Responses without a model token."),
         _record(
             "skipped_minibatches",
             "minibatches",
@@ -504,14 +512,22 @@ THROUGHPUT = Group(
         _record(
             "tokens_trained",
             "tokens",
-            "Response tokens in the step's batch.",
-            note="Once per step, whatever the epochs; tokens the loss masks included.",
+            "Model tokens of the responses in the step's batch (observation tokens left out).",
+            note="Once per step, whatever the epochs; tokens the loss masks for a NaN/inf "
+            "reward or log-prob included.",
+        ),
+        _record(
+            "observation_tokens",
+            "tokens",
+            "Observation (tool output) tokens of the responses in the step's batch: context "
+            "for the model tokens after them, not trained on.",
+            note="Once per step, whatever the epochs.",
         ),
         _counter(
             "tokens_trained_total",
             "kpo_tokens_trained_total",
             "tokens",
-            "Response tokens trained on.",
+            "Model tokens of the responses trained on.",
         ),
         _counter(
             "tokens_generated_total",
@@ -549,6 +565,47 @@ LEARNER_GROUP = Group(
     ),
 )
 
+TOOLS = Group(
+    "tools (runs with `tools.enabled`)",
+    (
+        _gauge(
+            "tool_calls_per_response",
+            "kpo_tool_calls_per_response",
+            "calls",
+            "Tool calls per response of the step's batch (calls the limits refused not counted).",
+            _D,
+            plot="tools",
+        ),
+        _gauge(
+            "tool_error_fraction",
+            "kpo_tool_error_ratio",
+            "ratio",
+            "Fraction of the batch's tool calls that failed: an error, a timeout, a refusal, "
+            "or no sandbox.",
+            _D,
+            plot="tools",
+        ),
+        _gauge(
+            "turns_mean",
+            "kpo_turns_mean",
+            "turns",
+            "Model turns per response (tool calls + 1).",
+            _D,
+        ),
+        _gauge(
+            "observation_token_fraction",
+            "kpo_observation_token_ratio",
+            "ratio",
+            "Fraction of the batch's response tokens that are tool output (no loss).",
+            _D,
+            plot="tools",
+        ),
+    ),
+)
+
+# The keys a record holds only in a run with `tools.enabled`.
+TOOL_KEYS = tuple(metric.key for metric in TOOLS.keys)
+
 GROUPS = (
     PROGRESS,
     REWARD,
@@ -560,6 +617,7 @@ GROUPS = (
     FAULTS,
     THROUGHPUT,
     LEARNER_GROUP,
+    TOOLS,
 )
 # Every declaration, in the docs table's order.
 RECORD: tuple[MetricKey, ...] = tuple(metric for group in GROUPS for metric in group.keys)

@@ -6,12 +6,16 @@ import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from services.messages import Prompt, Response
 from services.weights.base import Channel, WeightGroup, WeightsManifest
+
+if TYPE_CHECKING:
+    from services.tools.rollout import ToolSettings
+    from services.tools.sandbox import ToolRunner
 
 # "processed": log-probs of the distribution actually sampled from (after temperature, top-k,
 # top-p). This is the behaviour policy the importance ratio must be taken against.
@@ -123,6 +127,23 @@ class GenerationBackend(ABC):
         if missing:
             raise RuntimeError(f"the backend ended without returning the groups of {missing}")
         return [group for group in out if group is not None]
+
+    # --- multi-turn rollouts ---------------------------------------------------------------------
+
+    def enable_tools(self, settings: ToolSettings, runner: ToolRunner) -> None:
+        """Generate multi-turn responses from now on: decoding stops at a tool call, `runner`
+        runs it, its observation is appended and decoding continues (services/tools/rollout.py).
+
+        Called by the owner on an idle backend, before any `submit`. A backend without
+        multi-turn support refuses (the default).
+        """
+        raise NotImplementedError(
+            f"the {type(self).__name__} backend does not support tool calls (tools.enabled)"
+        )
+
+    def tool_call_counts(self) -> dict[str, int]:
+        """Tool calls run since `enable_tools`, by result status (ok, error, timeout, ...)."""
+        return {}
 
     # --- weights --------------------------------------------------------------------------------
 
@@ -247,10 +268,12 @@ def validate_requests(requests: Sequence[GroupRequest]) -> None:
             raise ValueError(f"request for prompt {request.prompt.prompt_id!r}: {error}") from None
 
 
-def encode_prompts(tokenizer: Any, prompts: Sequence[Prompt]) -> list[list[int]]:
+def encode_prompts(
+    tokenizer: Any, prompts: Sequence[Prompt], tools: list[dict[str, Any]] | None = None
+) -> list[list[int]]:
     """Token ids of each prompt (no padding): its text with the tokenizer's default encoding,
     or, for a chat (`Prompt.messages`), the tokenizer's chat template with the generation
-    prompt added.
+    prompt added (and `tools` declared to it, if any).
 
     Every backend encodes through this function, so all of them see the same prompt ids.
     """
@@ -262,23 +285,27 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[Prompt]) -> list[list[int]]
             encoded[index] = list(ids)
     for index, prompt in enumerate(prompts):
         if prompt.messages:
-            encoded[index] = render_chat(tokenizer, prompt)
+            encoded[index] = render_chat(tokenizer, prompt, tools)
     for prompt, ids in zip(prompts, encoded, strict=True):
         if not ids:
             raise ValueError(f"prompt {prompt.prompt_id!r} encodes to no tokens")
     return encoded
 
 
-def render_chat(tokenizer: Any, prompt: Prompt) -> list[int]:
+def render_chat(
+    tokenizer: Any, prompt: Prompt, tools: list[dict[str, Any]] | None = None
+) -> list[int]:
     """The token ids of `prompt.messages` through the tokenizer's chat template, ready for the
-    assistant's answer; ValueError when the tokenizer has no template."""
+    assistant's answer, with `tools` declared to the template if any; ValueError when the
+    tokenizer has no template."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"prompt {prompt.prompt_id!r} is a chat, but the model's tokenizer has no chat "
             "template (set one in its tokenizer_config.json, or give prompts as strings)"
         )
+    extra = {"tools": tools} if tools else {}
     rendered = tokenizer.apply_chat_template(
-        prompt.messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        prompt.messages, add_generation_prompt=True, tokenize=True, return_dict=True, **extra
     )
     return [int(token) for token in rendered["input_ids"]]
 

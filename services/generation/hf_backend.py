@@ -32,6 +32,8 @@ from services.generation.hf_batch import left_pad, new_cache, position_ids_for
 from services.generation.hf_engine import ContinuousBatcher, NonFiniteLogitsError
 from services.generation.hf_sampling import processed_logprobs
 from services.messages import Prompt, Response
+from services.tools.rollout import ToolRollout, ToolSettings
+from services.tools.sandbox import ToolRunner
 from services.weights.base import WeightsManifest
 from services.weights.loading import check_manifest, load_buckets_into, module_shapes
 
@@ -121,7 +123,12 @@ class HFBackend(GenerationBackend):
         self._torn_version: int | None = None
         self._shapes = module_shapes(self._model)
         self.recompute_kv = recompute_kv
-        self._engine = ContinuousBatcher(
+        self._max_batch_rows = max_batch_rows
+        self._tools: ToolRollout | None = None
+        self._engine = self._new_engine()
+
+    def _new_engine(self) -> ContinuousBatcher:
+        return ContinuousBatcher(
             forward=self._forward,
             new_cache=lambda: new_cache(self._model.config),
             encode=lambda requests: self.encode([r.prompt for r in requests]),
@@ -129,8 +136,36 @@ class HFBackend(GenerationBackend):
             eos_ids=self._eos_ids,
             pad_id=self._pad_id,
             device=self._device,
-            max_rows=max_batch_rows,
+            max_rows=self._max_batch_rows,
+            tools=self._tools,
+            decode_text=lambda ids: str(
+                self._tokenizer.decode(list(ids), skip_special_tokens=False)
+            ),
+            context_limit=self.context_length,
         )
+
+    @property
+    def context_length(self) -> int:
+        """Longest prompt + response the model takes (its position embeddings' length)."""
+        return int(getattr(self._model.config, "max_position_embeddings", 2**31 - 1))
+
+    def enable_tools(self, settings: ToolSettings, runner: ToolRunner) -> None:
+        """Multi-turn rollouts from now on (see `GenerationBackend.enable_tools`)."""
+        if self._engine.in_flight:
+            raise RuntimeError("enable_tools needs an idle backend")
+        if self._tools is not None:
+            self._tools.close()
+        self._tools = ToolRollout(settings, runner, self._tokenizer)
+        self._engine = self._new_engine()
+
+    def tool_call_counts(self) -> dict[str, int]:
+        """Tool calls run since `enable_tools`, by result status."""
+        return self._tools.calls.counts() if self._tools is not None else {}
+
+    @property
+    def tools(self) -> ToolRollout | None:
+        """The multi-turn machinery, once `enable_tools` was called."""
+        return self._tools
 
     @property
     def policy_version(self) -> int:
@@ -159,8 +194,10 @@ class HFBackend(GenerationBackend):
         return sorted(ids)
 
     def encode(self, prompts: Sequence[Prompt]) -> list[list[int]]:
-        """Token ids of each prompt text, as the model is conditioned on them (no padding)."""
-        return encode_prompts(self._tokenizer, prompts)
+        """Token ids of each prompt text, as the model is conditioned on them (no padding);
+        chat prompts declare the tool when tool calls are Hermes-style."""
+        tools = self._tools.encoder.prompt_tools() if self._tools is not None else None
+        return encode_prompts(self._tokenizer, prompts, tools)
 
     # --- streaming ------------------------------------------------------------------------------
 

@@ -10,6 +10,19 @@ Every `step`:
 5. rows that sampled EOS or reached their group's `max_new_tokens` leave the batch; a group
    whose G rows all ended is returned as G Responses.
 
+Multi-turn rollouts (with `tools`, services/tools/rollout.py): after each sampled token a row's
+new text is checked for a tool call (`ResponseTurns`). A row that stops at a call leaves the
+batch (its KV cache with it) and is parked while the call runs on the tool threads; the other
+rows keep decoding. Once the call's result is in (polled at each step, never waited on while
+any row can decode), its observation tokens are appended to the row and the row is admitted
+again like a new one: one prefill of its whole context (prompt, model and observation tokens)
+under the weights loaded then, and decoding continues. Re-prefilling rather than extending
+the old cache keeps the batch's one-token-per-step layout, at the cost of a prefill per turn.
+Observation tokens get log-prob 0.0, the version of the model token before them, and True in
+the response's `observation_mask`; `max_new_tokens` counts model tokens only. A seeded group
+that calls tools is reproducible only up to when its calls return: its rows draw from the group's
+stream at every step any of them decodes, and a call's duration decides how many steps that is.
+
 Every sampled token records the policy version passed to that `step` and the log-prob of the
 distribution it was drawn from, which the weights loaded at that step computed: a token's
 behaviour log-prob is that of the weights that sampled it by construction, whatever was loaded
@@ -28,6 +41,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -37,9 +51,15 @@ from services.generation.base import GroupRequest, validate_requests
 from services.generation.hf_batch import RunningBatch, left_pad, position_ids_for
 from services.generation.hf_sampling import sample_rows
 from services.messages import FinishReason, Response
+from services.tools.rollout import Decision, IncrementalText, ResponseTurns, ToolRollout
+from services.tools.sandbox import ToolResult
 
 # (input_ids, attention_mask, position_ids, cache) -> next-token logits (B, V); extends cache.
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, DynamicCache], torch.Tensor]
+
+# Longest a step waits for a tool call when every row in flight is waiting on one: short, so that
+# the engine's owner gets control back soon (to hand over new groups or load weights).
+TOOL_WAIT_S = 0.05
 
 
 class NonFiniteLogitsError(FloatingPointError):
@@ -78,6 +98,23 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    observed: list[bool] = field(default_factory=list)  # per token: an observation token
+    call_statuses: list[str] = field(default_factory=list)  # each call's ToolResult.status
+    finish: FinishReason | None = None
+    # Multi-turn rows only: turn bookkeeping, the model text of the turn, the running call.
+    turns: ResponseTurns | None = None
+    text: IncrementalText | None = None
+    call: Future[ToolResult] | None = None
+
+    @property
+    def context(self) -> list[int]:
+        """Prompt and response tokens so far: what the model conditions on."""
+        return self.group.prompt_ids + self.tokens
+
+    @property
+    def context_length(self) -> int:
+        """len(context), without building it (read after every token)."""
+        return len(self.group.prompt_ids) + len(self.tokens)
 
 
 class ContinuousBatcher:
@@ -94,7 +131,15 @@ class ContinuousBatcher:
         pad_id: int,
         device: torch.device,
         max_rows: int | None = None,
+        tools: ToolRollout | None = None,
+        decode_text: Callable[[Sequence[int]], str] | None = None,
+        context_limit: int | None = None,
     ) -> None:
+        """`tools`: multi-turn rollouts, with `decode_text` (one sequence's text, special
+        tokens kept: call markers may be special tokens) and `context_limit` (the model's
+        context length) both needed then."""
+        if tools is not None and (decode_text is None or context_limit is None):
+            raise ValueError("multi-turn rollouts need decode_text and context_limit")
         if max_rows is not None and max_rows < 1:
             raise ValueError(f"max_batch_rows must be >= 1 (or None: no limit), got {max_rows}")
         self._forward, self._new_cache = forward, new_cache
@@ -107,6 +152,9 @@ class ContinuousBatcher:
         self._pending = torch.empty(0, dtype=torch.long, device=device)  # sampled, not yet fed
         self._running_groups = 0
         self._stale_cache = False
+        self._tools, self._decode_text = tools, decode_text
+        self._context_limit = context_limit or 0
+        self._parked: list[_Row] = []  # rows waiting on a tool call, in the order they stopped
 
     @property
     def in_flight(self) -> int:
@@ -149,7 +197,8 @@ class ContinuousBatcher:
                 )
             )
             batch.fed_one()
-        admitted = self._admit()
+        ended, resumed = self._resume_parked()
+        admitted = self._admit(resumed)
         if admitted is not None:
             new_rows, new_batch, new_logits = admitted
             logits.append(new_logits)
@@ -159,36 +208,97 @@ class ContinuousBatcher:
             else:
                 self._batch.merge(new_batch)
         if not self._rows:
-            return []
-        return self._sample_and_retire(torch.cat(logits), version)
+            if self._parked and not ended:
+                # Every row in flight waits on a call: wait for one (briefly, see TOOL_WAIT_S).
+                wait([r.call for r in self._parked if r.call], TOOL_WAIT_S, FIRST_COMPLETED)
+            return ended
+        return ended + self._sample_and_retire(torch.cat(logits), version)
 
-    def _admit(self) -> tuple[list[_Row], RunningBatch, torch.Tensor] | None:
-        """Prefill the queued groups that fit; None when none does."""
+    def _resume_parked(self) -> tuple[list[list[Response]], list[_Row]]:
+        """Append the observation of every parked row whose call has ended. Returns the groups
+        that ended (a row whose observation does not fit its context ends there) and the rows
+        ready to decode again, oldest first; the others stay parked."""
+        ended: list[list[Response]] = []
+        ready: list[_Row] = []
+        waiting: list[_Row] = []
+        for row in self._parked:
+            if row.call is not None and not row.call.done():
+                waiting.append(row)
+                continue
+            if row.call is not None:  # the call ended: append its observation
+                self._observe(row, row.call.result())
+                row.call = None
+                if row.finish is not None:
+                    group = self._retire(row)
+                    if group is not None:
+                        ended.append(group)
+                    continue
+            ready.append(row)
+        self._parked = waiting
+        return ended, ready
+
+    def _observe(self, row: _Row, result: ToolResult) -> None:
+        assert self._tools is not None and row.turns is not None and row.text is not None
+        row.call_statuses.append(result.status)
+        text = self._tools.calls.observation(result)
+        ids = self._tools.encoder.encode(text, chat=bool(row.group.request.prompt.messages))
+        if not row.turns.fits(row.context_length, len(ids)):
+            row.finish = "max_context"
+            return
+        version = row.versions[-1]
+        row.tokens.extend(ids)
+        row.logprobs.extend([0.0] * len(ids))
+        row.versions.extend([version] * len(ids))
+        row.observed.extend([True] * len(ids))
+        row.turns.observed()
+        row.text.restart(len(row.tokens))
+
+    def _admit(self, resumed: list[_Row]) -> tuple[list[_Row], RunningBatch, torch.Tensor] | None:
+        """Prefill the rows that fit: resumed rows first (their whole context; those that do
+        not fit stay parked), then queued groups (their prompts). None when none does."""
         room = None if self._max_rows is None else self._max_rows - len(self._rows)
+        rows: list[_Row] = []
+        for row in resumed:
+            if room is None or room > 0:
+                rows.append(row)
+                room = None if room is None else room - 1
+            else:
+                self._parked.append(row)
         groups: list[_Group] = []
         while self._queue:
             size = self._queue[0].request.group_size
-            fits = room is None or size <= room or (not self._rows and not groups)
+            fits = room is None or size <= room or (not self._rows and not rows and not groups)
             if not fits:
                 break
             groups.append(self._queue.popleft())
             room = None if room is None else room - size
-        if not groups:
+        rows += [
+            self._new_row(group, index)
+            for group in groups
+            for index in range(group.request.group_size)
+        ]
+        if not rows:
             return None
-        rows = [_Row(group, index) for group in groups for index in range(group.request.group_size)]
-        input_ids, mask = left_pad(
-            [row.group.prompt_ids for row in rows], self._pad_id, self._device
-        )
+        input_ids, mask = left_pad([row.context for row in rows], self._pad_id, self._device)
         cache = self._new_cache()
         logits = self._forward(input_ids, mask, position_ids_for(mask), cache)
         self._running_groups += len(groups)
         return rows, RunningBatch(cache, mask), logits
 
+    def _new_row(self, group: _Group, index: int) -> _Row:
+        row = _Row(group, index)
+        if self._tools is not None:
+            assert self._decode_text is not None
+            limit = group.request.sampling.max_new_tokens
+            row.turns = self._tools.turns(limit, self._context_limit)
+            row.text = IncrementalText(self._decode_text)
+        return row
+
     def _recompute_cache(self) -> None:
         """Rebuild the cache of the running rows under the current weights: one prefill of
         prompt + generated tokens, all but the last (pending) one, which the next step feeds."""
         self._stale_cache = False
-        sequences = [row.group.prompt_ids + row.tokens[:-1] for row in self._rows]
+        sequences = [row.context[:-1] for row in self._rows]
         input_ids, mask = left_pad(sequences, self._pad_id, self._device)
         cache = self._new_cache()
         self._forward(input_ids, mask, position_ids_for(mask), cache)
@@ -230,12 +340,20 @@ class ContinuousBatcher:
             row.tokens.append(token)
             row.logprobs.append(logprob)
             row.versions.append(version)
-            if token in self._eos or len(row.tokens) >= row.group.request.sampling.max_new_tokens:
+            row.observed.append(False)
+            decision = self._decide(row, token)
+            if decision == "continue":
+                keep.append(position)
+            elif decision == "call":
+                assert self._tools is not None and row.turns is not None
+                assert row.turns.call is not None
+                row.call = self._tools.calls.submit(row.turns.call)
+                self._parked.append(row)
+            else:
+                row.finish = decision
                 group = self._retire(row)
                 if group is not None:
                     ended.append(group)
-            else:
-                keep.append(position)
         if len(keep) < len(self._rows):
             self._rows = [self._rows[i] for i in keep]
             if not keep:
@@ -247,6 +365,18 @@ class ContinuousBatcher:
             tokens = tokens[keep_index]
         self._pending = tokens
         return ended
+
+    def _decide(self, row: _Row, token: int) -> Decision:
+        """What the token just sampled means for its row."""
+        if row.turns is None:  # single-turn
+            if token in self._eos:
+                return "stop"
+            if len(row.tokens) >= row.group.request.sampling.max_new_tokens:
+                return "length"
+            return "continue"
+        assert row.text is not None
+        piece = row.text.push(row.tokens)
+        return row.turns.after_model_token(piece, token in self._eos, row.context_length)
 
     def _retire(self, row: _Row) -> list[Response] | None:
         """Record an ended row; return its group's responses when it was the group's last."""
@@ -261,15 +391,17 @@ class ContinuousBatcher:
         return [self._response(group, r, text) for r, text in zip(rows, texts, strict=True)]
 
     def _response(self, group: _Group, row: _Row, text: str) -> Response:
-        reason: FinishReason = "stop" if row.tokens[-1] in self._eos else "length"
+        assert row.finish is not None
         spans = any(v != row.versions[0] for v in row.versions)
         return Response(
             prompt_id=group.request.prompt.prompt_id,
             prompt_token_ids=list(group.prompt_ids),
             response_token_ids=row.tokens,
             behaviour_logprobs=row.logprobs,
-            finish_reason=reason,
+            finish_reason=row.finish,
             policy_version=row.versions[0],
             text=text,
             token_versions=row.versions if spans else [],
+            observation_mask=row.observed if any(row.observed) else [],
+            tool_calls=list(row.call_statuses),
         )

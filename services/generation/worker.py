@@ -40,7 +40,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeAlias
 
 import ray
@@ -56,6 +56,7 @@ from services.generation.base import (
 )
 from services.generation.registry import create_backend
 from services.messages import Prompt, Response
+from services.tools.rollout import SandboxTarget, ToolSettings, build_runner
 from services.weights.base import TensorSpec, WeightGroup, WeightsManifest, WeightsOffer
 from services.weights.buckets import plan_buckets
 from services.weights.object_store import fetch_buckets, put_buckets
@@ -91,6 +92,9 @@ class GenerationStats:
     in_flight_swaps: int  # swaps with responses in flight (in-flight updates)
     pending_version: int | None  # newest version offered or staged, not yet loaded
     in_flight_updates: bool
+    # Multi-turn rollouts: tool calls run, by result status (ok, error, timeout, refused,
+    # unavailable); empty without tools.
+    tool_calls: dict[str, int] = field(default_factory=dict)
 
 
 class EngineFailedError(RuntimeError):
@@ -146,14 +150,23 @@ class GenerationWorkerImpl:
         *,
         in_flight_updates: bool = False,
         recompute_kv: bool = False,
+        tools: ToolSettings | None = None,
+        sandbox: SandboxTarget | None = None,
         **options: Any,
     ) -> None:
-        """Construct backend `backend` for `model_path` with its options and start the engine."""
+        """Construct backend `backend` for `model_path` with its options and start the engine.
+
+        `tools`: multi-turn rollouts, the calls running where `sandbox` says (a local pool by
+        default); the runner is built here, so a sandbox token is read from this process's
+        environment.
+        """
         if recompute_kv and not in_flight_updates:
             raise ValueError("recompute_kv applies to in_flight_updates: set that too")
         self._backend_name = backend
         self._backend = create_backend(backend, model_path, **options)
         self._backend.recompute_kv = recompute_kv
+        if tools is not None:
+            self._backend.enable_tools(tools, build_runner(sandbox or SandboxTarget()))
         self._in_flight_updates = in_flight_updates
         self._cv = threading.Condition()
         self._waiting: deque[GroupRequest] = deque()
@@ -542,6 +555,7 @@ class GenerationWorkerImpl:
             in_flight_swaps=s["in_flight_swaps"],
             pending_version=pending if pending > version else None,
             in_flight_updates=self._in_flight_updates,
+            tool_calls=self._backend.tool_call_counts(),
         )
 
     def close(self) -> None:

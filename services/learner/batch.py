@@ -10,6 +10,11 @@ so every response starts at column P, and the logits at columns P-1 .. P+T-2 pre
 response slots. Positions count from each row's first real token (`position_ids_for`, as in the
 `hf` generation backend), which is what makes the learner's log-probs reproduce the behaviour
 log-probs of the same weights.
+
+A multi-turn (tool) response holds observation tokens between its model turns
+(`Response.observation_mask`). They stay in the row, where the model reads them as context for
+the model tokens after them, but they are off `response_mask`: no loss, no gradient, no ratio,
+and every estimator treats them as masked positions (SPEC.md, "Multi-turn responses").
 """
 
 from __future__ import annotations
@@ -31,17 +36,21 @@ class TrainingBatch:
     """The tensors of one batch of B responses. Filled by `collate`; read by the learner step.
 
     input_ids, attention_mask, position_ids: [B, P+T] int64 (the model's inputs).
-    response_ids: [B, T] int64 (pad off the mask); response_mask: [B, T] bool.
+    response_ids: [B, T] int64 (every response token, observation tokens included; pad after
+    them); response_mask: [B, T] bool, True at the model tokens (sampled, so trained on): False
+    at observation tokens and padding.
     behaviour_logp: [B, T] float32, the generation log-probs (0 off the mask).
     rewards: [B] float32 (as scored: may hold NaN/inf, which the step drops); group_ids: [B]
     int64, index of the row's group in the input list; correct: [B] bool (verified correct,
     with a finite reward); versions: [B] int64, policy version that sampled the row;
     staleness: [B] int64, learner version minus that version; truncated: [B] bool
-    (finish_reason "length").
+    (ended by a limit: any finish reason but "stop", the token, context, turn and call limits
+    of a multi-turn response alike).
 
     prompt_lengths, response_lengths: [B] Python ints, the rows' real token counts, kept on
     the host: micro-batch plans, crops and packing read them there, so that the step never
-    waits on the device to learn a shape.
+    waits on the device to learn a shape. A response length counts its positions (model and
+    observation tokens), not the tokens trained on: that count is `response_mask`'s.
     """
 
     input_ids: Tensor
@@ -140,14 +149,25 @@ def _check_response(response: Response, row: int) -> None:
             f"{len(response.response_token_ids)} response tokens but "
             f"{len(response.behaviour_logprobs)} behaviour log-probs"
         )
+    observed = response.observation_mask
+    # Empty means "no observation token"; otherwise one flag per response token, or which
+    # tokens are trained on would be a guess.
+    if observed and len(observed) != len(response.response_token_ids):
+        raise ValueError(
+            f"row {row} (prompt {response.prompt_id!r}) has "
+            f"{len(response.response_token_ids)} response tokens but an observation mask of "
+            f"{len(observed)}"
+        )
 
 
 def collate(groups: Sequence[ScoredGroup], pad_id: int, learner_version: int) -> TrainingBatch:
     """Pad every response of `groups` into one `TrainingBatch` (layout in the module docstring).
 
     `learner_version` is the learner's current version, against which staleness is measured.
-    An empty response (0 tokens) gets an all-False mask row. Raises ValueError for no responses,
-    a response without prompt tokens, or log-probs that do not match the response length.
+    An empty response (0 tokens) gets an all-False mask row; observation tokens are in the row
+    but off the mask, their behaviour log-probs 0. Raises ValueError for no responses, a response
+    without prompt tokens, or log-probs or an observation mask that do not match the response
+    length.
     """
     rows = [(index, scored) for index, group in enumerate(groups) for scored in group.responses]
     if not rows:
@@ -161,6 +181,7 @@ def collate(groups: Sequence[ScoredGroup], pad_id: int, learner_version: int) ->
     input_ids = torch.full((batch, width_p + width_t), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((batch, width_p + width_t), dtype=torch.long)
     behaviour_logp = torch.zeros((batch, width_t), dtype=torch.float32)
+    model_tokens = torch.zeros((batch, width_t), dtype=torch.bool)
     for row, response in enumerate(responses):
         prompt, tokens = response.prompt_token_ids, response.response_token_ids
         start, end = width_p - len(prompt), width_p + len(tokens)
@@ -168,16 +189,19 @@ def collate(groups: Sequence[ScoredGroup], pad_id: int, learner_version: int) ->
         attention_mask[row, start:end] = 1
         if tokens:
             input_ids[row, width_p:end] = torch.tensor(tokens, dtype=torch.long)
-            behaviour_logp[row, : len(tokens)] = torch.tensor(
-                response.behaviour_logprobs, dtype=torch.float32
-            )
+            sampled = torch.tensor(response.is_model_token(), dtype=torch.bool)
+            model_tokens[row, : len(tokens)] = sampled
+            # An observation's log-prob is meaningless (not even necessarily finite): 0, as
+            # everywhere off the mask.
+            logprobs = torch.tensor(response.behaviour_logprobs, dtype=torch.float32)
+            behaviour_logp[row, : len(tokens)] = torch.where(sampled, logprobs, 0.0)
     versions = torch.tensor([r.policy_version for r in responses], dtype=torch.long)
     return TrainingBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids_for(attention_mask),
         response_ids=input_ids[:, width_p:].clone(),
-        response_mask=attention_mask[:, width_p:].bool(),
+        response_mask=model_tokens,
         behaviour_logp=behaviour_logp,
         rewards=torch.tensor([s.reward for _, s in rows], dtype=torch.float32),
         group_ids=torch.tensor([index for index, _ in rows], dtype=torch.long),
@@ -186,7 +210,7 @@ def collate(groups: Sequence[ScoredGroup], pad_id: int, learner_version: int) ->
         ),
         versions=versions,
         staleness=learner_version - versions,
-        truncated=torch.tensor([r.finish_reason == "length" for r in responses]),
+        truncated=torch.tensor([r.finish_reason != "stop" for r in responses]),
         prompt_lengths=tuple(len(r.prompt_token_ids) for r in responses),
         response_lengths=tuple(len(r.response_token_ids) for r in responses),
     )

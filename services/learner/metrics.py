@@ -39,8 +39,10 @@ def batch_metric_tensors(batch: TrainingBatch, num_groups: int | None = None) ->
     reward_std (population std; both 0.0 when no reward is finite) and of the groups:
     zero_variance_group_fraction is the fraction of groups whose finite rewards are all equal
     (including groups with at most one finite reward: they carry no GRPO learning signal).
-    empty_responses counts responses with no token; tokens_trained counts every response
-    token of the batch, including those the loss later masks.
+    Lengths count model tokens (`response_mask`): response_length_mean, empty_responses (no
+    model token) and tokens_trained (every model token of the batch, including those the loss
+    later masks for a NaN/inf reward or log-prob) leave observation tokens out;
+    observation_tokens counts those.
 
     0-dim float64 tensors on the batch's device, nothing read back. `num_groups`: the number of
     groups the rows' group_ids index (known to the caller on the host); without it the distinct
@@ -54,6 +56,9 @@ def batch_metric_tensors(batch: TrainingBatch, num_groups: int | None = None) ->
     spread = torch.where(finite, rewards - reward_mean, 0.0)
     reward_std = (spread.square().sum() / count.clamp_min(1)).sqrt()
     lengths = batch.response_mask.sum(-1).double()
+    # Response positions (model and observation tokens) less the model tokens: as `collate`
+    # made it, the mask is False exactly at the observation tokens and the padding.
+    positions = batch.attention_mask[:, batch.prompt_width :].sum().double()
     if num_groups is None:
         _, inverse = torch.unique(batch.group_ids, return_inverse=True)
         present = torch.ones(int(inverse.max()) + 1 if inverse.numel() else 0, dtype=torch.bool)
@@ -81,6 +86,7 @@ def batch_metric_tensors(batch: TrainingBatch, num_groups: int | None = None) ->
         "staleness_mean": staleness.mean(),
         "staleness_max": staleness.max(),
         "tokens_trained": lengths.sum(),
+        "observation_tokens": positions - lengths.sum(),
     }
 
 

@@ -22,6 +22,7 @@ from services.jobs.settings import JobSettings
 from services.learner.group import LearnerGroup, wait_all
 from services.reward.actor import start_verifier_actor
 from services.spec import RunSpec
+from services.tools.rollout import SandboxTarget, ToolSettings
 
 log = logging.getLogger(__name__)
 
@@ -180,9 +181,36 @@ def generation_worker_args(spec: RunSpec, model_dir: Path) -> GenerationWorkerAr
         worker_options={
             "in_flight_updates": spec.pipeline.in_flight_updates,
             "recompute_kv": spec.pipeline.recompute_kv,
+            **tool_options(spec),
             **backend_options,
         },
     )
+
+
+def tool_options(spec: RunSpec) -> dict[str, Any]:
+    """The worker's `tools` and `sandbox` arguments when `tools.enabled` (else none): how its
+    rollouts call the tool, and where the calls run (the token stays in the worker's
+    environment, named by `sandbox_token_env`)."""
+    tools = spec.tools
+    if not tools.enabled:
+        return {}
+    return {
+        "tools": ToolSettings(
+            max_turns=tools.max_turns,
+            max_calls=tools.max_calls,
+            max_context_tokens=tools.max_context_tokens,
+            max_output_chars=tools.max_output_chars,
+            call_format=tools.call_format,
+            max_concurrent_calls=tools.max_concurrent_calls,
+        ),
+        "sandbox": SandboxTarget(
+            url=None if tools.sandbox_url is None else str(tools.sandbox_url),
+            token_env=tools.sandbox_token_env,
+            timeout_s=tools.timeout_s,
+            max_output_chars=tools.max_output_chars,
+            max_concurrency=tools.max_concurrent_calls,
+        ),
+    }
 
 
 def start_generation_worker(spec: RunSpec, model_dir: Path) -> Any:

@@ -78,6 +78,7 @@ from services.pipeline.weight_sync import WeightSync
 from services.spec import RunSpec
 from services.tasks.held_out import held_out_prompts
 from services.tasks.models import has_chat_template, resolve_model
+from services.tools.metrics import tool_metrics
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +153,7 @@ class LearnerCall:
     offer_ref: Any  # the ref of the step's WeightsOffer (None in tests that drive no learner)
     started: float
     version_spans: list[int] = field(default_factory=list)  # of the batch's responses
+    tool_metrics: dict[str, float] = field(default_factory=dict)  # with tools: the batch's
 
 
 @dataclass(frozen=True)
@@ -521,9 +523,11 @@ class RunDriver:
         batch = self.buffer.take_batch(pipe.batch_groups, self.counters.step)
         if batch is None:
             return
-        spans = [r.response.version_span for group in batch for r in group.responses]
+        responses = [r.response for group in batch for r in group.responses]
+        spans = [response.version_span for response in responses]
+        tools = tool_metrics(responses) if self.spec.tools.enabled else {}
         refs = actors.learner.step(batch)
-        self._pending[refs.metrics] = LearnerCall(refs.weights, time.perf_counter(), spans)
+        self._pending[refs.metrics] = LearnerCall(refs.weights, time.perf_counter(), spans, tools)
         for ref in refs.peers:
             self._pending[ref] = LearnerPeerCall()
 
@@ -692,6 +696,7 @@ class RunDriver:
             **self._throughput.record_and_reset(),
             "version_span_mean": sum(spans) / len(spans),
             "version_span_max": float(max(spans)),
+            **call.tool_metrics,
             "tokens_generated_total": self.counters.tokens_generated_total,
             "tokens_trained_total": self.counters.tokens_trained_total,
             "rollouts_dropped_stale": self.counters.rollouts_dropped_stale,

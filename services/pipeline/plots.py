@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,7 +14,13 @@ from services.pipeline.outputs import CURVES_FILE, MetricsRecord, read_metrics
 # curves.png's panels, in drawing order (left to right, top to bottom), and whether a trend line
 # is drawn over the noisy values. The keys a panel draws are those services/metrics.py declares
 # with the panel's title as `plot`.
-TRENDS = {"reward": True, "entropy": True, "clip fraction": True, "staleness (versions)": False}
+TRENDS = {
+    "reward": True,
+    "entropy": True,
+    "clip fraction": True,
+    "staleness (versions)": False,
+    "tools": True,
+}
 
 
 def _panels() -> tuple[tuple[str, tuple[str, ...], bool], ...]:
@@ -55,8 +62,13 @@ def plot_curves(records: Sequence[MetricsRecord], path: Path, title: str = "") -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
-    for axis, (panel, keys, smooth) in zip(axes.flat, PANELS, strict=True):
+    # A panel whose keys no record holds (tools, in a run without them) is left out.
+    panels = [p for p in PANELS if any(r.get(key) is not None for r in records for key in p[1])]
+    rows = max(1, math.ceil(len(panels) / 2))
+    figure, axes = plt.subplots(rows, 2, figsize=(10, 3.5 * rows), sharex=True, squeeze=False)
+    for axis in axes.flat[len(panels) :]:
+        axis.set_visible(False)
+    for axis, (panel, keys, smooth) in zip(axes.flat, panels, strict=False):
         for key in keys:
             points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
             if not points:
@@ -72,7 +84,7 @@ def plot_curves(records: Sequence[MetricsRecord], path: Path, title: str = "") -
         axis.grid(alpha=0.3)
         if len(keys) > 1 and axis.get_legend_handles_labels()[0]:
             axis.legend(fontsize=8)
-    for axis in axes[1]:
+    for axis in axes[-1]:
         axis.set_xlabel("learner step")
     figure.suptitle(title)
     figure.tight_layout()

@@ -19,12 +19,14 @@ import pytest
 from kpo_core.config import AlgorithmConfig
 from services.api import prometheus
 from services.learner.step import LearnerCore
+from services.messages import Response
 from services.metrics import (
     BY_KEY,
     EVAL_KEYS,
     FAULT_COUNTERS,
     LEARNER_TOTALS,
     RECORD,
+    TOOL_KEYS,
     Kind,
     MetricKey,
     Source,
@@ -34,6 +36,7 @@ from services.pipeline import driver
 from services.pipeline.outputs import RunDirectory
 from services.spec import LearnerConfig
 from services.tasks.models import resolve_model
+from services.tools.metrics import tool_metrics
 from tests.services.learner.conftest import sample_groups
 from tests.services.pipeline.conftest import tiny_spec
 
@@ -45,6 +48,10 @@ NOT_YET_EMITTED = {"micro_batches", "learner_world_size"}
 # The exported names as deploy/ (Grafana dashboard, Prometheus rules) reads them: (kind, name,
 # record key). Spelled out on purpose: renaming an exported metric must fail a test.
 EXPORTED = {
+    ("gauge", "kpo_tool_calls_per_response", "tool_calls_per_response"),
+    ("gauge", "kpo_tool_error_ratio", "tool_error_fraction"),
+    ("gauge", "kpo_turns_mean", "turns_mean"),
+    ("gauge", "kpo_observation_token_ratio", "observation_token_fraction"),
     ("gauge", "kpo_reward_mean", "reward_mean"),
     ("gauge", "kpo_accuracy_ratio", "accuracy"),
     ("gauge", "kpo_eval_accuracy_avg_at_k_ratio", "eval_accuracy_avg_at_k"),
@@ -125,11 +132,36 @@ def test_the_driver_writes_exactly_the_keys_declared_as_its_own(tmp_path: Path) 
 
     (record,) = run_dir.read_metrics()
     added = record.keys() - learner_part.keys()
-    # The evaluation's keys join a record only after an evaluation (`eval`, off here).
-    assert added == declared(Source.DRIVER) - set(EVAL_KEYS)
+    # The evaluation's keys join a record only after an evaluation (`eval`, off here), the
+    # tools' only in a run with tools.
+    assert added == declared(Source.DRIVER) - set(EVAL_KEYS) - set(TOOL_KEYS)
     # The run totals the driver keeps, from the constants it reads them by.
     assert {*FAULT_COUNTERS, *(f"{key}_total" for key in LEARNER_TOTALS)} <= added
     assert record["nonfinite_rewards_total"] == 1.0  # summed from the learner's count
+
+
+def test_a_run_with_tools_records_the_tool_keys_of_its_batch(tmp_path: Path) -> None:
+    run_dir = RunDirectory(tmp_path)
+    run = driver.RunDriver(
+        tiny_spec("pipeline.checkpoint_every=0", "tools.enabled=true"), run_dir, []
+    )
+    observed = [False, True, True, False, False]
+    two_calls = Response(
+        "p", [1], [5, 6, 7, 8, 9], [0.0] * 5, "stop", 0, "",
+        observation_mask=observed, tool_calls=["ok", "timeout"],
+    )  # fmt: skip
+    no_call = Response("p", [1], [5, 6, 7], [0.0] * 3, "stop", 0, "")
+    tools = tool_metrics([two_calls, no_call])
+    call = driver.LearnerCall(None, time.perf_counter(), [1, 1], tools)
+    run._on_trained(SimpleNamespace(generation=[]), call, {"tokens_trained": 6.0})
+
+    (record,) = run_dir.read_metrics()
+    assert {key: record[key] for key in TOOL_KEYS} == {
+        "tool_calls_per_response": 1.0,  # 2 calls over 2 responses
+        "tool_error_fraction": 0.5,  # the timeout
+        "turns_mean": 2.0,  # 3 turns and 1
+        "observation_token_fraction": 0.25,  # 2 of 8 tokens
+    }
 
 
 def test_the_drivers_totals_are_declared_counters_it_keeps() -> None:

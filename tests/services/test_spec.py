@@ -452,3 +452,45 @@ def test_attn_implementation_is_an_allowlist(where: str) -> None:
             f"run.yaml: {where}: Input should be 'eager', 'sdpa', 'flash_attention_2' or "
             "'flash_attention_3'"
         ), name
+
+
+# --- tools --------------------------------------------------------------------------------------
+
+
+def test_tools_are_off_by_default_and_max_calls_defaults_to_one_per_turn_but_the_last() -> None:
+    spec = RunSpec()
+    assert not spec.tools.enabled and spec.tools.max_turns == 5 and spec.tools.max_calls == 4
+    tools = RunSpec.model_validate({"tools": {"enabled": True, "max_turns": 3}}).tools
+    assert tools.max_calls == 2 and tools.call_format == "auto" and tools.sandbox_url is None
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("max_turns", 0, "Input should be greater than or equal to 1"),
+        ("max_turns", 257, "Input should be less than or equal to 256"),
+        ("max_calls", -1, "Input should be greater than or equal to 0"),
+        ("max_context_tokens", 0, "Input should be greater than or equal to 1"),
+        ("max_output_chars", 0, "Input should be greater than or equal to 1"),
+        ("timeout_s", 0, "Input should be greater than 0"),
+        ("max_concurrent_calls", 0, "Input should be greater than or equal to 1"),
+        ("call_format", "xml", "Input should be 'auto', 'fenced' or 'hermes'"),
+        ("sandbox_url", "ftp://host", "must be an http:// or https:// URL with a host"),
+        ("sandbox_url", "http://", "must be an http:// or https:// URL with a host"),
+        ("sandbox_token_env", "secret token", "the token itself never goes in the spec"),
+        ("sandbox_token", "abc", "Extra inputs are not permitted"),
+    ],
+)
+def test_bad_tools_settings_name_the_field(key: str, value: object, message: str) -> None:
+    error = run_spec_error({"tools": {key: value}})
+    assert error.startswith(f"run.yaml: tools.{key}: ") and message in error
+
+
+def test_tools_need_the_hf_backend() -> None:
+    error = run_spec_error({"tools": {"enabled": True}, **VLLM})
+    assert "tools.enabled needs generation.backend 'hf'" in error
+    spec = RunSpec.model_validate(
+        {"tools": {"enabled": True, "sandbox_url": "http://sandbox:8000", "call_format": "fenced"}}
+    )
+    assert spec.tools.sandbox_url == "http://sandbox:8000"
+    assert "tools" in RunSpec.model_json_schema()["properties"]

@@ -47,6 +47,12 @@
       { key: "raw_low_frequency_ratio", label: "raw", color: "#b0bec5", width: 1.2 },
       { key: "filtered_low_frequency_ratio", label: "filtered", color: "#3949ab", width: 1.8, main: true },
     ] },
+    // Only runs with tools record these: the chart stays hidden until a shown run has them.
+    { id: "tools", title: "Tool calls", optional: true, series: [
+      { key: "tool_calls_per_response", label: "calls per response", color: "#2e7d32", width: 1.8, main: true },
+      { key: "tool_error_fraction", label: "error fraction", color: "#c62828", width: 1.2 },
+      { key: "observation_token_fraction", label: "observation tokens", color: "#6d4c41", width: 1.2, dash: [4, 3] },
+    ] },
   ];
 
   const $ = (id) => document.getElementById(id);
@@ -543,6 +549,7 @@
     figure.querySelector(".chart-step").textContent =
       lastStep < 0 ? "no data yet" : `${comparing ? "up to " : ""}step ${lastStep}`;
     const drawn = lines.filter((line) => line.pts.length);
+    figure.hidden = Boolean(chart.optional) && drawn.length === 0;
     canvas.dataset.lastStep = String(lastStep);
     canvas.dataset.points = String(drawn.reduce((n, line) => n + line.pts.length, 0));
     canvas.dataset.lines = String(drawn.length);

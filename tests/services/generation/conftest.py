@@ -36,3 +36,17 @@ def hf_backend(tiny_model_dir: Path) -> HFBackend:
 def fresh_hf_backend(tiny_model_dir: Path) -> HFBackend:
     """An HF backend of its own, for tests that load weights."""
     return HFBackend(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tool_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny byte-level model fitted to call the Python tool (`tool_model.py`), once per
+    session (a few seconds of CPU)."""
+    from tests.services.generation.tool_model import save_tool_model
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return save_tool_model(tmp_path_factory.mktemp("tool-model"))
+    finally:
+        torch.set_num_threads(previous)

@@ -47,3 +47,23 @@ def test_the_panels_draw_the_keys_declared_for_them(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(plots, "RECORD", (*plots.RECORD, stray))
     with pytest.raises(ValueError, match="each panel draws at least one declared key"):
         plots._panels()  # a key for a panel curves.png does not have
+
+
+def test_the_tools_panel_is_drawn_only_for_a_run_with_tools(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import matplotlib.pyplot as plt
+
+    drawn: list[int] = []
+    subplots = plt.subplots
+
+    def counting(rows: int, cols: int, **kwargs: object) -> object:
+        drawn.append(rows * cols)
+        return subplots(rows, cols, **kwargs)
+
+    monkeypatch.setattr(plt, "subplots", counting)
+    plain = [{"step": s, "reward_mean": 0.1, "entropy": 1.0} for s in range(1, 6)]
+    plot_curves(plain, tmp_path / "plain.png")
+    tools = [{**r, "tool_calls_per_response": 0.5} for r in plain]
+    plot_curves(tools, tmp_path / "tools.png")
+    assert drawn == [2, 4]  # reward and entropy; then the tools panel beside them

@@ -896,10 +896,13 @@ def test_no_value_takes_a_secret_in_plain_text() -> None:
             "ray.models.hfToken",
             "ray.models.hfToken.existingSecret",
             "ray.models.hfToken.secretKey",
+            "sandbox.token",
+            "sandbox.token.existingSecret",
+            "sandbox.token.secretKey",
         ]
     )
     assert set(values["secrets"]) == {"requireExisting"}
-    for key in ("apiToken", "redis.auth", "ray.auth", "ray.models.hfToken"):
+    for key in ("apiToken", "redis.auth", "ray.auth", "ray.models.hfToken", "sandbox.token"):
         node = values
         for part in key.split("."):
             node = node[part]

@@ -159,6 +159,8 @@ checksum/secret-api-token: {{ include "kpo.secretChecksum" (dict "ctx" $ctx "sec
 checksum/secret-redis: {{ include "kpo.secretChecksum" (dict "ctx" $ctx "secret" (include "kpo.redisSecretName" $ctx) "key" $v.redis.auth.secretKey "existing" $v.redis.auth.existingSecret) }}
 {{- else if and (eq $which "ray-auth") $v.ray.auth.enabled }}
 checksum/secret-ray-auth: {{ include "kpo.secretChecksum" (dict "ctx" $ctx "secret" (include "kpo.rayAuthSecretName" $ctx) "key" $v.ray.auth.secretKey "existing" $v.ray.auth.existingSecret) }}
+{{- else if and (eq $which "sandbox-token") $v.sandbox.enabled }}
+checksum/secret-sandbox-token: {{ include "kpo.secretChecksum" (dict "ctx" $ctx "secret" (include "kpo.sandboxTokenSecretName" $ctx) "key" $v.sandbox.token.secretKey "existing" $v.sandbox.token.existingSecret) }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -176,6 +178,31 @@ checksum/secret-ray-auth: {{ include "kpo.secretChecksum" (dict "ctx" $ctx "secr
 {{/* The Secret holding Ray's auth token. */}}
 {{- define "kpo.rayAuthSecretName" -}}
 {{- .Values.ray.auth.existingSecret | default (include "kpo.componentName" (dict "ctx" . "component" "ray-auth")) }}
+{{- end }}
+
+{{/* The Secret holding the sandbox server's bearer token. */}}
+{{- define "kpo.sandboxTokenSecretName" -}}
+{{- .Values.sandbox.token.existingSecret | default (include "kpo.componentName" (dict "ctx" . "component" "sandbox-token")) }}
+{{- end }}
+
+{{/*
+The sandbox server's bearer token from its Secret, as `KPO_SANDBOX_TOKEN`: on the sandbox
+container (the server checks it) and on every Ray container (the generation workers send it;
+`tools.sandbox_token_env` names this variable by default). Empty without sandbox.enabled.
+*/}}
+{{- define "kpo.sandboxTokenEnv" -}}
+{{- if .Values.sandbox.enabled -}}
+- name: KPO_SANDBOX_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kpo.sandboxTokenSecretName" . }}
+      key: {{ .Values.sandbox.token.secretKey }}
+{{- end }}
+{{- end }}
+
+{{/* The sandbox server's URL inside the cluster, for a run's `tools.sandbox_url`. */}}
+{{- define "kpo.sandboxUrl" -}}
+{{- printf "http://%s.%s.svc:%v" (include "kpo.componentName" (dict "ctx" . "component" "sandbox")) .Release.Namespace .Values.sandbox.port }}
 {{- end }}
 
 {{/*
@@ -407,6 +434,10 @@ containers:
       # password through a secretKeyRef), so that no job's runtime environment carries it.
       {{- include "kpo.storeEnv" .ctx | nindent 6 }}
       {{- include "kpo.rayAuthEnv" .ctx | nindent 6 }}
+      {{- with include "kpo.sandboxTokenEnv" .ctx }}
+      # The sandbox server's token, which the generation workers send (tools.sandbox_url).
+      {{- . | nindent 6 }}
+      {{- end }}
       {{- with $ray.extraEnv }}
       {{- toYaml . | nindent 6 }}
       {{- end }}
@@ -621,6 +652,7 @@ that waits past RAY_JOB_START_TIMEOUT_SECONDS (15 minutes), so runs the API acce
 {{- fail (printf "controlPlane.maxActiveRuns (%d; 0 is no cap) must be between 1 and ray.head.driverSlots (%d): each active run's driver holds a slot, and a job waiting for one fails after 15 minutes" $maxRuns (int .Values.ray.head.driverSlots)) }}
 {{- end }}
 {{- include "kpo.validateEgress" . }}
+{{- include "kpo.validateSandbox" . }}
 {{- range $name, $overrides := .Values.ray.workerGroups }}
 {{- $group := mergeOverwrite (deepCopy $.Values.ray.workerDefaults) ($overrides | default dict) }}
 {{- if or (gt (int $group.minReplicas) (int $group.replicas)) (gt (int $group.replicas) (int $group.maxReplicas)) }}
@@ -628,6 +660,19 @@ that waits past RAY_JOB_START_TIMEOUT_SECONDS (15 minutes), so runs the API acce
 {{- end }}
 {{- if and $group.rayResources (hasKey ($group.rayStartParams | default dict) "resources") }}
 {{- fail (printf "ray.workerGroups.%s: declare custom Ray resources in rayResources only; remove rayStartParams.resources (the chart renders it from rayResources)" $name) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Checks of sandbox.* that need more than the schema. */}}
+{{- define "kpo.validateSandbox" -}}
+{{- $sandbox := .Values.sandbox }}
+{{- if $sandbox.enabled }}
+{{- if and (not $sandbox.hostUsers) (not (semverCompare ">=1.33.0-0" .Capabilities.KubeVersion.Version)) }}
+{{- fail (printf "sandbox: the sandbox pods run in a user namespace (sandbox.hostUsers=false, so that bubblewrap can mount a fresh /proc: procMount Unmasked), which Kubernetes turns on by default from 1.33; this render is for %s (docs/deploy.md, the sandbox)" .Capabilities.KubeVersion.Version) }}
+{{- end }}
+{{- if and (not .Values.ray.cluster.enabled) (not .Values.networkPolicy.externalRay.from) (not $sandbox.extraFrom) }}
+{{- fail "sandbox: the runs on the Ray cluster at ray.address call the sandbox, so set networkPolicy.externalRay.from or sandbox.extraFrom to the peers of that cluster's pods (the sandbox's NetworkPolicy admits no one else)" }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -643,6 +688,7 @@ generated ones and would make new ones each time.
 {{- if not .Values.apiToken.existingSecret }}{{ $missing = append $missing "apiToken.existingSecret" }}{{ end }}
 {{- if and .Values.redis.auth.enabled (not .Values.redis.auth.existingSecret) }}{{ $missing = append $missing "redis.auth.existingSecret" }}{{ end }}
 {{- if and .Values.ray.auth.enabled (not .Values.ray.auth.existingSecret) }}{{ $missing = append $missing "ray.auth.existingSecret" }}{{ end }}
+{{- if and .Values.sandbox.enabled (not .Values.sandbox.token.existingSecret) }}{{ $missing = append $missing "sandbox.token.existingSecret" }}{{ end }}
 {{- if $missing }}
 {{- fail (printf "secrets.requireExisting is true, so set %s: rendered without the cluster (helm template, Argo CD, Flux), the chart cannot read back the secrets it generates and would make new ones on every render" (join ", " $missing)) }}
 {{- end }}

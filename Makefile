@@ -50,7 +50,8 @@ test: system-deps lint typecheck
 # The vLLM backend's tests, in their own virtualenv with the CPU build of vLLM (large: ~4 GB).
 test-vllm:
 	bash scripts/setup_vllm_venv.sh
-	.venv-vllm/bin/python -m pytest tests/services/generation/test_vllm_backend.py
+	.venv-vllm/bin/python -m pytest tests/services/generation/test_vllm_backend.py \
+		tests/services/generation/test_vllm_tools.py
 
 # kpo_core inside verl and TRL (kpo_core/integrations), in their own virtualenv with both from
 # PyPI and the CPU build of torch (~1.7 GB): the integration modules are type-checked against

@@ -973,16 +973,6 @@ class RunSpec(StrictModel):
     )
 
     @model_validator(mode="after")
-    def _tools_backend(self) -> RunSpec:
-        # Checked here: the backend would refuse only once its actor had started.
-        if self.tools.enabled and self.generation.backend != "hf":
-            raise ValueError(
-                f"tools.enabled needs generation.backend 'hf': the {self.generation.backend} "
-                "backend does not run multi-turn rollouts yet"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _minibatches_fit(self) -> RunSpec:
         rows = self.pipeline.batch_groups * self.generation.group_size
         if self.learner.minibatches > rows:

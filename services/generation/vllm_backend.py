@@ -34,6 +34,11 @@ sets the label, and resumes. Tokens sampled before the pause carry the old versi
 after it the new one, whatever the engine core's lead over `step`; and each token's log-prob is
 computed by the sampler from the logits of the weights that sampled it.
 
+Multi-turn rollouts (`enable_tools`): each response is a vLLM request of its own, decoded in
+segments that stop at tool calls; its call runs off the stepping thread while the other requests
+keep decoding, and the next segment resubmits the whole context as a token prompt
+(`vllm_tools`, which shares the `hf` backend's turn logic, limits and observation tokens).
+
 KV cache across an in-flight load (`recompute_kv`): False keeps the KV blocks of the requests
 in flight (computed by the old weights) and the prefix cache is reset only where no request
 holds a block; new requests are salted with the version they were submitted under
@@ -56,6 +61,7 @@ import contextlib
 import ipaddress
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +82,7 @@ from services.generation.vllm_checkpoint import (
     state_dict_buckets,
     ties_embeddings,
 )
+from services.generation.vllm_tools import TOOL_WAIT_S, MultiTurn, Segment, ToolGroup, ToolRow
 from services.generation.vllm_transfer import (
     group_to_wire,
     manifest_to_wire,
@@ -83,6 +90,8 @@ from services.generation.vllm_transfer import (
 )
 from services.generation.vllm_worker_extension import WeightLoadingExtension
 from services.messages import FinishReason, Prompt, Response
+from services.tools.rollout import ToolRollout, ToolSettings
+from services.tools.sandbox import ToolRunner
 from services.weights.base import WeightGroup, WeightsManifest
 from services.weights.buckets import bucket_tensors
 from services.weights.loading import check_manifest
@@ -216,6 +225,11 @@ class VLLMBackend(GenerationBackend):
         self._torn_version: int | None = None  # a version only partly loaded
         self._weight_group: WeightGroup | None = None
         self._staged_version: int | None = None
+        # Multi-turn rollouts, once `enable_tools` was called.
+        self._multi: MultiTurn | None = None
+        self._segments: dict[str, ToolRow] = {}  # vLLM request id -> response it decodes
+        self._parked: list[ToolRow] = []  # responses waiting on a tool call
+        self._tool_groups = 0  # multi-turn groups submitted and not yet returned
 
     @property
     def policy_version(self) -> int:
@@ -232,9 +246,41 @@ class VLLMBackend(GenerationBackend):
         """The underlying engine, for callers that need vLLM directly."""
         return self._llm
 
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt + response the engine takes."""
+        return int(self._llm.llm_engine.vllm_config.model_config.max_model_len)
+
     def encode(self, prompts: Sequence[Prompt]) -> list[list[int]]:
-        """Token ids of each prompt text: the tokenizer's default encoding, as in `hf`."""
-        return encode_prompts(self._tokenizer, prompts)
+        """Token ids of each prompt text: the tokenizer's default encoding, as in `hf`; chat
+        prompts declare the tool when tool calls are Hermes-style."""
+        tools = self._multi.tools.encoder.prompt_tools() if self._multi is not None else None
+        return encode_prompts(self._tokenizer, prompts, tools)
+
+    # --- multi-turn rollouts --------------------------------------------------------------------
+
+    def enable_tools(self, settings: ToolSettings, runner: ToolRunner) -> None:
+        """Multi-turn rollouts from now on (see `GenerationBackend.enable_tools`)."""
+        if self.in_flight:
+            raise RuntimeError("enable_tools needs an idle backend")
+        if self._multi is not None:
+            self._multi.tools.close()
+        self._multi = MultiTurn(
+            ToolRollout(settings, runner, self._tokenizer),
+            decode_text=lambda ids: str(
+                self._tokenizer.decode(list(ids), skip_special_tokens=False)
+            ),
+            context_limit=self.max_model_len,
+        )
+
+    def tool_call_counts(self) -> dict[str, int]:
+        """Tool calls run since `enable_tools`, by result status."""
+        return self._multi.tools.calls.counts() if self._multi is not None else {}
+
+    @property
+    def tools(self) -> ToolRollout | None:
+        """The multi-turn machinery, once `enable_tools` was called."""
+        return self._multi.tools if self._multi is not None else None
 
     # --- streaming ------------------------------------------------------------------------------
 
@@ -249,6 +295,9 @@ class VLLMBackend(GenerationBackend):
         from vllm import TokensPrompt
 
         prompt_ids = self.encode([request.prompt for request in requests])
+        if self._multi is not None:
+            self._submit_multi_turn(self._multi, requests, prompt_ids)
+            return
         salt = f"kpo-v{self._version}"
         prompts = [TokensPrompt(prompt_token_ids=ids, cache_salt=salt) for ids in prompt_ids]
         greedy = [r.sampling.temperature < GREEDY_TEMPERATURE for r in requests]
@@ -272,11 +321,21 @@ class VLLMBackend(GenerationBackend):
                 f"weights of version {self._torn_version} were only partly loaded; load a "
                 "complete version before generating"
             )
-        if not self._groups:
-            return []
         ended: list[list[Response]] = []
+        if self._parked:
+            ended += self._resume_parked()
+        if not self._groups and not self._segments:
+            if self._parked:  # every response in flight waits on a call: wait for one, briefly
+                wait([r.call for r in self._parked if r.call], TOOL_WAIT_S, FIRST_COMPLETED)
+            return ended
         for output in self._llm.llm_engine.step():
             if not output.finished:
+                continue
+            row = self._segments.pop(output.request_id, None)
+            if row is not None:
+                response = self._segment_ended(row, output)
+                if response is not None:
+                    ended.append(response)
                 continue
             group = self._groups.pop(output.request_id, None)
             if group is None:
@@ -287,7 +346,114 @@ class VLLMBackend(GenerationBackend):
     @property
     def in_flight(self) -> int:
         """Groups submitted and not yet returned by `step`."""
-        return len(self._groups)
+        return len(self._groups) + self._tool_groups
+
+    # --- multi-turn: segments, calls, observations (see vllm_tools) ----------------------------
+
+    def _submit_multi_turn(
+        self, multi: MultiTurn, requests: Sequence[GroupRequest], prompt_ids: list[list[int]]
+    ) -> None:
+        rows: list[ToolRow] = []
+        for request, ids in zip(requests, prompt_ids, strict=True):
+            greedy = request.sampling.temperature < GREEDY_TEMPERATURE
+            group: ToolGroup = multi.new_group(request, ids, greedy, self._version)
+            rows += group.rows
+        self._tool_groups += len(requests)
+        self._submit_segments(multi, rows)
+
+    def _submit_segments(self, multi: MultiTurn, rows: Sequence[ToolRow]) -> None:
+        """One vLLM request per row: its whole context, its remaining budget."""
+        if not rows:
+            return
+        from vllm import SamplingParams, TokensPrompt
+
+        salt = f"kpo-v{self._version}"
+        prompts: list[TokensPrompt] = []
+        params: list[SamplingParams] = []
+        for row in rows:
+            context, max_tokens, seed = multi.next_segment(row)
+            row.submitted_version = self._version
+            prompts.append(TokensPrompt(prompt_token_ids=context, cache_salt=salt))
+            sampling = row.group.request.sampling
+            params.append(
+                SamplingParams(
+                    n=1,
+                    temperature=sampling.temperature,
+                    top_p=sampling.top_p,
+                    top_k=sampling.top_k,
+                    max_tokens=max_tokens,
+                    seed=seed,
+                    logprobs=0,
+                    # Stop strings need vLLM's detokenizer; the text it makes is not used
+                    # (calls are read from the Hugging Face tokenizer's decoding).
+                    stop=multi.stop_strings,
+                    include_stop_str_in_output=True,
+                    detokenize=True,
+                    skip_special_tokens=False,
+                    spaces_between_special_tokens=False,
+                )
+            )
+        request_ids = self._llm.enqueue(prompts, params, use_tqdm=False)
+        for request_id, row in zip(request_ids, rows, strict=True):
+            self._segments[_external_id(request_id)] = row
+
+    def _segment_ended(self, row: ToolRow, output: RequestOutput) -> list[Response] | None:
+        """Take a row's ended segment: park it on its call, resubmit it, or end it."""
+        multi = self._multi
+        assert multi is not None
+        [completion] = output.outputs
+        token_ids = [int(t) for t in completion.token_ids]
+        versions = _token_versions(completion, len(token_ids), row.submitted_version)
+        greedy = row.group.greedy
+        logprobs = [0.0] * len(token_ids) if greedy else _sampled_logprobs(completion, token_ids)
+        stop_string = completion.finish_reason == "stop" and isinstance(completion.stop_reason, str)
+        eos = completion.finish_reason == "stop" and not stop_string
+        segment = Segment(token_ids, logprobs, versions, eos=eos, stop_string=stop_string)
+        decision = multi.segment_ended(row, segment)
+        if decision == "continue":
+            self._submit_segments(multi, [row])
+            return None
+        if decision == "call":
+            assert row.turns.call is not None
+            row.call = multi.tools.calls.submit(row.turns.call)
+            self._parked.append(row)
+            return None
+        row.finish = _finish_reason(completion) if decision is None else decision
+        return self._retire(row)
+
+    def _resume_parked(self) -> list[list[Response]]:
+        """Append the observation of every parked row whose call ended and resubmit it (or end
+        it, when the observation does not fit); the groups that ended."""
+        multi = self._multi
+        assert multi is not None
+        ended: list[list[Response]] = []
+        ready: list[ToolRow] = []
+        waiting: list[ToolRow] = []
+        for row in self._parked:
+            if row.call is not None and not row.call.done():
+                waiting.append(row)
+                continue
+            if row.call is not None:
+                multi.observe(row, row.call.result())
+                row.call = None
+            if row.finish is not None:
+                group = self._retire(row)
+                if group is not None:
+                    ended.append(group)
+            else:
+                ready.append(row)
+        self._parked = waiting
+        self._submit_segments(multi, ready)
+        return ended
+
+    def _retire(self, row: ToolRow) -> list[Response] | None:
+        assert self._multi is not None
+        group = self._multi.retire(
+            row, lambda ids: self._tokenizer.decode(ids, skip_special_tokens=True)
+        )
+        if group is not None:
+            self._tool_groups -= 1
+        return group
 
     def _group_responses(self, group: _Group, output: RequestOutput) -> list[Response]:
         n = 1 if group.greedy else group.request.group_size
@@ -513,6 +679,8 @@ class VLLMBackend(GenerationBackend):
 
     def close(self) -> None:
         """Shut the engine down, its processes included; the backend is unusable afterwards."""
+        if self._multi is not None:
+            self._multi.tools.close()
         llm = self.__dict__.pop("_llm", None)
         if llm is not None:
             engine_core = getattr(llm.llm_engine, "engine_core", None)

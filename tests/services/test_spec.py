@@ -486,9 +486,10 @@ def test_bad_tools_settings_name_the_field(key: str, value: object, message: str
     assert error.startswith(f"run.yaml: tools.{key}: ") and message in error
 
 
-def test_tools_need_the_hf_backend() -> None:
-    error = run_spec_error({"tools": {"enabled": True}, **VLLM})
-    assert "tools.enabled needs generation.backend 'hf'" in error
+def test_tools_run_on_both_backends() -> None:
+    for backend in ({}, VLLM):
+        spec = RunSpec.model_validate({"tools": {"enabled": True}, **backend})
+        assert spec.tools.enabled
     spec = RunSpec.model_validate(
         {"tools": {"enabled": True, "sandbox_url": "http://sandbox:8000", "call_format": "fenced"}}
     )

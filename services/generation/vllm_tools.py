@@ -1,0 +1,229 @@
+"""Multi-turn (tool) rollouts of the `vllm` backend: the bookkeeping of each response.
+
+With tools enabled every response of a group is a vLLM request of its own (`n = 1`): a response
+that stops at a call must leave while its siblings keep decoding, and a vLLM request with
+`n = G` comes back only once all G sequences ended. The G requests share the prompt's KV blocks
+through the prefix cache. A seeded group's response j is seeded `seed + j`, as vLLM seeds the
+samples of one request, and each of its later segments k `derive_seed(seed + j, k)` (a fresh
+stream, not the first one replayed): a seeded response is reproducible whatever its calls'
+durations and whatever else shares the engine (up to the rounding of batched kernels).
+
+A response is decoded in segments, each one vLLM request whose prompt is the whole context so
+far (prompt, model and observation tokens, as `TokensPrompt`; the prefix cache makes the
+re-prefill cheap where the weights did not change). A segment ends where vLLM stops it:
+end-of-sequence, its token budget, or a stop string, the closing marker of the call format
+(`</tool_call>`; for fenced calls "```", which also stops at an opening fence). The stop string
+stays in the output (`include_stop_str_in_output`). vLLM's stop strings are only where a segment
+may end; what the tokens mean is decided here, exactly as the `hf` backend decides it: every
+model token of the segment is replayed through the response's `ResponseTurns` (the same
+`CallDetector`, limits and finish reasons, on the text decoded by the Hugging Face tokenizer).
+The first token whose decision is not "continue" ends the turn there (tokens vLLM sampled after
+it are dropped: they were sampled after it, so the kept ones are distributed as if decoding had
+stopped there). Then:
+
+- "call": the call runs on the `ToolRollout`'s threads; the response is parked (other requests
+  keep decoding); once the result is in (polled at every step) its observation tokens, encoded by
+  the same `ObservationEncoder` as in `hf`, are appended with log-prob 0.0 and the previous model
+  token's version, and the next segment is submitted;
+- "continue" after a stop string that did not close a call (an opening fence, a stray marker):
+  the next segment is submitted at once and decoding goes on;
+- otherwise the response ends with that finish reason.
+
+Each segment's `max_tokens` is what is left of the response's budget: `max_new_tokens` minus its
+model tokens so far, and at most the room left in the context limit (`tools.max_context_tokens`,
+never above the engine's `max_model_len`). Every model token keeps the log-prob and the version
+vLLM reported for it; a segment submitted after a load is salted with the new version, so its
+re-prefill is computed by the weights that then sample.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from services.generation.base import GroupRequest, derive_seed
+from services.messages import FinishReason, Response
+from services.tools.calls import FENCE_CLOSE, HERMES_CLOSE
+from services.tools.rollout import Decision, IncrementalText, ResponseTurns, ToolRollout
+from services.tools.sandbox import ToolResult
+
+# Longest a step waits for a tool call when every response in flight is waiting on one: short,
+# so that the backend's owner gets control back soon (to hand over new groups or load weights).
+TOOL_WAIT_S = 0.05
+
+
+@dataclass(eq=False)
+class ToolGroup:
+    """A submitted group in multi-turn mode."""
+
+    request: GroupRequest
+    prompt_ids: list[int]
+    greedy: bool  # decoded once, repeated G times
+    version: int  # the version loaded when it was submitted
+    rows: list[ToolRow] = field(default_factory=list)
+    remaining: int = 0  # rows not ended
+
+
+@dataclass(eq=False)
+class ToolRow:
+    """One response of a multi-turn group, decoded segment by segment."""
+
+    group: ToolGroup
+    index: int  # within its group
+    turns: ResponseTurns
+    text: IncrementalText
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    observed: list[bool] = field(default_factory=list)  # per token: an observation token
+    call_statuses: list[str] = field(default_factory=list)  # each call's ToolResult.status
+    finish: FinishReason | None = None
+    call: Future[ToolResult] | None = None  # the call it is parked on
+    segments: int = 0  # vLLM requests submitted for it
+    submitted_version: int = 0  # the version loaded when its current segment was submitted
+
+    @property
+    def context(self) -> list[int]:
+        """Prompt and response tokens so far: the next segment's prompt."""
+        return self.group.prompt_ids + self.tokens
+
+    @property
+    def context_length(self) -> int:
+        return len(self.group.prompt_ids) + len(self.tokens)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """What vLLM reported for one ended segment of a response."""
+
+    token_ids: Sequence[int]
+    logprobs: Sequence[float]
+    versions: Sequence[int]
+    eos: bool  # its last token ended it as end-of-sequence (not a stop string, not a budget)
+    stop_string: bool  # it ended at a stop string
+
+
+class MultiTurn:
+    """Turn logic of the vLLM backend's multi-turn responses (no vLLM here: the backend talks to
+    the engine, this decides what each segment's tokens mean)."""
+
+    def __init__(
+        self,
+        tools: ToolRollout,
+        decode_text: Callable[[Sequence[int]], str],
+        context_limit: int,
+    ) -> None:
+        """`decode_text`: one sequence's text, special tokens kept (call markers may be special
+        tokens); `context_limit`: the engine's `max_model_len`."""
+        self.tools = tools
+        self._decode_text = decode_text
+        self._context_limit = context_limit
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """Where vLLM must stop a segment: the closing marker of a call."""
+        return [FENCE_CLOSE if self.tools.call_format == "fenced" else HERMES_CLOSE]
+
+    def new_group(
+        self, request: GroupRequest, prompt_ids: list[int], greedy: bool, version: int
+    ) -> ToolGroup:
+        group = ToolGroup(request, prompt_ids, greedy, version)
+        count = 1 if greedy else request.group_size
+        limit = request.sampling.max_new_tokens
+        group.rows = [
+            ToolRow(
+                group,
+                index,
+                self.tools.turns(limit, self._context_limit),
+                IncrementalText(self._decode_text),
+            )
+            for index in range(count)
+        ]
+        group.remaining = count
+        return group
+
+    def next_segment(self, row: ToolRow) -> tuple[list[int], int, int | None]:
+        """The next segment's prompt, `max_tokens` and seed (None: unseeded)."""
+        sampling = row.group.request.sampling
+        model_tokens = row.turns.model_tokens
+        budget = sampling.max_new_tokens - model_tokens
+        room = self._limit(row) - row.context_length
+        max_tokens = max(1, min(budget, room))
+        seed = sampling.seed
+        if seed is not None:
+            seed = seed + row.index
+            if row.segments:  # a stream of its own per segment, not the first one replayed
+                seed = derive_seed(seed, row.segments)
+        row.segments += 1
+        return row.context, max_tokens, seed
+
+    def _limit(self, row: ToolRow) -> int:
+        limit = self.tools.settings.max_context_tokens
+        return self._context_limit if limit is None else min(limit, self._context_limit)
+
+    def segment_ended(self, row: ToolRow, segment: Segment) -> Decision | None:
+        """Append the segment's model tokens up to the first that decides something; return
+        that decision ("call": its call is `row.turns.call`; a finish reason: the response
+        ended), or "continue" when the segment stopped at a stop string that closed no call (the
+        next segment goes on), or None when vLLM ended it for a reason the turns do not know
+        (an aborted request)."""
+        count = len(segment.token_ids)
+        for position, token in enumerate(segment.token_ids):
+            row.tokens.append(int(token))
+            row.logprobs.append(float(segment.logprobs[position]))
+            row.versions.append(int(segment.versions[position]))
+            row.observed.append(False)
+            piece = row.text.push(row.tokens)
+            eos = segment.eos and position == count - 1
+            decision = row.turns.after_model_token(piece, eos, row.context_length)
+            if decision != "continue":
+                return decision
+        return "continue" if segment.stop_string else None
+
+    def observe(self, row: ToolRow, result: ToolResult) -> None:
+        """Append the observation of the call `row` stopped at; sets `row.finish` instead when
+        it leaves no room for another model token."""
+        row.call_statuses.append(result.status)
+        text = self.tools.calls.observation(result)
+        ids = self.tools.encoder.encode(text, chat=bool(row.group.request.prompt.messages))
+        if not row.turns.fits(row.context_length, len(ids)):
+            row.finish = "max_context"
+            return
+        version = row.versions[-1]
+        row.tokens.extend(ids)
+        row.logprobs.extend([0.0] * len(ids))
+        row.versions.extend([version] * len(ids))
+        row.observed.extend([True] * len(ids))
+        row.turns.observed()
+        row.text.restart(len(row.tokens))
+
+    def retire(self, row: ToolRow, decode: Callable[[list[int]], str]) -> list[Response] | None:
+        """Record an ended row; its group's G responses when it was the group's last."""
+        group = row.group
+        group.remaining -= 1
+        if group.remaining:
+            return None
+        texts = [decode(r.tokens) for r in group.rows]
+        rows = len(group.rows)  # 1 for a greedy group, repeated G times
+        return [
+            _response(group, group.rows[i % rows], texts[i % rows])
+            for i in range(group.request.group_size)
+        ]
+
+
+def _response(group: ToolGroup, row: ToolRow, text: str) -> Response:
+    assert row.finish is not None
+    spans = any(v != row.versions[0] for v in row.versions)
+    return Response(
+        prompt_id=group.request.prompt.prompt_id,
+        prompt_token_ids=list(group.prompt_ids),
+        response_token_ids=list(row.tokens),
+        behaviour_logprobs=list(row.logprobs),
+        finish_reason=row.finish,
+        policy_version=row.versions[0] if row.versions else group.version,
+        text=text,
+        token_versions=list(row.versions) if spans else [],
+        observation_mask=list(row.observed) if any(row.observed) else [],
+        tool_calls=list(row.call_statuses),
+    )

@@ -48,7 +48,7 @@ else:
     VerifierName = Literal[tuple(builtin_verifier_names())]
 
 
-BUILTIN_MODELS: tuple[str, ...] = ("tiny-arith",)
+BUILTIN_MODELS: tuple[str, ...] = ("tiny-arith", "tiny-arith-tool")
 
 # --- upper bounds shared by several fields ------------------------------------------------------
 
@@ -115,10 +115,18 @@ AttnImplementation = Literal["eager", "sdpa", "flash_attention_2", "flash_attent
 
 
 class ArithTask(StrictModel):
-    """The built-in multi-step arithmetic task (seeded, endless; held-out prompts never overlap)."""
+    """A built-in arithmetic task (seeded, endless; held-out prompts never overlap): `arith`,
+    multi-step sums worked line by line; `arith-tool`, multi-digit products and quotients that
+    pay for a Python tool call (docs/tools.md)."""
 
-    name: Literal["arith"] = "arith"
-    difficulty: int = Field(3, ge=1, le=5, description="1 (4 terms, +) to 5 (8 terms, + - *)")
+    name: Literal["arith", "arith-tool"] = "arith"
+    difficulty: int = Field(
+        3,
+        ge=1,
+        le=5,
+        description="arith: 1 (4 terms, +) to 5 (8 terms, + - *); arith-tool: the operands' "
+        "digits, 1 to 5",
+    )
     difficulty_max: int | None = Field(
         None,
         ge=1,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from services.messages import ChatMessage, Prompt
 from services.spec import ArithTask, DatasetTask, JsonlTask, TaskConfig
-from services.tasks import iter_mixed_prompts, iter_prompts, load_jsonl_prompts
+from services.tasks import get_task, load_jsonl_prompts
 from services.tasks.dataset_files import load_dataset_prompts
 
 
@@ -31,10 +31,10 @@ def _file_epochs(prompts: Sequence[Prompt], shuffle: bool, seed: int) -> Iterato
 
 
 def _endless(task: TaskConfig, seed: int) -> Iterator[Prompt]:
-    if isinstance(task, ArithTask):
-        if task.difficulty_max is not None:
-            return iter_mixed_prompts(seed, task.difficulty, task.difficulty_max, "train")
-        return iter_prompts(seed, task.difficulty, "train")
+    if isinstance(task, ArithTask):  # a built-in task, by its name
+        return get_task(task.name).prompt_stream(
+            seed, task.difficulty, task.difficulty_max, "train"
+        )
     if isinstance(task, JsonlTask):
         return _file_epochs(load_jsonl_prompts(Path(task.path)), task.shuffle, seed)
     if isinstance(task, DatasetTask):

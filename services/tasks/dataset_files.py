@@ -4,11 +4,19 @@ Files: `.jsonl`, `.json`, `.parquet`, or a directory written by `datasets`' `sav
 `Dataset`, or a `DatasetDict` whose `split` is taken). Formats, by their columns:
 
     verl           `prompt` (a list of chat messages), `reward_model.ground_truth`, and
-                   optionally `data_source` and `extra_info` (verl's RL parquet files)
+                   optionally `data_source`, `extra_info` and `agent_name` (verl's RL parquet
+                   files; multi-turn tool rows: see below)
     gsm8k          `question`, `answer` (worked solution ending `#### <answer>`)
     math           `problem`, `solution` (the answer is its last `\\boxed{...}`)
     prompt-answer  `prompt` (a string or a list of chat messages), `answer` (a string or an
                    integer): the project's JSONL format
+
+verl's multi-turn tool rows name their agent loop in `agent_name` (`tool_agent`, or
+`single_turn_agent`; another name is an error) and carry per-tool arguments in
+`extra_info.tools_kwargs` ({tool: {create_kwargs, execute_kwargs, ...}}). Both are kept in the
+prompt's `meta` for the rollout: `meta["agent_name"]`, and `meta["tools_kwargs"]` as JSON
+(keys sorted). Whether a run calls tools is the spec's `tools` section; the reward is the
+verifier's score of the final answer after the last turn, as for any row.
 
 `format` may be left out: it is detected from the columns. Every problem is a
 `PromptFileError` naming the file and, where one is at fault, the row (1-based) and the column,
@@ -17,6 +25,7 @@ so a bad file gives a one-line message before any actor starts.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -35,6 +44,8 @@ FORMAT_COLUMNS: dict[DatasetFormat, tuple[str, ...]] = {
 }
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 CHAT_ROLES = ("system", "user", "assistant")
+# verl's agent loops a row may name: one response, or a multi-turn loop with tool calls.
+VERL_AGENTS = ("single_turn_agent", "tool_agent")
 
 
 def read_rows(path: Path, split: str) -> tuple[list[str], Sequence[Mapping[str, Any]]]:
@@ -176,6 +187,25 @@ def _verl(row: _Row) -> Prompt:
     source = row.fields.get("data_source")
     if isinstance(source, str) and source:
         meta["data_source"] = source
+    agent = row.fields.get("agent_name")
+    if agent is not None:
+        if agent not in VERL_AGENTS:
+            raise row.error(
+                "agent_name", f"{agent!r} is not an agent loop run here (known: {VERL_AGENTS})"
+            )
+        meta["agent_name"] = agent
+    extra_info = row.fields.get("extra_info")
+    tools_kwargs = extra_info.get("tools_kwargs") if isinstance(extra_info, Mapping) else None
+    if tools_kwargs is not None:
+        if not isinstance(tools_kwargs, Mapping):
+            kind = type(tools_kwargs).__name__
+            raise row.error(
+                "extra_info.tools_kwargs", f"must map tool names to their kwargs, got {kind}"
+            )
+        try:
+            meta["tools_kwargs"] = json.dumps(tools_kwargs, sort_keys=True)
+        except (TypeError, ValueError) as error:
+            raise row.error("extra_info.tools_kwargs", f"is not JSON: {error}") from None
     return row.make(text, answer, messages, **meta)
 
 

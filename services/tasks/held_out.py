@@ -12,8 +12,8 @@ from pathlib import Path
 
 from services.messages import Prompt
 from services.spec import ArithTask, DatasetTask, TaskConfig
-from services.tasks.arith import iter_mixed_prompts, iter_prompts
 from services.tasks.dataset_files import load_dataset_prompts
+from services.tasks.registry import get_task
 
 EVAL_ID_PREFIX = "eval:"
 
@@ -25,11 +25,9 @@ class NoHeldOutPrompts(ValueError):
 def held_out_prompts(task: TaskConfig, seed: int, count: int) -> list[Prompt]:
     """The first `count` held-out prompts of `task`, ids prefixed `eval:` (string prompts as
     they are: the driver makes them chats as it does training prompts)."""
-    if isinstance(task, ArithTask):
-        source = (
-            iter_mixed_prompts(seed, task.difficulty, task.difficulty_max, "eval")
-            if task.difficulty_max is not None
-            else iter_prompts(seed, task.difficulty, "eval")
+    if isinstance(task, ArithTask):  # a built-in task, by its name
+        source = get_task(task.name).prompt_stream(
+            seed, task.difficulty, task.difficulty_max, "eval"
         )
         prompts = list(islice(source, count))
     elif isinstance(task, DatasetTask) and task.eval_path is not None:

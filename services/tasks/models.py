@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 from services.spec import BUILTIN_MODELS
+from services.tasks.registry import BUILTIN_MODEL_TASKS
 
 # `org/name` as the hub spells repository ids (one slash; letters, digits, `-`, `_`, `.`).
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -38,17 +39,17 @@ def resolve_model(model: str, revision: str | None = None) -> Path:
     A directory must hold `config.json` naming a causal-LM architecture, so that a wrong path
     fails here with its name rather than inside a generation or learner actor.
     """
-    if model in BUILTIN_MODELS:
+    if model in BUILTIN_MODELS or model in BUILTIN_MODEL_TASKS:
         # Imported here: the builder pulls in transformers, which resolving a path does not need.
         from services.tasks.tiny_model import ensure_tiny_model
 
-        return ensure_tiny_model(progress=False)
+        return ensure_tiny_model(progress=False, name=model)
     path = Path(model).expanduser()
     if path.is_dir():
         return check_model_dir(path)
     if is_hub_id(model):
         return check_model_dir(download_hub_model(model, revision))
-    builtin = ", ".join(BUILTIN_MODELS)
+    builtin = ", ".join(sorted({*BUILTIN_MODELS, *BUILTIN_MODEL_TASKS}))
     raise ModelDirError(
         f"{model!r} is not a directory, a hub id (org/name) nor a built-in model "
         f"(built-in: {builtin})"

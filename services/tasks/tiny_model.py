@@ -1,4 +1,10 @@
-"""Build the tiny warm-started arithmetic model that demos and tests run RL on.
+"""Build the tiny warm-started arithmetic models that demos and tests run RL on.
+
+Two built-in models, one per built-in task (`services.tasks.registry.BUILTIN_MODEL_TASKS`):
+`tiny-arith`, warm-started on `arith`'s worked solutions, and `tiny-arith-tool`, warm-started on
+`arith-tool` with a mix of demonstrations, some calling the Python tool and some answering
+directly, so that calls are in its repertoire but not yet reliable (its accuracy is measured
+with the calls executed: `services.tasks.tool_eval`).
 
 The result is an ordinary Hugging Face model directory (Qwen2 architecture, safetensors weights,
 `tokenizer.json`), loaded with `from_pretrained` exactly like a user's own model, and small
@@ -7,6 +13,7 @@ enough to commit. The build is reproducible: the same seed gives bit-identical w
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -23,14 +30,21 @@ import transformers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.utils import logging as hf_logging
 
-from services.tasks import arith
+from services.messages import Prompt
+from services.tasks import arith, arith_tool
+from services.tasks.demonstration import Demonstration
+from services.tasks.registry import BUILTIN_MODEL_TASKS, get_task
 from services.tasks.sampling_eval import sampled_accuracy
 from services.tasks.tokenizer import build_tokenizer, save_tokenizer
-from services.tasks.warmstart import EvalPoint, WarmStartSettings, warm_start
+from services.tasks.tool_eval import evaluate_with_tool
+from services.tasks.warmstart import EvalPoint, Evaluation, WarmStartSettings, warm_start
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "tiny-arith"
+ASSETS = Path(__file__).resolve().parent / "assets"
+DEFAULT_MODEL_DIR = ASSETS / "tiny-arith"
+TOOL_MODEL_DIR = ASSETS / "tiny-arith-tool"
+DEFAULT_MODEL = "tiny-arith"
 BUILD_INFO = "build_info.json"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 # Sampling seed of every evaluation: the same draws each time, so successive evaluations differ
@@ -55,13 +69,50 @@ class TinyModelSpec:
 class BuildSettings:
     """Everything besides the seed that decides the built weights."""
 
-    difficulty: int = arith.DEFAULT_DIFFICULTY
+    difficulty: int = arith.DEFAULT_DIFFICULTY  # of the eval prompts (and arith's training)
     eval_size: int = 128
     # A fixed count, not the machine's core count: in our checks 1 and 2 threads give
     # bit-identical weights but 4 do not.
     threads: int = 2
     spec: TinyModelSpec = field(default_factory=TinyModelSpec)
     warm_start: WarmStartSettings = field(default_factory=WarmStartSettings)
+    task: str = arith.TASK_NAME
+    # arith-tool only: training difficulties (drawn uniformly; None: `difficulty` alone), the
+    # fraction of demonstrations that call the tool (the others answer directly), and model
+    # turns per sampled response.
+    train_difficulties: tuple[int, int] | None = None
+    tool_fraction: float = 0.5
+    max_turns: int = 3
+
+
+# arith-tool's warm start. Copying the operands into the call and the printed result into the
+# answer is learnt in a sudden transition (around step 600-900 in our builds, at the peak rate
+# held longer than arith's); direct answers to long operations are targets no model of this size
+# fits, so the loss levels off above arith's, and evaluations start below 0.35. One training
+# difficulty (fixed-length prompts) learns the copying about twice as fast as the 1..5 mix. The
+# band is on the accuracy with the calls executed; its top stays well below what reliable calls
+# give, and with half the responses answering directly RL has both to make the model call and to
+# make its calls right.
+TOOL_WARM_START = WarmStartSettings(
+    decay_steps=1000,
+    max_steps=1500,
+    eval_every=50,
+    eval_gate_loss=0.35,
+    target_accuracy=0.3,
+    band=(0.15, 0.6),
+)
+
+
+def default_settings(task: str = arith.TASK_NAME) -> BuildSettings:
+    """The settings that reproduce the committed model of `task`."""
+    if task == arith.TASK_NAME:
+        return BuildSettings()
+    if task == arith_tool.TASK_NAME:
+        return BuildSettings(
+            task=task, difficulty=arith_tool.DEFAULT_DIFFICULTY, warm_start=TOOL_WARM_START
+        )
+    get_task(task)  # ValueError naming the tasks
+    raise ValueError(f"no tiny model is built for task {task!r}")
 
 
 @dataclass(frozen=True)
@@ -81,10 +132,23 @@ class BuildInfo:
     torch_version: str
     transformers_version: str
     history: list[EvalPoint]
+    task: str = arith.TASK_NAME
+    # arith-tool: the other rates of the kept evaluation (call rate, accuracy without the
+    # tool), and the mix of demonstrations.
+    eval_details: dict[str, float] = field(default_factory=dict)
+    tool_fraction: float | None = None
 
     def to_json(self) -> str:
-        """Pretty JSON of every field."""
-        return json.dumps(asdict(self), indent=2) + "\n"
+        """Pretty JSON of every field (empty details and unset tool fields left out)."""
+        data = asdict(self)
+        for point in data["history"]:
+            if not point["details"]:
+                del point["details"]
+        if not data["eval_details"]:
+            del data["eval_details"]
+        if data["tool_fraction"] is None:
+            del data["tool_fraction"]
+        return json.dumps(data, indent=2) + "\n"
 
 
 class TinyModelBuildError(RuntimeError):
@@ -163,6 +227,21 @@ def _save(
         raise
 
 
+def uses_tool(prompt: Prompt, seed: int, fraction: float) -> bool:
+    """Whether `prompt`'s demonstration calls the tool: a stable draw from its text and the
+    build seed, true for `fraction` of prompts (whatever the order they come in)."""
+    digest = hashlib.blake2b(f"{seed}|{prompt.text}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") < fraction * 2**64
+
+
+def tool_demonstration(prompt: Prompt, seed: int, fraction: float) -> Demonstration:
+    """arith-tool's warm-start target: the call, its observation (no loss) and the answer, or
+    the direct answer (right, but out of the model's reach for long operands)."""
+    if uses_tool(prompt, seed, fraction):
+        return arith_tool.tool_segments(prompt)
+    return arith_tool.direct_solution(prompt)
+
+
 def build_tiny_model(
     out: str | Path = DEFAULT_MODEL_DIR,
     seed: int = 0,
@@ -171,17 +250,22 @@ def build_tiny_model(
     progress: bool = True,
     strict: bool = True,
 ) -> BuildInfo:
-    """Initialise, warm-start and save the tiny model into `out` (replacing what is there).
+    """Initialise, warm-start and save the tiny model of `settings.task` into `out` (replacing
+    what is there).
 
     With `strict`, a warm-start that never enters the accuracy band raises TinyModelBuildError
     and writes nothing; without it the model is saved anyway and `in_band` records the miss.
     """
     settings = settings or BuildSettings()
+    tools = settings.task == arith_tool.TASK_NAME
+    if settings.task not in (arith.TASK_NAME, arith_tool.TASK_NAME):
+        default_settings(settings.task)  # raises, naming what is built
     started = time.perf_counter()
     out = Path(out)
     tokenizer = build_tokenizer()
-    eval_prompts = arith.generate_prompts(settings.eval_size, seed, settings.difficulty, "eval")
-    references = [arith.reference_solution(p) for p in eval_prompts]
+    task = get_task(settings.task)
+    eval_prompts = task.generate_prompts(settings.eval_size, seed, settings.difficulty, "eval")
+    references = [task.reference_solution(p) for p in eval_prompts]
     longest = max(len(ids) for ids in tokenizer(references, add_special_tokens=False)["input_ids"])
     with _torch_threads(settings.threads):
         torch.manual_seed(seed)
@@ -193,30 +277,46 @@ def build_tiny_model(
             pad_token_id=tokenizer.pad_token_id,
         )
 
-        def evaluate() -> float:
-            return sampled_accuracy(
+        def evaluate() -> float | Evaluation:
+            if not tools:
+                return sampled_accuracy(
+                    model,
+                    tokenizer,
+                    eval_prompts,
+                    seed=EVAL_SAMPLING_SEED,
+                    max_new_tokens=longest + EVAL_MARGIN_TOKENS,
+                )
+            measured = evaluate_with_tool(
                 model,
                 tokenizer,
                 eval_prompts,
                 seed=EVAL_SAMPLING_SEED,
                 max_new_tokens=longest + EVAL_MARGIN_TOKENS,
+                max_turns=settings.max_turns,
             )
+            return Evaluation(accuracy=measured.accuracy, details=measured.details())
+
+        if tools:
+            low, high = settings.train_difficulties or (settings.difficulty, settings.difficulty)
+            prompts = arith_tool.iter_mixed_prompts(seed, low, high, "train")
+
+            def solve(prompt: Prompt) -> Demonstration:
+                return tool_demonstration(prompt, seed, settings.tool_fraction)
+
+        else:
+            prompts = arith.iter_prompts(seed, settings.difficulty, "train")
+            solve = arith.reference_solution
 
         result = warm_start(
-            model,
-            tokenizer,
-            arith.iter_prompts(seed, settings.difficulty, "train"),
-            arith.reference_solution,
-            evaluate,
-            settings.warm_start,
-            progress=progress,
+            model, tokenizer, prompts, solve, evaluate, settings.warm_start, progress=progress
         )
     if strict and not result.in_band:
-        low, high = settings.warm_start.band
+        low_band, high_band = settings.warm_start.band
         raise TinyModelBuildError(
             f"sampled accuracy {result.accuracy:.3f} after {result.steps} steps is outside "
-            f"[{low}, {high}]; raise max_steps or change the settings"
+            f"[{low_band}, {high_band}]; raise max_steps or change the settings"
         )
+    kept = next((p for p in reversed(result.history) if p.step == result.steps), None)
     info = BuildInfo(
         seed=seed,
         difficulty=settings.difficulty,
@@ -231,6 +331,9 @@ def build_tiny_model(
         torch_version=torch.__version__,
         transformers_version=transformers.__version__,
         history=result.history,
+        task=settings.task,
+        eval_details=dict(kept.details) if kept is not None and result.in_band else {},
+        tool_fraction=settings.tool_fraction if tools else None,
     )
     _save(model, tokenizer, info, out, progress)
     return info
@@ -249,18 +352,33 @@ def default_cache_dir() -> Path:
     return Path(base) / "kpo-rl"
 
 
-def ensure_tiny_model(path: str | Path | None = None, *, progress: bool = True) -> Path:
-    """A directory holding the tiny model, building it (seed 0) only when it is missing.
+def committed_model_dir(name: str = DEFAULT_MODEL) -> Path:
+    """Where the built-in model `name` is committed (ValueError naming the built-in models)."""
+    dirs = {DEFAULT_MODEL: DEFAULT_MODEL_DIR, "tiny-arith-tool": TOOL_MODEL_DIR}
+    if name not in dirs or name not in BUILTIN_MODEL_TASKS:
+        known = ", ".join(sorted(BUILTIN_MODEL_TASKS))
+        raise ValueError(f"unknown built-in model {name!r}; built-in models: {known}")
+    return dirs[name]
+
+
+def ensure_tiny_model(
+    path: str | Path | None = None, *, progress: bool = True, name: str = DEFAULT_MODEL
+) -> Path:
+    """A directory holding the built-in model `name`, building it (seed 0) only when it is
+    missing.
 
     Without `path`: the committed model if present, else a build in `default_cache_dir()`.
     """
+    committed = committed_model_dir(name)
     if path is not None:
         target = Path(path)
-    elif is_model_dir(DEFAULT_MODEL_DIR):
-        return DEFAULT_MODEL_DIR
+    elif is_model_dir(committed):
+        return committed
     else:
-        target = default_cache_dir() / "tiny-arith-seed0"
+        target = default_cache_dir() / f"{name}-seed0"
     if not is_model_dir(target):
         log.info("tiny model not found at %s; building it (about a minute on 2 cores)", target)
-        build_tiny_model(target, seed=0, progress=progress)
+        build_tiny_model(
+            target, seed=0, settings=default_settings(BUILTIN_MODEL_TASKS[name]), progress=progress
+        )
     return target

@@ -1,5 +1,9 @@
 """Supervised warm-start: teacher forcing on prompt + reference + EOS, loss on the response only.
 
+A reference may be a demonstration of a tool-using response (`services.tasks.demonstration`):
+the tool's observations are in the context but carry no loss, as in RL, so that the model learns
+to read a tool's output and never to write one.
+
 Training stops as soon as the accuracy sampled at temperature 1 enters a target band, so that the
 model is competent enough to get rewards but leaves RL room to improve.
 """
@@ -16,8 +20,9 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from services.messages import Prompt
+from services.tasks.demonstration import Demonstration, segments_of
 
-IGNORE = -100  # label of positions that carry no loss (prompt and padding)
+IGNORE = -100  # label of positions that carry no loss (prompt, observations and padding)
 
 
 @dataclass(frozen=True)
@@ -41,12 +46,22 @@ class WarmStartSettings:
 
 
 @dataclass(frozen=True)
+class Evaluation:
+    """What an evaluation measured: the accuracy the band is about, and other rates to record
+    (e.g. a tool-using model's call rate)."""
+
+    accuracy: float
+    details: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class EvalPoint:
     """One evaluation during training."""
 
     step: int
     loss: float  # smoothed training loss at that step
     accuracy: float
+    details: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -71,19 +86,34 @@ def learning_rate(settings: WarmStartSettings, step: int) -> float:
 
 
 def encode_batch(
-    tokenizer: PreTrainedTokenizerBase, prompts: list[Prompt], responses: list[str]
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[Prompt],
+    responses: list[Demonstration],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded `input_ids` of prompt + response + EOS, and labels that mask the prompt."""
+    """Right-padded `input_ids` of prompt + response + EOS, and labels that mask the prompt and
+    every observation segment of a response (each segment is tokenized on its own, as a
+    multi-turn rollout appends an observation's tokens to the context)."""
     prompt_ids = tokenizer([p.text for p in prompts], add_special_tokens=False)["input_ids"]
-    response_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    sequences = [p + r + [eos] for p, r in zip(prompt_ids, response_ids, strict=True)]
+    sequences: list[list[int]] = []
+    targets: list[list[int]] = []
+    for prompt, response in zip(prompt_ids, responses, strict=True):
+        sequence, target = list(prompt), [IGNORE] * len(prompt)
+        segments = segments_of(response)
+        texts = [segment.text for segment in segments]
+        for segment, ids in zip(
+            segments, tokenizer(texts, add_special_tokens=False)["input_ids"], strict=True
+        ):
+            sequence += ids
+            target += [IGNORE] * len(ids) if segment.observation else ids
+        sequences.append([*sequence, eos])
+        targets.append([*target, eos])
     width = max(len(s) for s in sequences)
     input_ids = torch.full((len(sequences), width), pad, dtype=torch.long)
     labels = torch.full((len(sequences), width), IGNORE, dtype=torch.long)
-    for row, (seq, prompt) in enumerate(zip(sequences, prompt_ids, strict=True)):
+    for row, (seq, target) in enumerate(zip(sequences, targets, strict=True)):
         input_ids[row, : len(seq)] = torch.tensor(seq)
-        labels[row, len(prompt) : len(seq)] = torch.tensor(seq[len(prompt) :])
+        labels[row, : len(target)] = torch.tensor(target)
     return input_ids, labels
 
 
@@ -104,8 +134,8 @@ def warm_start(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     prompts: Iterator[Prompt],
-    solve: Callable[[Prompt], str],
-    evaluate: Callable[[], float],
+    solve: Callable[[Prompt], Demonstration],
+    evaluate: Callable[[], float | Evaluation],
     settings: WarmStartSettings,
     progress: bool = True,
 ) -> WarmStartResult:
@@ -141,8 +171,11 @@ def warm_start(
             bar.set_postfix(loss=f"{smoothed:.3f}")
             if step % settings.eval_every or smoothed > settings.eval_gate_loss:
                 continue
-            accuracy = evaluate()
-            history.append(EvalPoint(step=step, loss=smoothed, accuracy=accuracy))
+            measured = _evaluation(evaluate())
+            accuracy = measured.accuracy
+            history.append(
+                EvalPoint(step=step, loss=smoothed, accuracy=accuracy, details=measured.details)
+            )
             if progress:
                 bar.write(f"step {step:5d}  loss {smoothed:.4f}  sampled accuracy {accuracy:.3f}")
             if low <= accuracy <= high:
@@ -153,7 +186,12 @@ def warm_start(
     finally:
         bar.close()
     if snapshot is None:
-        return WarmStartResult(steps=step, accuracy=evaluate(), in_band=False, history=history)
+        final = _evaluation(evaluate())
+        return WarmStartResult(steps=step, accuracy=final.accuracy, in_band=False, history=history)
     snap_step, snap_accuracy, state = snapshot
     model.load_state_dict(state)
     return WarmStartResult(steps=snap_step, accuracy=snap_accuracy, in_band=True, history=history)
+
+
+def _evaluation(measured: float | Evaluation) -> Evaluation:
+    return measured if isinstance(measured, Evaluation) else Evaluation(accuracy=measured)

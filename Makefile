@@ -40,7 +40,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy kpo_core services benchmarks/study.py benchmarks/stability_study benchmarks/bench_load.py benchmarks/soak.py \
 		benchmarks/driver_memory.py benchmarks/bench_learner.py benchmarks/bench_learner_speed.py benchmarks/bench_weight_sync.py benchmarks/bench_pipeline.py \
-		scripts/audit_dependencies.py scripts/gpu_check.py
+		benchmarks/bench_sandbox.py scripts/audit_dependencies.py scripts/gpu_check.py
 
 # tests/gpu runs where a GPU exists (scripts/gpu_check.sh); the CPU suite covers the same code.
 test: system-deps lint typecheck
@@ -138,7 +138,8 @@ bench-api: $(STAMP) system-deps
 	$(PY) benchmarks/bench_api.py
 
 # Sandbox calls per second and p50/p99 latency: bwrap (direct and over HTTP) against a bare
-# subprocess running the same code, in one run (~30 s).
+# subprocess running the same code; then generation throughput of arith-tool (hf backend,
+# tiny-arith-tool, CPU) with and without tools; in one run (~1.5 min on 2 cores).
 bench-sandbox: $(STAMP) system-deps
 	$(PY) benchmarks/bench_sandbox.py
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -50,8 +50,14 @@ from transformers import DynamicCache
 from services.generation.base import GroupRequest, validate_requests
 from services.generation.hf_batch import RunningBatch, left_pad, position_ids_for
 from services.generation.hf_sampling import sample_rows
-from services.messages import FinishReason, Response
-from services.tools.rollout import Decision, IncrementalText, ResponseTurns, ToolRollout
+from services.messages import Response
+from services.tools.rollout import (
+    Decision,
+    IncrementalText,
+    ResponseTokens,
+    ResponseTurns,
+    ToolRollout,
+)
 from services.tools.sandbox import ToolResult
 
 # (input_ids, attention_mask, position_ids, cache) -> next-token logits (B, V); extends cache.
@@ -92,15 +98,9 @@ class _Group:
 
 
 @dataclass(eq=False)
-class _Row:
+class _Row(ResponseTokens):
     group: _Group
     index: int  # within its group
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    observed: list[bool] = field(default_factory=list)  # per token: an observation token
-    call_statuses: list[str] = field(default_factory=list)  # each call's ToolResult.status
-    finish: FinishReason | None = None
     # Multi-turn rows only: turn bookkeeping, the model text of the turn, the running call.
     turns: ResponseTurns | None = None
     text: IncrementalText | None = None
@@ -239,19 +239,14 @@ class ContinuousBatcher:
 
     def _observe(self, row: _Row, result: ToolResult) -> None:
         assert self._tools is not None and row.turns is not None and row.text is not None
-        row.call_statuses.append(result.status)
-        text = self._tools.calls.observation(result)
-        ids = self._tools.encoder.encode(text, chat=bool(row.group.request.prompt.messages))
-        if not row.turns.fits(row.context_length, len(ids)):
-            row.finish = "max_context"
-            return
-        version = row.versions[-1]
-        row.tokens.extend(ids)
-        row.logprobs.extend([0.0] * len(ids))
-        row.versions.extend([version] * len(ids))
-        row.observed.extend([True] * len(ids))
-        row.turns.observed()
-        row.text.restart(len(row.tokens))
+        self._tools.observe(
+            row,
+            result,
+            turns=row.turns,
+            text=row.text,
+            context_length=row.context_length,
+            chat=bool(row.group.request.prompt.messages),
+        )
 
     def _admit(self, resumed: list[_Row]) -> tuple[list[_Row], RunningBatch, torch.Tensor] | None:
         """Prefill the rows that fit: resumed rows first (their whole context; those that do

@@ -43,9 +43,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from services.generation.base import GroupRequest, derive_seed
-from services.messages import FinishReason, Response
+from services.messages import Response
 from services.tools.calls import FENCE_CLOSE, HERMES_CLOSE
-from services.tools.rollout import Decision, IncrementalText, ResponseTurns, ToolRollout
+from services.tools.rollout import (
+    Decision,
+    IncrementalText,
+    ResponseTokens,
+    ResponseTurns,
+    ToolRollout,
+)
 from services.tools.sandbox import ToolResult
 
 # Longest a step waits for a tool call when every response in flight is waiting on one: short,
@@ -66,19 +72,13 @@ class ToolGroup:
 
 
 @dataclass(eq=False)
-class ToolRow:
+class ToolRow(ResponseTokens):
     """One response of a multi-turn group, decoded segment by segment."""
 
     group: ToolGroup
     index: int  # within its group
     turns: ResponseTurns
     text: IncrementalText
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    observed: list[bool] = field(default_factory=list)  # per token: an observation token
-    call_statuses: list[str] = field(default_factory=list)  # each call's ToolResult.status
-    finish: FinishReason | None = None
     call: Future[ToolResult] | None = None  # the call it is parked on
     segments: int = 0  # vLLM requests submitted for it
     submitted_version: int = 0  # the version loaded when its current segment was submitted
@@ -184,19 +184,14 @@ class MultiTurn:
     def observe(self, row: ToolRow, result: ToolResult) -> None:
         """Append the observation of the call `row` stopped at; sets `row.finish` instead when
         it leaves no room for another model token."""
-        row.call_statuses.append(result.status)
-        text = self.tools.calls.observation(result)
-        ids = self.tools.encoder.encode(text, chat=bool(row.group.request.prompt.messages))
-        if not row.turns.fits(row.context_length, len(ids)):
-            row.finish = "max_context"
-            return
-        version = row.versions[-1]
-        row.tokens.extend(ids)
-        row.logprobs.extend([0.0] * len(ids))
-        row.versions.extend([version] * len(ids))
-        row.observed.extend([True] * len(ids))
-        row.turns.observed()
-        row.text.restart(len(row.tokens))
+        self.tools.observe(
+            row,
+            result,
+            turns=row.turns,
+            text=row.text,
+            context_length=row.context_length,
+            chat=bool(row.group.request.prompt.messages),
+        )
 
     def retire(self, row: ToolRow, decode: Callable[[list[int]], str]) -> list[Response] | None:
         """Record an ended row; its group's G responses when it was the group's last."""

@@ -25,16 +25,14 @@ as in `arith`).
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from itertools import islice
 
 from services.messages import Prompt
 from services.tasks.answers import ANSWER_MARKER
-from services.tasks.arith import SPLITS, Split, prompt_split
+from services.tasks.arith import Split, first_prompts, mixed_prompts, seeded_prompts
 from services.tasks.demonstration import Segment
 
 TASK_NAME = "arith-tool"
@@ -70,12 +68,6 @@ LEVELS: dict[int, ArithToolLevel] = {
 DEFAULT_DIFFICULTY = 4
 
 _PROMPT = re.compile(r"(\d+)(\*|//)(\d+)=")
-
-
-def _stream_seed(seed: int, difficulty: int, split: Split) -> int:
-    """An integer seed for one (seed, difficulty, split) stream, stable across processes."""
-    key = f"{TASK_NAME}|{seed}|{difficulty}|{split}".encode()
-    return int.from_bytes(hashlib.sha256(key).digest()[:8], "big")
 
 
 def _operand(rng: random.Random, digits: int) -> int:
@@ -149,54 +141,29 @@ def format_prompt(left: int, op: str, right: int) -> str:
     return f"{left}{op}{right}="
 
 
+def _draw_prompt(rng: random.Random, level: ArithToolLevel) -> tuple[str, str]:
+    op = rng.choice(OPERATORS)
+    digits = level.multiply if op == "*" else level.divide
+    left, right = _operand(rng, digits[0]), _operand(rng, digits[1])
+    return format_prompt(left, op, right), str(apply(left, op, right))
+
+
 def iter_prompts(
     seed: int, difficulty: int = DEFAULT_DIFFICULTY, split: Split = "train"
 ) -> Iterator[Prompt]:
     """An endless, deterministic stream of prompts of one split and difficulty (each operation
     drawn with probability 1/2)."""
-    if difficulty not in LEVELS:
-        raise ValueError(f"difficulty must be one of {sorted(LEVELS)}, got {difficulty}")
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
-    level = LEVELS[difficulty]
-    rng = random.Random(_stream_seed(seed, difficulty, split))
-    index = 0
-    while True:
-        op = rng.choice(OPERATORS)
-        digits = level.multiply if op == "*" else level.divide
-        left, right = _operand(rng, digits[0]), _operand(rng, digits[1])
-        text = format_prompt(left, op, right)
-        # Rejection keeps each split inside its own part of the prompt space.
-        if prompt_split(text) != split:
-            continue
-        yield Prompt(
-            prompt_id=f"{TASK_NAME}/{split}/d{difficulty}/s{seed}/{index}",
-            text=text,
-            answer=str(apply(left, op, right)),
-            meta={
-                "task": TASK_NAME,
-                "difficulty": str(difficulty),
-                "split": split,
-                "seed": str(seed),
-            },
-        )
-        index += 1
+    return seeded_prompts(TASK_NAME, seed, difficulty, split, LEVELS, _draw_prompt)
 
 
 def iter_mixed_prompts(seed: int, low: int, high: int, split: Split = "train") -> Iterator[Prompt]:
     """An endless, deterministic stream whose every prompt has a difficulty drawn uniformly
     from low..high: each level's own stream, interleaved by a seeded choice."""
-    streams = {level: iter_prompts(seed, level, split) for level in range(low, high + 1)}
-    rng = random.Random(_stream_seed(seed, low * 10 + high, split) ^ 0x5EED)
-    levels = list(streams)
-    while True:
-        yield next(streams[rng.choice(levels)])
+    return mixed_prompts(TASK_NAME, seed, low, high, split, iter_prompts)
 
 
 def generate_prompts(
     n: int, seed: int = 0, difficulty: int = DEFAULT_DIFFICULTY, split: Split = "train"
 ) -> list[Prompt]:
     """The first `n` prompts of the (seed, difficulty, split) stream."""
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
-    return list(islice(iter_prompts(seed, difficulty, split), n))
+    return first_prompts(n, iter_prompts(seed, difficulty, split))

@@ -313,6 +313,20 @@ class ToolCalls:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+@dataclass(eq=False, kw_only=True)
+class ResponseTokens:
+    """A response as a backend builds it (each backend's row extends this): per token its
+    log-prob, the weights version that sampled it and whether it is an observation token; each
+    call's `ToolResult.status`; the finish reason once it ended."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    observed: list[bool] = field(default_factory=list)  # per token: an observation token
+    call_statuses: list[str] = field(default_factory=list)  # each call's ToolResult.status
+    finish: FinishReason | None = None
+
+
 class ToolRollout:
     """What a backend needs for multi-turn rollouts: settings, the resolved call format, the
     observation encoder and the call runner (one per backend)."""
@@ -332,6 +346,33 @@ class ToolRollout:
             max_new_tokens,
             context_limit if limit is None else min(limit, context_limit),
         )
+
+    def observe(
+        self,
+        row: ResponseTokens,
+        result: ToolResult,
+        *,
+        turns: ResponseTurns,
+        text: IncrementalText,
+        context_length: int,
+        chat: bool,
+    ) -> None:
+        """Append the observation of the call `row` stopped at (log-prob 0.0, the version of
+        the token before, flagged observed); sets `row.finish` to "max_context" instead when it
+        leaves no room for another model token. `context_length` is prompt + response so far;
+        `chat`: the prompt is a chat."""
+        row.call_statuses.append(result.status)
+        ids = self.encoder.encode(self.calls.observation(result), chat=chat)
+        if not turns.fits(context_length, len(ids)):
+            row.finish = "max_context"
+            return
+        version = row.versions[-1]
+        row.tokens.extend(ids)
+        row.logprobs.extend([0.0] * len(ids))
+        row.versions.extend([version] * len(ids))
+        row.observed.extend([True] * len(ids))
+        turns.observed()
+        text.restart(len(row.tokens))
 
     def close(self) -> None:
         self.calls.close()

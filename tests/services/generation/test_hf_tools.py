@@ -2,15 +2,12 @@
 
 The model (`tool_model.py`) was fitted to write a call after each of three prompts; the engine
 decodes it from the model's logits, stops at it, runs it through a ToolRunner, appends the
-observation and decodes the answer. The runners here stand in for the sandbox (its own tests
-cover it): one answers at once, one holds its first call until the test releases it, so a test
-can act while a call is running without sleeping.
+observation and decodes the answer. The runners (`tool_rollouts.py`) stand in for the sandbox
+(its own tests cover it).
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,7 +20,6 @@ from services.generation.hf_backend import HFBackend
 from services.messages import Prompt, Response
 from services.tools.calls import CallFormatSetting
 from services.tools.rollout import ToolSettings
-from services.tools.sandbox import ToolResult
 from tests.services.generation.tool_model import (
     CHAT,
     HERMES,
@@ -32,52 +28,19 @@ from tests.services.generation.tool_model import (
     Transcript,
     prompt_ids,
 )
+from tests.services.generation.tool_rollouts import (
+    HOT,
+    TEMPERATURE,
+    GatedRunner,
+    PrintingRunner,
+    call_tokens,
+    generate_one,
+    prompt_of,
+    sampling,
+    spans,
+)
 
-TEMPERATURE = 0.7
-HOT = 1.2
 TOLERANCE = 5e-5  # as tests/services/learner/test_logprobs.py: float32 summation order
-
-
-class PrintingRunner:
-    """Answers every call at once with what the fitted calls print."""
-
-    def __init__(self) -> None:
-        self.codes: list[str] = []
-        self._lock = threading.Lock()
-
-    def run(self, code: str) -> ToolResult:
-        with self._lock:
-            self.codes.append(code)
-        return ToolResult(output=OUTPUT + "\n", status="ok", seconds=0.0)
-
-
-class GatedRunner(PrintingRunner):
-    """Holds its first call until `release()`; `started` is set once that call is running."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.started = threading.Event()
-        self._gate = threading.Event()
-        self._first = True
-
-    def release(self) -> None:
-        self._gate.set()
-
-    def run(self, code: str) -> ToolResult:
-        with self._lock:
-            first, self._first = self._first, False
-        if first:
-            self.started.set()
-            self._gate.wait()
-        return super().run(code)
-
-
-def prompt_of(transcript: Transcript, prompt_id: str = "p") -> Prompt:
-    return Prompt(prompt_id, transcript.prompt, OUTPUT, messages=list(transcript.messages))
-
-
-def sampling(max_new_tokens: int = 120, seed: int = 7) -> SamplingSettings:
-    return SamplingSettings(temperature=TEMPERATURE, max_new_tokens=max_new_tokens, seed=seed)
 
 
 def backend_with_tools(
@@ -103,27 +66,6 @@ def offline_logprobs(
     tokens = torch.tensor(response.response_token_ids)[:, None]
     out: torch.Tensor = logits[start : start + len(tokens)].log_softmax(-1).gather(-1, tokens)
     return out[:, 0]
-
-
-def spans(mask: Sequence[bool]) -> list[tuple[bool, int]]:
-    """Runs of equal values: [(value, length), ...]."""
-    runs: list[tuple[bool, int]] = []
-    for value in mask:
-        if runs and runs[-1][0] == value:
-            runs[-1] = (value, runs[-1][1] + 1)
-        else:
-            runs.append((value, 1))
-    return runs
-
-
-def generate_one(backend: HFBackend, transcript: Transcript, **settings: int) -> Response:
-    [[response]] = backend.generate([prompt_of(transcript)], 1, sampling(**settings))
-    return response
-
-
-def call_tokens(backend: HFBackend, transcript: Transcript) -> list[int]:
-    ids: list[int] = backend.tokenizer(transcript.call, add_special_tokens=False)["input_ids"]
-    return ids
 
 
 @pytest.mark.parametrize(

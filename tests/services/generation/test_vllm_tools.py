@@ -10,7 +10,6 @@ enables tools on it with its own settings (`enable_tools` on the idle backend).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -29,7 +28,6 @@ from services.generation.vllm_backend import VLLMBackend
 from services.messages import Prompt, Response
 from services.tools.calls import CallFormatSetting
 from services.tools.rollout import ToolSettings
-from services.tools.sandbox import ToolResult
 from tests.services.generation.tool_model import (
     CHAT,
     HERMES,
@@ -38,49 +36,20 @@ from tests.services.generation.tool_model import (
     Transcript,
     prompt_ids,
 )
+from tests.services.generation.tool_rollouts import (
+    HOT,
+    GatedRunner,
+    PrintingRunner,
+    call_tokens,
+    generate_one,
+    prompt_of,
+    sampling,
+    spans,
+)
 
 # As test_vllm_backend.py: vLLM's CPU kernels against transformers' eager ops, both float32.
 LOGPROB_ATOL = 1e-4
-TEMPERATURE = 0.7
-# The fitted model is all but certain of its transcripts at 0.7 (every model token's log-prob
-# above -1e-4, within the tolerance of 0): the log-prob checks sample hotter, where most
-# responses still call and log-probs reach -5 and below.
-HOT = 1.2
 MAX_MODEL_LEN = 256
-
-
-class PrintingRunner:
-    """Answers every call at once with what the fitted calls print."""
-
-    def __init__(self) -> None:
-        self.codes: list[str] = []
-        self._lock = threading.Lock()
-
-    def run(self, code: str) -> ToolResult:
-        with self._lock:
-            self.codes.append(code)
-        return ToolResult(output=OUTPUT + "\n", status="ok", seconds=0.0)
-
-
-class GatedRunner(PrintingRunner):
-    """Holds its first call until `release()`; `started` is set once that call is running."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.started = threading.Event()
-        self._gate = threading.Event()
-        self._first = True
-
-    def release(self) -> None:
-        self._gate.set()
-
-    def run(self, code: str) -> ToolResult:
-        with self._lock:
-            first, self._first = self._first, False
-        if first:
-            self.started.set()
-            self._gate.wait()
-        return super().run(code)
 
 
 @pytest.fixture(scope="module")
@@ -137,35 +106,6 @@ def with_tools(
 ) -> VLLMBackend:
     backend.enable_tools(ToolSettings(call_format=call_format, **limits), runner)
     return backend
-
-
-def prompt_of(transcript: Transcript, prompt_id: str = "p") -> Prompt:
-    return Prompt(prompt_id, transcript.prompt, OUTPUT, messages=list(transcript.messages))
-
-
-def sampling(max_new_tokens: int = 120, seed: int = 7) -> SamplingSettings:
-    return SamplingSettings(temperature=TEMPERATURE, max_new_tokens=max_new_tokens, seed=seed)
-
-
-def generate_one(backend: VLLMBackend, transcript: Transcript, **settings: int) -> Response:
-    [[response]] = backend.generate([prompt_of(transcript)], 1, sampling(**settings))
-    return response
-
-
-def call_tokens(backend: VLLMBackend, transcript: Transcript) -> list[int]:
-    ids: list[int] = backend.tokenizer(transcript.call, add_special_tokens=False)["input_ids"]
-    return ids
-
-
-def spans(mask: Sequence[bool]) -> list[tuple[bool, int]]:
-    """Runs of equal values: [(value, length), ...]."""
-    runs: list[tuple[bool, int]] = []
-    for value in mask:
-        if runs and runs[-1][0] == value:
-            runs[-1] = (value, runs[-1][1] + 1)
-        else:
-            runs.append((value, 1))
-    return runs
 
 
 def offline_logprobs(

@@ -84,8 +84,13 @@ def plot_curves(records: Sequence[MetricsRecord], path: Path, title: str = "") -
         axis.grid(alpha=0.3)
         if len(keys) > 1 and axis.get_legend_handles_labels()[0]:
             axis.legend(fontsize=8)
-    for axis in axes[-1]:
-        axis.set_xlabel("learner step")
+    # The lowest drawn panel of each column carries the step axis (an odd count leaves the
+    # bottom-right cell empty, and shared axes show tick labels on the bottom row only).
+    for column in range(2):
+        drawn = [axis for axis in axes[:, column] if axis.get_visible()]
+        if drawn:
+            drawn[-1].xaxis.set_tick_params(labelbottom=True)
+            drawn[-1].set_xlabel("learner step")
     figure.suptitle(title)
     figure.tight_layout()
     # Into place in one rename: whoever reads the file (the dashboard, a person) never sees half

@@ -16,7 +16,7 @@ import pytest
 from services.api.spec_paths import INPUTS_DIR_NAME
 from services.pipeline.prompts import PromptStream
 from services.pipeline.specs import parse_run_spec
-from services.spec import JsonlTask
+from services.spec import BUILTIN_MODELS, JsonlTask
 from services.tasks.models import resolve_model
 from tests.services.api.conftest import Api
 from tests.services.api.test_runs_api import TINY
@@ -124,8 +124,9 @@ def test_absolute_paths_are_accepted_only_inside_the_folder(api: Api, tmp_path: 
         response = api.client.post("/v1/runs", json=spec_with(model=path))
         assert response.status_code == 422, path
         message = response.json()["error"]["fields"][0]["message"]
+        builtin = ", ".join(BUILTIN_MODELS)
         assert message.endswith(
-            f"give a built-in model (tiny-arith), a hub id or a path relative to {inputs}"
+            f"give a built-in model ({builtin}), a hub id or a path relative to {inputs}"
         )
 
 

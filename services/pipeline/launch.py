@@ -65,10 +65,8 @@ def _execute_run(
         with on_stop_signals(_stop_before_start):
             announce()
             connect_ray(spec)
-    except (_StoppedBeforeStart, SystemExit) as stop:
-        # Starting a local Ray installs Ray's own SIGTERM handler, which exits with the signal
-        # number: that exit, too, is a cancel before the start.
-        if isinstance(stop, SystemExit) and stop.code != signal.SIGTERM:
+    except (Exception, SystemExit) as stop:
+        if not _stopped_before_start(stop):
             raise
         for observer in (run_dir, *observers):
             observer.on_status("cancelled", "cancelled before the run started", step=0)
@@ -91,3 +89,18 @@ class _StoppedBeforeStart(Exception):
 
 def _stop_before_start(signum: int, frame: FrameType | None) -> None:
     raise _StoppedBeforeStart
+
+
+def _stopped_before_start(error: BaseException) -> bool:
+    """Whether `error` is (or wraps) a cancel before the start. Library code that was running
+    when the signal arrived may wrap the handler's exception (pydantic-settings turns it into
+    a SettingsError while it reads the environment). Starting a local Ray installs Ray's own
+    SIGTERM handler, which exits with the signal number: that exit, too, is a cancel."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, _StoppedBeforeStart):
+            return True
+        if isinstance(seen, SystemExit) and seen.code == signal.SIGTERM:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False

@@ -17,6 +17,7 @@ the same model serves padded forwards too.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -71,6 +72,8 @@ class EveryLayer(dict[str, Any]):
         return self.mask
 
 
+# Read once: the signature does not change, and this runs in every layer's forward.
+@functools.cache
 def _varlen_options() -> dict[str, Any]:
     """Causal attention in varlen_attn's spelling: `window_size` from torch 2.11, `is_causal`
     in 2.10; and whether it takes grouped-query inputs itself."""
@@ -91,7 +94,7 @@ def _repeat_heads(states: Tensor, groups: int) -> Tensor:
 def _varlen(query: Tensor, key: Tensor, value: Tensor, rows: PackedRows, scale: float) -> Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
-    options = _varlen_options()
+    options = dict(_varlen_options())
     if "enable_gqa" not in options:
         groups = query.shape[1] // key.shape[1]
         key, value = _repeat_heads(key, groups), _repeat_heads(value, groups)

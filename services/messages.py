@@ -20,6 +20,11 @@ FinishReason = Literal["stop", "length", "max_turns", "max_calls", "max_context"
 # "content": text}.
 ChatMessage = dict[str, str]
 
+# verl's agent loops a dataset row may name in `agent_name` (kept in `Prompt.meta`): one
+# response, or a multi-turn loop with tool calls.
+SINGLE_TURN_AGENT = "single_turn_agent"
+TOOL_AGENT = "tool_agent"
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -34,6 +39,13 @@ class Prompt:
     meta: dict[str, str] = field(default_factory=dict)  # task-specific (difficulty, source line)
     # A chat: rendered with the tokenizer's chat template, generation prompt added.
     messages: list[ChatMessage] = field(default_factory=list)
+
+    @property
+    def takes_tools(self) -> bool:
+        """Whether a run with tools enabled answers this prompt in multi-turn rollouts: every
+        prompt does except a verl row whose agent loop is `single_turn_agent` (dataset rows
+        name theirs in `meta["agent_name"]`)."""
+        return self.meta.get("agent_name") != SINGLE_TURN_AGENT
 
 
 @dataclass(frozen=True)

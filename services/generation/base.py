@@ -273,7 +273,7 @@ def encode_prompts(
 ) -> list[list[int]]:
     """Token ids of each prompt (no padding): its text with the tokenizer's default encoding,
     or, for a chat (`Prompt.messages`), the tokenizer's chat template with the generation
-    prompt added (and `tools` declared to it, if any).
+    prompt added (and `tools` declared to it, if any, for a prompt that takes tools).
 
     Every backend encodes through this function, so all of them see the same prompt ids.
     """
@@ -285,7 +285,7 @@ def encode_prompts(
             encoded[index] = list(ids)
     for index, prompt in enumerate(prompts):
         if prompt.messages:
-            encoded[index] = render_chat(tokenizer, prompt, tools)
+            encoded[index] = render_chat(tokenizer, prompt, tools if prompt.takes_tools else None)
     for prompt, ids in zip(prompts, encoded, strict=True):
         if not ids:
             raise ValueError(f"prompt {prompt.prompt_id!r} encodes to no tokens")

@@ -282,7 +282,7 @@ class ContinuousBatcher:
 
     def _new_row(self, group: _Group, index: int) -> _Row:
         row = _Row(group, index)
-        if self._tools is not None:
+        if self._tools is not None and group.request.prompt.takes_tools:
             assert self._decode_text is not None
             limit = group.request.sampling.max_new_tokens
             row.turns = self._tools.turns(limit, self._context_limit)

@@ -34,10 +34,11 @@ sets the label, and resumes. Tokens sampled before the pause carry the old versi
 after it the new one, whatever the engine core's lead over `step`; and each token's log-prob is
 computed by the sampler from the logits of the weights that sampled it.
 
-Multi-turn rollouts (`enable_tools`): each response is a vLLM request of its own, decoded in
-segments that stop at tool calls; its call runs off the stepping thread while the other requests
-keep decoding, and the next segment resubmits the whole context as a token prompt
-(`vllm_tools`, which shares the `hf` backend's turn logic, limits and observation tokens).
+Multi-turn rollouts (`enable_tools`, for prompts that take tools): each response is a vLLM
+request of its own, decoded in segments that stop at tool calls; its call runs off the stepping
+thread while the other requests keep decoding, and the next segment resubmits the whole context
+as a token prompt (`vllm_tools`, which shares the `hf` backend's turn logic, limits and
+observation tokens). A prompt that takes no tools (`Prompt.takes_tools`) is a plain request.
 
 KV cache across an in-flight load (`recompute_kv`): False keeps the KV blocks of the requests
 in flight (computed by the old weights) and the prefix cache is reset only where no request
@@ -296,8 +297,14 @@ class VLLMBackend(GenerationBackend):
 
         prompt_ids = self.encode([request.prompt for request in requests])
         if self._multi is not None:
-            self._submit_multi_turn(self._multi, requests, prompt_ids)
-            return
+            multi_turn = [i for i, r in enumerate(requests) if r.prompt.takes_tools]
+            self._submit_multi_turn(
+                self._multi, [requests[i] for i in multi_turn], [prompt_ids[i] for i in multi_turn]
+            )
+            single = [i for i, r in enumerate(requests) if not r.prompt.takes_tools]
+            requests, prompt_ids = [requests[i] for i in single], [prompt_ids[i] for i in single]
+            if not requests:
+                return
         salt = f"kpo-v{self._version}"
         prompts = [TokensPrompt(prompt_token_ids=ids, cache_salt=salt) for ids in prompt_ids]
         greedy = [r.sampling.temperature < GREEDY_TEMPERATURE for r in requests]

@@ -15,8 +15,10 @@ verl's multi-turn tool rows name their agent loop in `agent_name` (`tool_agent`,
 `single_turn_agent`; another name is an error) and carry per-tool arguments in
 `extra_info.tools_kwargs` ({tool: {create_kwargs, execute_kwargs, ...}}). Both are kept in the
 prompt's `meta` for the rollout: `meta["agent_name"]`, and `meta["tools_kwargs"]` as JSON
-(keys sorted). Whether a run calls tools is the spec's `tools` section; the reward is the
-verifier's score of the final answer after the last turn, as for any row.
+(keys sorted). Whether a run calls tools is the spec's `tools` section; with it enabled, every
+row is answered in multi-turn rollouts except a `single_turn_agent` row, which gets one response
+with no tool declared (`Prompt.takes_tools`). The reward is the verifier's score of the final
+answer after the last turn, as for any row.
 
 `format` may be left out: it is detected from the columns. Every problem is a
 `PromptFileError` naming the file and, where one is at fault, the row (1-based) and the column,
@@ -30,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from services.messages import ChatMessage, Prompt
+from services.messages import SINGLE_TURN_AGENT, TOOL_AGENT, ChatMessage, Prompt
 from services.tasks.answers import extract_boxed, extract_final_answer
 from services.tasks.jsonl import PromptFileError
 
@@ -44,8 +46,7 @@ FORMAT_COLUMNS: dict[DatasetFormat, tuple[str, ...]] = {
 }
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 CHAT_ROLES = ("system", "user", "assistant")
-# verl's agent loops a row may name: one response, or a multi-turn loop with tool calls.
-VERL_AGENTS = ("single_turn_agent", "tool_agent")
+VERL_AGENTS = (SINGLE_TURN_AGENT, TOOL_AGENT)
 
 
 def read_rows(path: Path, split: str) -> tuple[list[str], Sequence[Mapping[str, Any]]]:

@@ -34,6 +34,7 @@ from tests.services.generation.tool_rollouts import (
     GatedRunner,
     PrintingRunner,
     call_tokens,
+    check_single_turn_rows_skip_tools,
     generate_one,
     prompt_of,
     sampling,
@@ -252,3 +253,13 @@ def test_tools_are_enabled_only_on_an_idle_backend(tool_model_dir: Path) -> None
 
 def _request(prompt: Prompt, settings: SamplingSettings) -> GroupRequest:
     return GroupRequest(prompt, 1, settings)
+
+
+@pytest.mark.parametrize("transcript", [PLAIN, CHAT], ids=["plain", "chat"])
+def test_a_single_turn_agent_row_is_answered_without_tools(
+    tool_model_dir: Path, transcript: Transcript
+) -> None:
+    runner = PrintingRunner()
+    check_single_turn_rows_skip_tools(
+        backend_with_tools(tool_model_dir, runner), runner, transcript
+    )

@@ -41,6 +41,7 @@ from tests.services.generation.tool_rollouts import (
     GatedRunner,
     PrintingRunner,
     call_tokens,
+    check_single_turn_rows_skip_tools,
     generate_one,
     prompt_of,
     sampling,
@@ -363,3 +364,11 @@ def test_greedy_decoding_repeats_one_multi_turn_response(backend: VLLMBackend) -
     [group] = backend.generate([prompt_of(PLAIN)], 3, greedy)
     assert len(group) == 3 and all(r == group[0] for r in group)
     assert any(group[0].observation_mask) and set(group[0].behaviour_logprobs) == {0.0}
+
+
+@pytest.mark.parametrize("transcript", [PLAIN, CHAT], ids=["plain", "chat"])
+def test_a_single_turn_agent_row_is_answered_without_tools(
+    backend: VLLMBackend, transcript: Transcript
+) -> None:
+    runner = PrintingRunner()
+    check_single_turn_rows_skip_tools(with_tools(backend, runner), runner, transcript)

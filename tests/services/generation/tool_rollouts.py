@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 from services.generation.base import SamplingSettings
-from services.messages import Prompt, Response
+from services.messages import SINGLE_TURN_AGENT, Prompt, Response
 from services.tools.sandbox import ToolResult
-from tests.services.generation.tool_model import OUTPUT, Transcript
+from tests.services.generation.tool_model import OUTPUT, Transcript, prompt_ids
 
 TEMPERATURE = 0.7
 # The fitted model is all but certain of its transcripts at 0.7 (every model token's log-prob
@@ -96,3 +97,21 @@ def spans(mask: Sequence[bool]) -> list[tuple[bool, int]]:
         else:
             runs.append((value, 1))
     return runs
+
+
+def check_single_turn_rows_skip_tools(
+    backend: ToolBackend, runner: PrintingRunner, transcript: Transcript
+) -> None:
+    """A verl `single_turn_agent` row beside a tool row, in one batch of a backend with tools:
+    the tool row calls; the single-turn row writes the same call (the model was fitted to) but
+    it is not run, no observation follows, and its prompt declares no tool."""
+    tool_row = prompt_of(transcript, "tool")
+    single_row = replace(prompt_of(transcript, "single"), meta={"agent_name": SINGLE_TURN_AGENT})
+    [[called], [single]] = backend.generate([tool_row, single_row], 1, sampling())
+
+    assert any(called.observation_mask) and called.tool_calls == ["ok"]
+    assert len(runner.codes) == 1  # the tool row's call only
+    call = call_tokens(backend, transcript)
+    assert single.response_token_ids[: len(call)] == call
+    assert not any(single.observation_mask) and single.tool_calls == []
+    assert single.prompt_token_ids == prompt_ids(backend.tokenizer, transcript)

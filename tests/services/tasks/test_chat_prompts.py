@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 import services.tasks
 from services.generation.base import encode_prompts
-from services.messages import Prompt
+from services.messages import SINGLE_TURN_AGENT, Prompt
 from services.pipeline.prompts import PromptStream, chats_strings
 from services.spec import DatasetTask
 from services.tasks.models import has_chat_template
@@ -35,6 +35,17 @@ def test_a_chat_is_encoded_as_the_tokenizers_own_template_renders_it() -> None:
     assert chat_ids == list(expected["input_ids"])
     assert plain_ids == tokenizer("12+30?")["input_ids"]
     assert len(chat_ids) > len(plain_ids)  # the template's markup is there
+
+
+def test_tools_are_declared_to_chats_that_take_them_only() -> None:
+    tokenizer = AutoTokenizer.from_pretrained(str(TINY_ARITH))
+    tokenizer.chat_template = "{% if tools %}{{ tools | tojson }}{% endif %}" + CHAT_TEMPLATE
+    tools = [{"type": "function", "function": {"name": "python"}}]
+    tool_row = Prompt("t", "12+30?", "42", messages=CHAT, meta={"agent_name": "tool_agent"})
+    single = Prompt("s", "12+30?", "42", messages=CHAT, meta={"agent_name": SINGLE_TURN_AGENT})
+    declared, undeclared = encode_prompts(tokenizer, [tool_row, single], tools)
+    assert undeclared == encode_prompts(tokenizer, [single])[0]
+    assert declared[: -len(undeclared)] == tokenizer(json.dumps(tools))["input_ids"]
 
 
 def test_a_chat_for_a_tokenizer_without_a_template_is_refused(tiny_model_dir: Path) -> None:

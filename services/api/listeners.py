@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import logging
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -36,6 +37,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from services.api import routes_system
 from services.api.settings import ApiSettings
+
+log = logging.getLogger(__name__)
 
 KEEP_ALIVE_S = 5
 MAX_HEAD_BYTES = 16 * 1024
@@ -188,6 +191,9 @@ class ControlPlaneServer:
             runner.run(self.serve())
 
     async def serve(self) -> None:
+        host, port = self._sockets[self.api].getsockname()[:2]
+        probes = f", probes on port {self.probe_port}" if self.probes is not None else ""
+        log.info("serving the API on %s port %d%s (CTRL+C to quit)", host, port, probes)
         companion = None
         if self.probes is not None:
             companion = asyncio.create_task(self.probes.serve([self._sockets[self.probes]]))

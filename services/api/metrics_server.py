@@ -28,7 +28,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
-from starlette.routing import Route, Router
+from starlette.routing import Route
 
 from services.api.listeners import bind, listener_config
 from services.api.prometheus import render
@@ -61,7 +61,6 @@ class MetricsServer:
                 Middleware(TrustedHostMiddleware, allowed_hosts=list(trusted_hosts)),
             ],
         )
-        assert isinstance(app.router, Router)
         app.router.redirect_slashes = False  # a redirect would name the Host header
         # Every scrape would be an access line on stderr (every 15 s, for ever): none.
         config = listener_config(app, header_timeout_s, access_log=False, log_config=None)

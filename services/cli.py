@@ -430,6 +430,11 @@ def serve(
         )
     if settings.metrics_port == port:
         fail(f"the metrics port must differ from the API's ({port}): /metrics is served apart")
+    if settings.probe_port is not None and settings.probe_port in (port, settings.metrics_port):
+        fail(
+            f"the probe port ({settings.probe_port}) must differ from the API's and the "
+            "metrics': the probes are served apart"
+        )
     # Only for a server that will run: a refused one leaves the caller's logging alone.
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     try:
@@ -472,10 +477,10 @@ def _serve_with(
     ray_cpus: int | None,
 ) -> None:
     """Start Ray's side (the launcher and its reconciler), the metrics server if it has a port,
-    and the API on `address`; stop them again when uvicorn returns."""
-    import uvicorn
-
+    and the API on `address` (its probes on KPO_PROBE_PORT); stop them again when the API's
+    server returns."""
     from services.api.app import create_app
+    from services.api.listeners import ControlPlaneServer
     from services.api.metrics_server import MetricsServer
     from services.jobs.launcher import launcher_from_env
     from services.jobs.reconciler import Reconciler
@@ -496,21 +501,26 @@ def _serve_with(
         if settings.metrics_port is not None:
             try:
                 metrics = MetricsServer(
-                    api.state.registry, host, settings.metrics_port, api.state.trusted_hosts
+                    api.state.registry,
+                    host,
+                    settings.metrics_port,
+                    api.state.trusted_hosts,
+                    settings.header_timeout_s,
                 )
             except OSError as error:
                 fail(f"cannot serve /metrics on port {settings.metrics_port}: {error}", 1)
             running.enter_context(metrics)
-        uvicorn.run(
-            api,
-            host=host,
-            port=port,
-            # Open event streams must not hold a shutdown (or a restart) up for long.
-            timeout_graceful_shutdown=5,
-            # Connections and requests at once; past it uvicorn answers 503 at once rather than
-            # queue without bound (KPO_MAX_CONCURRENCY > KPO_MAX_STREAMS).
-            limit_concurrency=settings.max_concurrency,
-        )
+        try:
+            # The API (past KPO_MAX_CONCURRENCY connections uvicorn answers 503 at once rather
+            # than queue without bound) and its probes on KPO_PROBE_PORT, without that limit.
+            server = ControlPlaneServer(api, settings, host, port)
+        except OSError as error:
+            fail(
+                f"cannot listen on {host} (API port {port}, probe port "
+                f"{settings.probe_port}): {error}",
+                1,
+            )
+        server.run()
 
 
 def _is_loopback(host: str) -> bool:

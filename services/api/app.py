@@ -40,6 +40,9 @@ def create_app(
         docs_url="/docs" if docs else None,
         redoc_url="/redoc" if docs else None,
         openapi_url="/openapi.json" if docs else None,
+        # A path with a slash too many is a 404: Starlette's redirect would name the request's
+        # Host header (any value, with a token: `*`) as where to go.
+        redirect_slashes=False,
     )
     token = settings.token()
     app.state.settings = settings
@@ -47,6 +50,7 @@ def create_app(
     app.state.launcher = launcher
     app.state.auth = BearerAuth(token, settings.auth_reads)
     app.state.trusted_hosts = settings.trusted_hosts(token is not None, bind_host)
+    app.state.trusted_proxies = settings.proxy_networks()
     app.state.inputs_dir = inputs_dir(settings.data_dir)
     app.state.registry, api_metrics = build_registry(store)
     app.state.readiness = ReadinessProbe(store, launcher)
@@ -62,7 +66,7 @@ def create_app(
     app.include_router(dashboard.router)
     # Outermost last. RequestMetrics sees every request, refused ones too; a Host the server
     # does not answer is refused before anything reads the body.
-    app.add_middleware(RequestBodyGuard, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestBodyGuard, max_bytes=settings.max_body_bytes, auth=app.state.auth)
     app.add_middleware(
         TrustedHostMiddleware, allowed_hosts=app.state.trusted_hosts, www_redirect=False
     )

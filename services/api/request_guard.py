@@ -1,7 +1,11 @@
 """`RequestBodyGuard`: what a request body must be before any route sees it.
 
-Every body the API takes is JSON, and none is large. So, as plain ASGI in front of the routes:
+Every body the API takes is JSON, and none is large, and only a token holder may send one.
+So, as plain ASGI in front of the routes:
 
+- a body sent to a write (`POST`, `PUT`, `PATCH` under `/v1/`) without the API token is a 401
+  before anything of it is read or parsed: a client without the token learns nothing of what
+  the API would accept (a 413, 415, 400 or 422 says it); the routes check the token again;
 - a body over `max_bytes` is a 413 naming the limit: at once when `Content-Length` says so, and
   as it arrives when no length was sent (a chunked body), so that no body is ever held whole
   before it is counted;
@@ -19,6 +23,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.api.auth import CHALLENGE, UNAUTHORIZED, BearerAuth
 from services.api.errors import error_response
 
 JSON_MEDIA_TYPE = "application/json"
@@ -37,9 +42,10 @@ def too_large_message(max_bytes: int) -> str:
 class RequestBodyGuard:
     """Refuses oversized and non-JSON request bodies before the routes read them (see module)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, auth: BearerAuth) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.auth = auth
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -57,11 +63,14 @@ class RequestBodyGuard:
 
     def _refusal(self, scope: Scope, headers: Headers) -> ASGIApp | None:
         """The error response for a body its headers already rule out; None if none does."""
+        write = scope["method"] in WRITE_METHODS and scope["path"].startswith("/v1/")
+        if write and not self.auth.allows(headers, write=True):
+            return error_response(401, "unauthorized", UNAUTHORIZED, headers=CHALLENGE)
         declared = _declared_length(headers)
         if declared is not None and declared > self.max_bytes:
             # Answered unread: the client learns at once, and the server reads nothing.
             return error_response(413, "payload_too_large", too_large_message(self.max_bytes))
-        if scope["method"] in WRITE_METHODS and scope["path"].startswith("/v1/"):
+        if write:
             media_problem = _media_type_problem(headers.get("content-type"))
             if media_problem is not None:
                 return error_response(415, "unsupported_media_type", media_problem)

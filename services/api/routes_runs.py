@@ -12,6 +12,7 @@ from fastapi import Path as PathParam
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
+from services.api.client_identity import client_key
 from services.api.deps import (
     InputsDirDep,
     LauncherDep,
@@ -182,10 +183,12 @@ def cancel_run(run_id: RunId, store: StoreDep, launcher: LauncherDep) -> RunReco
             # Recorded already; the reconciler stops a job of a finished run when it can.
             log.warning("could not stop the job of cancelled run %s yet: %s", run_id, error)
             return run
+        # The launcher's own words stay in the server's log: they name hosts and internals.
+        log.warning("could not stop the job of run %s: %s", run_id, error)
         raise HTTPException(
             status.HTTP_503_SERVICE_UNAVAILABLE,
             f"could not reach the Ray job server to stop {run_id}; try again (the cancel is "
-            f"recorded: the run will not be restarted if its driver dies): {error}",
+            "recorded: the run will not be restarted if its driver dies)",
         ) from None
     return run
 
@@ -230,7 +233,7 @@ def stream_events(
     after = last_event_id or last_event_id_query
     store.read_events(run_id, after, 1)  # a bad id is a 422 now, not a broken stream later
     streams: EventStreams = request.app.state.streams
-    client = request.client.host if request.client else "unknown"
+    client = client_key(request, request.app.state.trusted_proxies)
     refused = streams.slots.acquire(client)
     if refused is not None:
         raise HTTPException(

@@ -3,8 +3,10 @@
 `/healthz` and `/readyz` are never guarded, and never wait for the worker threads that serve
 the routes: a liveness probe must answer while those are busy (or the orchestrator restarts a
 server that is only loaded), and a readiness probe answers from a cache, refreshed on a thread
-of its own. `/metrics` is here only when it has no port of its own (`KPO_METRICS_PORT`, see
-services.api.metrics_server); then it needs the token as reads do.
+of its own. With `KPO_PROBE_PORT` they are served on that port too, where the API's connection
+limit does not apply (services.api.listeners). `/metrics` is here only when it has no port of
+its own (`KPO_METRICS_PORT`, see services.api.metrics_server); then it needs the token as reads
+do.
 """
 
 from __future__ import annotations

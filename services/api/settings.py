@@ -83,6 +83,28 @@ class ApiSettings(TokenSettings):
         validation_alias="KPO_METRICS_PORT",
         description="serve /metrics on this port of its own (not on the API's, and unguarded)",
     )
+    probe_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        validation_alias="KPO_PROBE_PORT",
+        description="serve /healthz and /readyz on this port of its own too, unguarded and "
+        "without the API's connection limit (for the orchestrator's probes)",
+    )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        allow_inf_nan=False,
+        validation_alias="KPO_HEADER_TIMEOUT_S",
+        description="a connection that has not sent a whole request head this long after it "
+        "opened (or after its last response) is closed, on every port",
+    )
+    trusted_proxies: str | None = Field(
+        None,
+        validation_alias="KPO_TRUSTED_PROXIES",
+        description="comma-separated addresses or networks of the proxies (the Ingress) whose "
+        "X-Forwarded-For names the client; from any other peer it is ignored",
+    )
     openapi_docs: bool = Field(
         False, validation_alias="KPO_OPENAPI_DOCS", description="serve /docs, /redoc, /openapi.json"
     )
@@ -131,6 +153,11 @@ class ApiSettings(TokenSettings):
         return self
 
     @model_validator(mode="after")
+    def _trusted_proxies_parse(self) -> ApiSettings:
+        self.proxy_networks()  # a typo is a settings error at start, not a proxy ignored
+        return self
+
+    @model_validator(mode="after")
     def _streams_fit(self) -> ApiSettings:
         if self.max_streams_per_client > self.max_streams:
             raise ValueError(
@@ -164,6 +191,22 @@ class ApiSettings(TokenSettings):
                 "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
             )
         return value
+
+    def proxy_networks(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+        """KPO_TRUSTED_PROXIES as networks (an address is a network of one).
+
+        Raises ValueError naming the entry that is neither."""
+        networks = []
+        for entry in (self.trusted_proxies or "").split(","):
+            if entry.strip():
+                try:
+                    networks.append(ipaddress.ip_network(entry.strip(), strict=False))
+                except ValueError:
+                    raise ValueError(
+                        f"KPO_TRUSTED_PROXIES: {entry.strip()!r} is not an IP address or network "
+                        "(e.g. 10.0.0.0/8)"
+                    ) from None
+        return tuple(networks)
 
     def trusted_hosts(self, has_token: bool, bind_host: str) -> list[str]:
         """The Host header values the API answers (any other is a 400), against DNS rebinding.

@@ -7,7 +7,8 @@ once the run has finished and every event has been sent.
 Streams are long-lived, so they are bounded, lest they starve the server:
 
 - at most `KPO_MAX_STREAMS` are open at once, and `KPO_MAX_STREAMS_PER_CLIENT` per client
-  address (`StreamSlots`); past either the request is a 429;
+  address, as services.api.client_identity tells clients apart (`StreamSlots`); past either
+  the request is a 429;
 - each ends after `KPO_STREAM_LIFETIME_S`, between two events; every stream starts with an SSE
   `retry:` field, and the client reconnects after it with `Last-Event-ID` and resumes exactly
   where it was (browsers' EventSource and `kpo submit --follow` do so by themselves);

@@ -28,6 +28,8 @@ from typing import Any
 
 import httpx
 
+from services.store.private_files import private_directory
+
 log = logging.getLogger(__name__)
 
 # Paths relative to the data directory.
@@ -142,7 +144,7 @@ class LocalRayHead:
 
     def ensure(self) -> HeadInfo:
         """The live head of this data directory, started if there is none."""
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        private_directory(self.data_dir)
         private_dir(self.head_dir)
         with _file_lock(self.data_dir / HEAD_LOCK_FILE):
             recorded = self._recorded()

@@ -30,8 +30,9 @@ from services.store.base import (
 from services.store.codec import append_transition, decode_event, decode_run, transition_entry
 from services.store.errors import IdempotencyConflict, InvalidCursor, QuotaExceeded, RunNotFound
 from services.store.lifecycle import ACTIVE_STATUSES, TERMINAL_STATUSES, check_transition
+from services.store.private_files import private_directory, private_file
 from services.store.records import Event, RunRecord, RunStatus
-from services.store.sqlite_schema import DB_FILE_NAME, connect, create_schema
+from services.store.sqlite_schema import DB_FILE_NAME, SIDE_FILE_NAMES, connect, create_schema
 
 _RUN_COLUMNS = (
     "seq, id, status, spec, created_at, transitions, error, cancel_requested_at, driver_restarts"
@@ -53,9 +54,14 @@ class LocalStore(Store):
         busy_timeout_s: float = 30.0,
     ) -> None:
         super().__init__(max_log_lines)
-        self.directory = Path(directory).expanduser()
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory = private_directory(Path(directory).expanduser())
         self.path = self.directory / DB_FILE_NAME
+        # Before SQLite opens it: SQLite gives the WAL and shared-memory files it makes the
+        # database file's mode, so 0600 here keeps all three private. Side files made by an
+        # earlier release (under the umask) are tightened too.
+        private_file(self.path)
+        for name in SIDE_FILE_NAMES:
+            private_file(self.directory / name, create=False)
         self._busy_timeout_s = busy_timeout_s
         self._local = threading.local()
         # Every connection opened, with the thread and process that opened it: `close` closes

@@ -13,6 +13,8 @@ import sqlite3
 from pathlib import Path
 
 DB_FILE_NAME = "kpo-store.sqlite3"
+# The files SQLite keeps beside it in WAL mode.
+SIDE_FILE_NAMES = (f"{DB_FILE_NAME}-wal", f"{DB_FILE_NAME}-shm")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (

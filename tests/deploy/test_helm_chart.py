@@ -211,8 +211,8 @@ def test_control_plane_probes_security_and_settings(
 ) -> None:
     manifests = rendered[values]
     container = control_plane_container(manifests)
-    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
-    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "probes"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "probes"}
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     pod = one(manifests, "Deployment", CONTROL_PLANE)["spec"]["template"]["spec"]

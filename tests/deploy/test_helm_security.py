@@ -584,7 +584,11 @@ def test_metrics_port_is_scraped_and_never_routed(
     config = one(manifests, "ConfigMap", CONTROL_PLANE)["data"]
     container = control_plane_container(manifests)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"http": 8000, "metrics": int(config["KPO_METRICS_PORT"])}
+    assert ports == {
+        "http": 8000,
+        "metrics": int(config["KPO_METRICS_PORT"]),
+        "probes": int(config["KPO_PROBE_PORT"]),
+    }
     assert ports["metrics"] != ports["http"]
     service = {p["name"]: p for p in one(manifests, "Service", CONTROL_PLANE)["spec"]["ports"]}
     assert service["metrics"]["targetPort"] == "metrics"
@@ -597,6 +601,41 @@ def test_metrics_port_is_scraped_and_never_routed(
         assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics"]
     if values == "external-redis-values.yaml":
         assert named(manifests, "Ingress"), "this ci release has an Ingress"
+
+
+@pytest.mark.parametrize("values", CI_NAMES)
+def test_probes_use_a_port_the_apis_connection_limit_does_not_bound(
+    rendered: dict[str, list[Manifest]], values: str
+) -> None:
+    """Every probe of the control plane is on the probe port (KPO_PROBE_PORT), which neither
+    the Service nor the Ingress exposes: clients holding the API's connections (past
+    KPO_MAX_CONCURRENCY) cannot make the kubelet restart the pod."""
+    manifests = rendered[values]
+    config = one(manifests, "ConfigMap", CONTROL_PLANE)["data"]
+    container = control_plane_container(manifests)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["probes"] == ApiSettings.model_validate(config).probe_port
+    assert len(set(ports.values())) == len(ports)
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"]["port"] == "probes", probe
+    service = one(manifests, "Service", CONTROL_PLANE)["spec"]["ports"]
+    assert "probes" not in {p["name"] for p in service}
+    assert ports["probes"] not in {p["targetPort"] for p in service}
+
+
+def test_the_probe_port_must_be_its_own_and_trusted_proxies_reach_the_api(helm: str) -> None:
+    for taken in (8000, 9090):  # the API's port, the metrics'
+        result = helm_template(helm, sets=[f"controlPlane.probes.port={taken}"])
+        assert result.returncode != 0
+        assert "controlPlane.probes.port: the probes need a port of their own" in result.stderr
+    proxies = "10.0.0.0/8,fd00::/8"
+    escaped = proxies.replace(",", "\\,")  # --set splits lists at unescaped commas
+    manifests = render(helm, sets=[f"controlPlane.trustedProxies={escaped}"])
+    config = one(manifests, "ConfigMap", CONTROL_PLANE)["data"]
+    assert config["KPO_TRUSTED_PROXIES"] == proxies
+    assert len(ApiSettings.model_validate(config).proxy_networks()) == 2
+    default = one(render(helm), "ConfigMap", CONTROL_PLANE)["data"]
+    assert "KPO_TRUSTED_PROXIES" not in default  # the peer is the client
 
 
 # --- the head's driver slots ----------------------------------------------------------------------

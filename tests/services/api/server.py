@@ -1,4 +1,5 @@
-"""A real uvicorn server on a free loopback port, in a thread of the test process."""
+"""A real uvicorn server on a free loopback port, in a thread of the test process, configured
+as `kpo serve` configures its listeners (services.api.listeners)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from contextlib import contextmanager
 import uvicorn
 from fastapi import FastAPI
 
-from services.jobs.ray_head import free_port
+from services.api.listeners import bind, listener_config
 
 
 @contextmanager
@@ -20,12 +21,11 @@ def serve(app: FastAPI, port: int | None = None, log_level: str = "warning") -> 
     Its records go to the root logger (pytest's capture) rather than to handlers of uvicorn's
     own: those would hold the streams of the test that started the server, closed after it,
     while a server of a module-scoped fixture goes on logging."""
-    port = port or free_port()
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, log_level=log_level, lifespan="off", log_config=None
-    )
+    sock = bind("127.0.0.1", port or 0)
+    port = sock.getsockname()[1]
+    config = listener_config(app, header_timeout_s=10.0, log_config=None, log_level=log_level)
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, args=([sock],), daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
     while not server.started:
@@ -37,3 +37,4 @@ def serve(app: FastAPI, port: int | None = None, log_level: str = "warning") -> 
     finally:
         server.should_exit = True
         thread.join(timeout=20)
+        sock.close()

@@ -37,6 +37,28 @@ def test_writes_need_the_token_and_say_how(secured: Api) -> None:
     assert secured.launcher.submitted == [run.json()["id"]]  # nothing else got through
 
 
+# Bodies that, with the token, are a 400, 422, 415 or 413: each says what the API would accept.
+UNREAD_BODIES = [
+    (b"{not json", "application/json"),  # 422: where it stops being JSON
+    ("[" * 5000 + "]" * 5000, "application/json"),  # 400: nested too deeply
+    (b"\xff\xfe", "application/json"),  # 400: not UTF-8
+    (b'{"model": 5}', "application/json"),  # 422: names the field
+    (b"model: tiny", "text/yaml"),  # 415
+    (b"x" * 300_000, "application/json"),  # 413
+]
+
+
+@pytest.mark.parametrize(("body", "content_type"), UNREAD_BODIES)
+def test_the_token_is_checked_before_the_body_is_read(
+    secured: Api, body: bytes | str, content_type: str
+) -> None:
+    response = secured.client.post("/v1/runs", content=body, headers={"Content-Type": content_type})
+    assert response.status_code == 401, response.text
+    assert response.json()["error"]["type"] == "unauthorized"
+    assert response.headers["www-authenticate"].startswith("Bearer")
+    assert secured.store.list_runs(None, 10, None)[0] == []
+
+
 # Every read of run data: specs, metrics, logs, events, and the Prometheus export.
 READS = [
     "/v1/runs",

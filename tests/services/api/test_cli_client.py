@@ -17,12 +17,11 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 import yaml
-from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner, Result
 
+from services.api.listeners import ControlPlaneServer
 from services.cli import app
 from services.jobs import launcher, reconciler
 from services.jobs.ray_head import LocalRayHead, free_port
@@ -198,6 +197,10 @@ def test_serve_refuses_any_host_without_a_token_and_one_port_for_both() -> None:
     assert_clean_error(result, 2, "KPO_ALLOWED_HOSTS=* needs an API token")
     same = kpo("serve", "--port", "8123", "--metrics-port", "8123")
     assert_clean_error(same, 2, "the metrics port must differ from the API's (8123)")
+    probes = runner.invoke(app, ["serve", "--port", "8123"], env={"KPO_PROBE_PORT": "8123"})
+    assert_clean_error(probes, 2, "the probe port (8123) must differ from the API's")
+    proxies = runner.invoke(app, ["serve"], env={"KPO_TRUSTED_PROXIES": "10.0.0.0/8,ingress"})
+    assert_clean_error(proxies, 2, "KPO_TRUSTED_PROXIES: 'ingress' is not an IP address")
 
 
 class IdleReconciler:
@@ -214,31 +217,39 @@ class IdleReconciler:
 def test_serve_bounds_uvicorn_and_serves_metrics_on_their_port(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`kpo serve` as far as uvicorn (Ray's side replaced): the options it passes, the metrics
-    server it runs meanwhile on KPO_METRICS_PORT, and the API without /metrics."""
+    """`kpo serve` as far as its servers (Ray's side replaced): the limits of the API's
+    listener, the probe port, the metrics server it runs meanwhile on KPO_METRICS_PORT, and the
+    API without /metrics."""
     seen: dict[str, Any] = {}
-    metrics_port = free_port()
+    metrics_port, probe_port = free_port(), free_port()
 
-    def run(api: FastAPI, **options: Any) -> None:
-        seen.update(options)
-        with TestClient(api, headers={"Authorization": f"Bearer {TOKEN}"}) as client:
+    def run(server: ControlPlaneServer) -> None:
+        config = server.api.config
+        seen.update(limit=config.limit_concurrency, port=server.port, probes=server.probe_port)
+        seen["proxy_headers"] = config.proxy_headers
+        with TestClient(
+            server.api.config.app, headers={"Authorization": f"Bearer {TOKEN}"}
+        ) as client:
             seen["api"] = {path: client.get(path).status_code for path in ("/metrics", "/v1/runs")}
         seen["scrape"] = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").status_code
 
-    monkeypatch.setattr(uvicorn, "run", run)
+    monkeypatch.setattr(ControlPlaneServer, "run", run)
     monkeypatch.setattr(launcher, "launcher_from_env", lambda *a, **k: RecordingLauncher())
     monkeypatch.setattr(reconciler, "Reconciler", IdleReconciler)
+    api_port = free_port()
     env = {
         "KPO_API_TOKEN": TOKEN,
         "KPO_API_TOKEN_FILE": None,
         "KPO_DATA_DIR": str(tmp_path),
         "KPO_STORE_URL": None,
         "KPO_METRICS_PORT": str(metrics_port),
+        "KPO_PROBE_PORT": str(probe_port),
         "KPO_MAX_CONCURRENCY": "300",
     }
-    result = runner.invoke(app, ["serve", "--port", "8123"], env=env)
+    result = runner.invoke(app, ["serve", "--port", str(api_port)], env=env)
     assert result.exit_code == 0, result.output
-    assert seen["limit_concurrency"] == 300 and seen["port"] == 8123
+    assert seen["limit"] == 300 and seen["port"] == api_port and seen["probes"] == probe_port
+    assert seen["proxy_headers"] is False  # X-Forwarded-For is read from trusted proxies only
     assert seen["api"] == {"/metrics": 404, "/v1/runs": 200}
     assert seen["scrape"] == 200
     with pytest.raises(httpx.ConnectError):  # closed with the server

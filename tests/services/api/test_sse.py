@@ -186,3 +186,39 @@ def test_kpo_follows_a_run_across_streams_that_end(api_factory: ApiFactory) -> N
                 seen.append(event.data.get("status") or f"step {event.data['step']}")
         driver.join()
         assert seen == ["queued", "running", "step 1", "step 2", "step 3", "succeeded"]
+
+
+def open_streams(client: httpx.Client, path: str, forwarded: str, stack: ExitStack) -> int:
+    """Open streams as `X-Forwarded-For: forwarded` until one is refused; how many opened."""
+    for opened in range(10):
+        response = stack.enter_context(
+            client.stream("GET", path, headers={"X-Forwarded-For": forwarded})
+        )
+        if response.status_code != 200:
+            assert response.status_code == 429
+            return opened
+    return 10
+
+
+def test_a_forwarded_address_counts_only_from_a_trusted_proxy(api_factory: ApiFactory) -> None:
+    """The per-client cap is keyed on the peer; a peer that is one of KPO_TRUSTED_PROXIES (the
+    Ingress) speaks for the client it forwards, anyone else's X-Forwarded-For is ignored."""
+    caps = {"KPO_MAX_STREAMS": "20", "KPO_MAX_STREAMS_PER_CLIENT": "2"}
+    with api_factory(**caps) as api, ExitStack() as stack:
+        run = api.client.post("/v1/runs", json={}).json()["id"]
+        api.store.transition(run, RunStatus.RUNNING)
+        path = f"/v1/runs/{run}/events"
+        # Not a trusted peer: a new made-up address per stream changes nothing.
+        opened = sum(open_streams(api.client, path, f"203.0.113.{i}", stack) for i in range(1, 4))
+        assert opened == 2
+
+    # The loopback peer is the operator's proxy now.
+    trusting = {**caps, "KPO_TRUSTED_PROXIES": "127.0.0.0/8, ::1"}
+    with api_factory(**trusting) as api, ExitStack() as stack:
+        run = api.client.post("/v1/runs", json={}).json()["id"]
+        api.store.transition(run, RunStatus.RUNNING)
+        path = f"/v1/runs/{run}/events"
+        assert open_streams(api.client, path, "203.0.113.1", stack) == 2
+        assert open_streams(api.client, path, "203.0.113.2", stack) == 2
+        # What a client wrote before the address the proxy appended is not believed.
+        assert open_streams(api.client, path, "198.51.100.7, 203.0.113.1", stack) == 0

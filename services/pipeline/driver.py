@@ -56,6 +56,7 @@ from services.pipeline.checkpoint_writer import CheckpointWriter
 from services.pipeline.checkpoints import LEARNER_DIR, latest_checkpoint, read_driver_state
 from services.pipeline.curves import CurveDrawer
 from services.pipeline.evaluation import Evaluator
+from services.pipeline.held_out import held_out_prompts
 from services.pipeline.outputs import (
     EVAL_FILE,
     MetricsRecord,
@@ -76,7 +77,6 @@ from services.pipeline.streams import WorkerStream
 from services.pipeline.supervisor import ActorSupervisor, FaultBudgetExhausted
 from services.pipeline.weight_sync import WeightSync
 from services.spec import RunSpec
-from services.tasks.held_out import held_out_prompts
 from services.tasks.models import has_chat_template, resolve_model
 from services.tools.metrics import tool_metrics
 

@@ -194,7 +194,8 @@ def export(
 ) -> None:
     """Export a run's checkpoint as a Hugging Face model directory (safetensors, tokenizer)."""
     # Imported here: torch and transformers are slow to import and other commands do not need them.
-    from services.learner.export import ExportError, export_run
+    from services.learner.export import ExportError
+    from services.pipeline.run_export import export_run
 
     try:
         path = export_run(run_dir, out, step)

@@ -20,11 +20,11 @@ import kpo_core
 from kpo_core.config import AlgorithmConfig, describe_validation_error
 from services.api.client import DEFAULT_SERVER, ApiClient, ApiError, ServerUnreachable
 from services.api.settings import ApiSettings, ClientSettings
+from services.observers import RunState
 from services.pipeline.outputs import (
     CONFIG_FILE,
     ProgressPrinter,
     RunDirectory,
-    RunState,
     format_progress_line,
     format_status_line,
 )

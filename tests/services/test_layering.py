@@ -46,8 +46,9 @@ LAYERS: dict[str, frozenset[str]] = {
     "store": may(),
     "tools": may("messages"),
     "weights": may(),
-    "tasks": may("messages"),
     "generation": may("messages", "positions", "tools", "weights"),
+    # The built-in models' warm start measures them through the generation backend.
+    "tasks": may("messages", "tools", "generation"),
     "reward": may("messages", "tasks"),
     # The run spec reads the registries (backends, verifiers, dataset formats, built-in models).
     "spec": may("kpo_core", "generation", "reward", "tasks"),

@@ -31,9 +31,10 @@ import ray
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import print_table
 
+from services.observers import MetricsRecord
 from services.pipeline.actors import connect_ray
 from services.pipeline.launch import execute_run
-from services.pipeline.outputs import MetricsRecord, RunDirectory
+from services.pipeline.outputs import RunDirectory
 from services.pipeline.specs import load_run_spec
 from services.spec import RunSpec
 

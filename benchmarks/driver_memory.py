@@ -33,8 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from soak import read_rss_mib, slope
 
+from services.observers import RunState
 from services.pipeline.launch import execute_run
-from services.pipeline.outputs import RunDirectory, RunState
+from services.pipeline.outputs import RunDirectory
 from services.pipeline.specs import load_run_spec
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,11 +20,11 @@ import kpo_core
 from kpo_core.config import AlgorithmConfig, describe_validation_error
 from services.api.client import DEFAULT_SERVER, ApiClient, ApiError, ServerUnreachable
 from services.api.settings import ApiSettings, ClientSettings
+from services.observers import RunState
 from services.pipeline.outputs import (
     CONFIG_FILE,
     ProgressPrinter,
     RunDirectory,
-    RunState,
     format_progress_line,
     format_status_line,
 )
@@ -194,7 +194,8 @@ def export(
 ) -> None:
     """Export a run's checkpoint as a Hugging Face model directory (safetensors, tokenizer)."""
     # Imported here: torch and transformers are slow to import and other commands do not need them.
-    from services.learner.export import ExportError, export_run
+    from services.learner.export import ExportError
+    from services.pipeline.run_export import export_run
 
     try:
         path = export_run(run_dir, out, step)

@@ -47,9 +47,6 @@ else:
     BackendName = Literal[tuple(backend_names())]
     VerifierName = Literal[tuple(builtin_verifier_names())]
 
-
-BUILTIN_MODELS: tuple[str, ...] = ("tiny-arith", "tiny-arith-tool")
-
 # --- upper bounds shared by several fields ------------------------------------------------------
 
 # Actors of one kind (generation workers, verifier actors, learner ranks): a 1,024-GPU cluster.

@@ -15,13 +15,15 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from services.generation.hf_backend import HFBackend
+from services.messages import Response
 from services.spec import ArithTask, RunSpec
 from services.tasks import generate_prompts
 from services.tasks.answers import is_correct
 from services.tasks.models import resolve_model
-from services.tasks.sampling_eval import SampledBatch, sample_batches
+from services.tasks.sampling_eval import sample_responses
 
 EVAL_PROMPT_SEED = 99
 EVAL_SAMPLING_SEED = 7
@@ -43,20 +45,24 @@ class Evaluation:
         }
 
 
-def _token_log_probs(model: PreTrainedModel, batch: SampledBatch, temperature: float) -> Tensor:
-    """log pi(token) of each sampled response token at the sampling temperature, [B, N]."""
-    mask = batch.attention_mask
-    # Left-padded prompts: positions count real tokens only, as generation counted them.
-    positions = (mask.cumsum(-1) - 1).clamp_min(0)
-    logits = model(input_ids=batch.sequences, attention_mask=mask, position_ids=positions).logits
-    width = batch.prompt_width
+def _token_log_probs(model: PreTrainedModel, response: Response, temperature: float) -> Tensor:
+    """log pi(token) of each token of `response` under `model` at the sampling temperature, [N].
+
+    One full forward pass for either model: the two sides of the ratio are computed alike, so
+    a model measured against itself is exactly 0 apart (the sampler's own log-probs come from
+    incremental decoding, equal only up to rounding)."""
+    prompt, sampled = response.prompt_token_ids, response.response_token_ids
+    input_ids = torch.tensor([prompt + sampled], device=model.device)
+    logits = model(input_ids=input_ids).logits[0]
     # The logits at position t predict token t + 1.
-    predicting = logits[:, width - 1 : -1].float() / temperature
-    return torch.log_softmax(predicting, -1).gather(-1, batch.responses.unsqueeze(-1)).squeeze(-1)
+    predicting = logits[len(prompt) - 1 : -1].float() / temperature
+    tokens = torch.tensor(sampled, device=model.device).unsqueeze(-1)
+    return torch.log_softmax(predicting, -1).gather(-1, tokens).squeeze(-1)
 
 
 def _load(model_dir: str | Path, device: str) -> PreTrainedModel:
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    # float32, as the sampling backend loads the evaluated model: both sides of the ratio alike.
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.train(False)
     return model.to(device)  # type: ignore[arg-type, no-any-return]  # transformers' wrapped `to`
 
@@ -86,31 +92,28 @@ class HeldOutEvaluator:
         return _load(resolve_model(self.spec.model), self.device)
 
     def evaluate(self, model_dir: str | Path) -> Evaluation:
-        model = _load(model_dir, self.device)
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        # Sampled by the hf generation backend, as the run's own workers sample.
+        backend = HFBackend(str(model_dir), device=self.device, dtype=torch.float32)
         gen = self.spec.generation
+        responses = sample_responses(
+            backend,
+            self.prompts,
+            seed=EVAL_SAMPLING_SEED,
+            max_new_tokens=gen.max_new_tokens,
+            temperature=gen.temperature,
+        )
+        correct = sum(
+            is_correct(r.text, p.answer) for r, p in zip(responses, self.prompts, strict=True)
+        )
+        ended = sum(r.finish_reason == "stop" for r in responses)
+        kl_sum, tokens = 0.0, 0
         with torch.no_grad():
-            batches = sample_batches(
-                model,
-                tokenizer,
-                self.prompts,
-                seed=EVAL_SAMPLING_SEED,
-                max_new_tokens=gen.max_new_tokens,
-                temperature=gen.temperature,
-            )
-            correct = ended = 0
-            kl_sum, tokens = 0.0, 0
-            prompts = iter(self.prompts)
-            for batch in batches:
-                texts = tokenizer.batch_decode(batch.responses, skip_special_tokens=True)
-                correct += sum(is_correct(text, next(prompts).answer) for text in texts)
-                ended += int(batch.ended.sum())
-                log_ratio = _token_log_probs(self._start_model, batch, gen.temperature)
-                log_ratio = log_ratio - _token_log_probs(model, batch, gen.temperature)
+            for response in responses:
+                start = _token_log_probs(self._start_model, response, gen.temperature)
+                log_ratio = start - _token_log_probs(backend.model, response, gen.temperature)
                 # k3 = (r - 1) - log r with r = pi_start / pi: unbiased and never negative.
-                k3 = log_ratio.exp() - 1.0 - log_ratio
-                kl_sum += float(k3[batch.response_mask].sum())
-                tokens += int(batch.response_mask.sum())
+                kl_sum += float((log_ratio.exp() - 1.0 - log_ratio).sum())
+                tokens += len(response.response_token_ids)
         count = len(self.prompts)
         return Evaluation(correct / count, 1.0 - ended / count, kl_sum / max(tokens, 1))
 

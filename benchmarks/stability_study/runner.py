@@ -20,15 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from services.learner.export import export_model
+from services.observers import MetricsRecord
 from services.pipeline.checkpoints import LEARNER_DIR, list_checkpoints
 from services.pipeline.launch import execute_run
-from services.pipeline.outputs import (
-    CHECKPOINTS_DIR,
-    MODEL_DIR,
-    MetricsRecord,
-    RunDirectory,
-    read_metrics,
-)
+from services.pipeline.outputs import CHECKPOINTS_DIR, MODEL_DIR, RunDirectory, read_metrics
 from services.spec import RunSpec
 from stability_study.evaluate import Evaluation
 from stability_study.grid import Cell, cell_spec

@@ -28,8 +28,9 @@ from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 
-from services.spec import BUILTIN_MODELS, DatasetTask, JsonlTask, RunSpec
+from services.spec import DatasetTask, JsonlTask, RunSpec
 from services.tasks.models import is_hub_id
+from services.tasks.registry import BUILTIN_MODELS
 
 INPUTS_DIR_NAME = "inputs"
 # Backend options whose value is read as a file or folder (VllmBackend's `tokenizer`).

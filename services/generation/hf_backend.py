@@ -28,7 +28,7 @@ from services.generation.base import (
     encode_prompts,
     validate_sampling,
 )
-from services.generation.hf_batch import left_pad, new_cache, position_ids_for
+from services.generation.hf_batch import left_pad, new_cache
 from services.generation.hf_engine import ContinuousBatcher, NonFiniteLogitsError
 from services.generation.hf_sampling import processed_logprobs
 from services.messages import Prompt, Response
@@ -292,7 +292,6 @@ __all__ = [
     "NonFiniteLogitsError",
     "StateDictMismatchError",
     "left_pad",
-    "position_ids_for",
     "processed_logprobs",
     "validate_sampling",
 ]

@@ -5,7 +5,7 @@ right edge, padding (attention mask 0, keys and values 0) fills the left. Contin
 needs three operations on it, all here: merge the cache of newly prefilled rows into the
 running batch (left-padding whichever is shorter), drop rows that ended, and cut padding
 columns that no remaining row needs. Positions are counted from each row's first real token
-(`position_ids_for`), so padding never shifts them.
+(`services.positions.position_ids_for`), so padding never shifts them.
 
 Only full-attention caches (transformers' `DynamicLayer`) can be merged this way; a sliding
 window or linear-attention layer is refused by name.
@@ -131,16 +131,6 @@ def left_pad(
             input_ids[index, width - len(row) :] = torch.tensor(row, dtype=torch.long)
             attention_mask[index, width - len(row) :] = 1
     return input_ids.to(device), attention_mask.to(device)
-
-
-def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions counted from each row's first real token, so left padding does not shift them.
-
-    Padding slots get position 0; they are masked out, so their value never matters. (Rotary
-    models only see position differences within a row, but the prefill and every decode step
-    must agree on them, and models with absolute positions see the values themselves.)
-    """
-    return (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
 
 
 def _full_attention_layers(cache: DynamicCache) -> list[DynamicLayer]:

@@ -48,9 +48,10 @@ import torch
 from transformers import DynamicCache
 
 from services.generation.base import GroupRequest, validate_requests
-from services.generation.hf_batch import RunningBatch, left_pad, position_ids_for
+from services.generation.hf_batch import RunningBatch, left_pad
 from services.generation.hf_sampling import sample_rows
 from services.messages import Response
+from services.positions import position_ids_for
 from services.tools.rollout import (
     Decision,
     IncrementalText,

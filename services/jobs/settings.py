@@ -3,7 +3,7 @@
 The API's own variables (the token, the store, the data directory) are `ApiSettings`'s
 (`services.api.settings`); these say where the runs' Ray jobs go and how to reach them, what
 each job gets and reserves there, and how often a run whose driver died is started again. The
-run's driver reads `RAY_ADDRESS` from here too (`services.pipeline.actors`).
+run's driver reads `RAY_ADDRESS` on its own (`services.pipeline.actors.connect_ray`), alike.
 """
 
 from __future__ import annotations

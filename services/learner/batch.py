@@ -7,7 +7,7 @@ batch's prompt width P, followed by its response RIGHT-padded to the response wi
      <------- P ------------->   <--------- T ------------->
 
 so every response starts at column P, and the logits at columns P-1 .. P+T-2 predict the T
-response slots. Positions count from each row's first real token (`position_ids_for`, as in the
+response slots. Positions count from each row's first real token (`services.positions`, as in the
 `hf` generation backend), which is what makes the learner's log-probs reproduce the behaviour
 log-probs of the same weights.
 
@@ -26,8 +26,8 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
-from services.generation.hf_backend import position_ids_for
 from services.messages import Response, ScoredGroup
+from services.positions import position_ids_for
 from services.reward.scoring import is_correct
 
 

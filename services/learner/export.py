@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
+from services.durable_files import fsync_path, sync_tree
 from services.learner.checkpoint import (
     HF_DIR,
     LEARNER_STATE,
@@ -58,15 +59,6 @@ from services.learner.lora import (
     adapter_parameters,
     is_adapter_checkpoint,
 )
-from services.pipeline.checkpoints import (
-    LEARNER_DIR,
-    fsync_path,
-    latest_checkpoint,
-    list_checkpoints,
-    sync_tree,
-    verify_checkpoint,
-)
-from services.pipeline.outputs import CHECKPOINTS_DIR, MODEL_DIR
 
 log = logging.getLogger(__name__)
 
@@ -143,43 +135,6 @@ def export_model(learner_dir: Path, out_dir: Path) -> Path:
             shutil.rmtree(path, ignore_errors=True)
         raise
     return out_dir
-
-
-def export_run(run_dir: Path, out_dir: Path | None = None, step: int | None = None) -> Path:
-    """Export the checkpoint of `step` of a run (default: the newest intact one); return where.
-
-    `out_dir` defaults to RUN_DIR/model.
-    """
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise ExportError(f"{run_dir}: no such run directory")
-    root = run_dir / CHECKPOINTS_DIR
-    checkpoints = dict(list_checkpoints(root))
-    if step is None:
-        latest = latest_checkpoint(root)
-        if latest is None:
-            found = f"only damaged ones (steps {_steps(checkpoints)})" if checkpoints else "none"
-            raise ExportError(f"{run_dir} has no complete checkpoint in {root}: {found}")
-        step, path = latest
-    elif step not in checkpoints:
-        raise ExportError(
-            f"{run_dir} has no checkpoint of step {step} (steps: {_steps(checkpoints) or 'none'})"
-        )
-    else:
-        path = checkpoints[step]
-        problem = verify_checkpoint(path)
-        if problem is not None:
-            raise ExportError(f"checkpoint {path} is damaged: {problem}")
-    out_dir = out_dir or run_dir / MODEL_DIR
-    if out_dir.resolve().is_relative_to(root.resolve()):
-        # A file there would not match its checkpoint's manifest: resume would skip it.
-        raise ExportError(f"{out_dir} is inside the checkpoints of {run_dir}; pick another output")
-    log.info("exporting step %d of %s", step, run_dir)
-    return export_model(path / LEARNER_DIR, out_dir)
-
-
-def _steps(checkpoints: dict[int, Path]) -> str:
-    return ", ".join(str(step) for step in sorted(checkpoints))
 
 
 def _compute_dtype(learner_dir: Path) -> torch.dtype:

@@ -18,7 +18,6 @@ from typing import Any
 import ray
 
 from services.generation.worker import GenerationWorker
-from services.jobs.settings import JobSettings
 from services.learner.group import LearnerGroup, wait_all
 from services.reward.actor import start_verifier_actor
 from services.spec import RunSpec
@@ -72,9 +71,10 @@ def connect_ray(spec: RunSpec) -> None:
     """
     if ray.is_initialized():
         return
-    # Read as the launcher reads it (empty counts as unset); in a Ray job, Ray's job supervisor
-    # sets it to the cluster the job runs on.
-    address = JobSettings().ray_address
+    # In a Ray job, Ray's job supervisor sets it to the cluster the job runs on. Empty counts
+    # as unset, as for the launcher (services.jobs.settings); read here, not through the control
+    # plane's settings, which the run's driver has no business importing.
+    address = os.environ.get("RAY_ADDRESS") or None
     if address:
         ray.init(address=address, runtime_env={"env_vars": ACTOR_ENV})
         return

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from services.durable_files import fsync_path, sync_tree
+
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
@@ -48,22 +50,6 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def fsync_path(path: Path) -> None:
-    # A directory is opened read-only to sync its entries (the renames and new files in it).
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def sync_tree(directory: Path) -> None:
-    """Flush every file and directory under `directory` to disk."""
-    for path in sorted(directory.rglob("*"), reverse=True):
-        fsync_path(path)
-    fsync_path(directory)
 
 
 def write_checkpoint(

@@ -50,20 +50,15 @@ from ray.exceptions import RayActorError, RayTaskError
 from services.generation.base import GroupRequest, SamplingSettings
 from services.messages import Prompt, Response, ScoredGroup, ScoredResponse
 from services.metrics import FAULT_COUNTERS, LEARNER_TOTALS
+from services.observers import MetricsRecord, RunObserver, RunState
 from services.pipeline.actors import RunActors, check_cluster_resources, start_actors
 from services.pipeline.buffer import RolloutBuffer
 from services.pipeline.checkpoint_writer import CheckpointWriter
 from services.pipeline.checkpoints import LEARNER_DIR, latest_checkpoint, read_driver_state
 from services.pipeline.curves import CurveDrawer
 from services.pipeline.evaluation import Evaluator
-from services.pipeline.outputs import (
-    EVAL_FILE,
-    MetricsRecord,
-    RunDirectory,
-    RunObserver,
-    RunState,
-    json_safe_record,
-)
+from services.pipeline.held_out import held_out_prompts
+from services.pipeline.outputs import EVAL_FILE, RunDirectory, json_safe_record
 from services.pipeline.prompts import PromptStream, chats_strings
 from services.pipeline.records import (
     group_from_json,
@@ -76,7 +71,6 @@ from services.pipeline.streams import WorkerStream
 from services.pipeline.supervisor import ActorSupervisor, FaultBudgetExhausted
 from services.pipeline.weight_sync import WeightSync
 from services.spec import RunSpec
-from services.tasks.held_out import held_out_prompts
 from services.tasks.models import has_chat_template, resolve_model
 from services.tools.metrics import tool_metrics
 

@@ -21,9 +21,10 @@ import traceback
 from pathlib import Path
 from typing import TextIO
 
+from services.observers import RunState
 from services.pipeline.checkpoints import latest_checkpoint
 from services.pipeline.launch import execute_run
-from services.pipeline.outputs import ProgressPrinter, RunDirectory, RunState
+from services.pipeline.outputs import ProgressPrinter, RunDirectory
 from services.pipeline.specs import SpecError, parse_run_spec, preflight
 from services.pipeline.store_observer import StoreObserver
 from services.store import RunRecord, Store, StoreUnavailable

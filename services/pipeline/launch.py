@@ -9,9 +9,10 @@ from types import FrameType
 
 import ray
 
+from services.observers import RunObserver, RunState
 from services.pipeline.actors import connect_ray
 from services.pipeline.driver import RunDriver
-from services.pipeline.outputs import RunDirectory, RunObserver, RunState
+from services.pipeline.outputs import RunDirectory
 from services.pipeline.signals import on_stop_signals
 from services.spec import RunSpec
 from services.tracking import TrackingError, build_trackers

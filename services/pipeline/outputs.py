@@ -6,7 +6,7 @@
     curves.png      reward, entropy, clip fraction and staleness over steps (see `plots`)
     checkpoints/    see `checkpoints`
 
-The driver reports through `RunObserver`s, so the control plane can add its store as one more.
+The driver reports through `RunObserver`s (services.observers): the run directory here is one.
 """
 
 from __future__ import annotations
@@ -18,10 +18,9 @@ import sys
 import time
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any, Literal, Protocol, TextIO
+from typing import Any, TextIO
 
-RunState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
-MetricsRecord = dict[str, Any]
+from services.observers import MetricsRecord, RunState
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -30,14 +29,6 @@ CURVES_FILE = "curves.png"
 CHECKPOINTS_DIR = "checkpoints"
 MODEL_DIR = "model"  # the Hugging Face export of the run's final checkpoint
 EVAL_FILE = "eval.jsonl"  # one line per held-out evaluation (services/pipeline/evaluation.py)
-
-
-class RunObserver(Protocol):
-    """Receives a run's status changes and metrics records, in order."""
-
-    def on_status(self, state: RunState, error: str | None = None, **details: Any) -> None: ...
-
-    def on_metrics(self, record: MetricsRecord) -> None: ...
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from services.metrics import RECORD
-from services.pipeline.outputs import CURVES_FILE, MetricsRecord, read_metrics
+from services.observers import MetricsRecord
+from services.pipeline.outputs import CURVES_FILE, read_metrics
 
 # curves.png's panels, in drawing order (left to right, top to bottom), and whether a trend line
 # is drawn over the noisy values. The keys a panel draws are those services/metrics.py declares

@@ -14,10 +14,10 @@ import yaml
 from pydantic import ValidationError
 
 from kpo_core.config import describe_validation_error
+from services.pipeline.held_out import NoHeldOutPrompts, held_out_prompts
 from services.pipeline.prompts import PromptStream, chats_strings
 from services.spec import RunSpec
 from services.tasks import PromptFileError
-from services.tasks.held_out import NoHeldOutPrompts, held_out_prompts
 from services.tasks.models import ModelDirError, check_tokenizer, has_chat_template, resolve_model
 
 

@@ -24,9 +24,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from services.observers import MetricsRecord, RunState
 from services.pipeline.outputs import (
-    MetricsRecord,
-    RunState,
     format_progress_line,
     format_status_line,
     json_safe_record,

@@ -13,8 +13,7 @@ import json
 import re
 from pathlib import Path
 
-from services.spec import BUILTIN_MODELS
-from services.tasks.registry import BUILTIN_MODEL_TASKS
+from services.tasks.registry import BUILTIN_MODELS
 
 # `org/name` as the hub spells repository ids (one slash; letters, digits, `-`, `_`, `.`).
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -39,7 +38,7 @@ def resolve_model(model: str, revision: str | None = None) -> Path:
     A directory must hold `config.json` naming a causal-LM architecture, so that a wrong path
     fails here with its name rather than inside a generation or learner actor.
     """
-    if model in BUILTIN_MODELS or model in BUILTIN_MODEL_TASKS:
+    if model in BUILTIN_MODELS:
         # Imported here: the builder pulls in transformers, which resolving a path does not need.
         from services.tasks.tiny_model import ensure_tiny_model
 
@@ -49,7 +48,7 @@ def resolve_model(model: str, revision: str | None = None) -> Path:
         return check_model_dir(path)
     if is_hub_id(model):
         return check_model_dir(download_hub_model(model, revision))
-    builtin = ", ".join(sorted({*BUILTIN_MODELS, *BUILTIN_MODEL_TASKS}))
+    builtin = ", ".join(sorted(BUILTIN_MODELS))
     raise ModelDirError(
         f"{model!r} is not a directory, a hub id (org/name) nor a built-in model "
         f"(built-in: {builtin})"

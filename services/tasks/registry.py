@@ -64,6 +64,7 @@ BUILTIN_MODEL_TASKS: dict[str, str] = {
     "tiny-arith": arith.TASK_NAME,
     "tiny-arith-tool": arith_tool.TASK_NAME,
 }
+BUILTIN_MODELS: tuple[str, ...] = tuple(BUILTIN_MODEL_TASKS)
 
 
 def task_names() -> list[str]:

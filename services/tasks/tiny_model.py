@@ -4,7 +4,8 @@ Two built-in models, one per built-in task (`services.tasks.registry.BUILTIN_MOD
 `tiny-arith`, warm-started on `arith`'s worked solutions, and `tiny-arith-tool`, warm-started on
 `arith-tool` with a mix of demonstrations, some calling the Python tool and some answering
 directly, so that calls are in its repertoire but not yet reliable (its accuracy is measured
-with the calls executed: `services.tasks.tool_eval`).
+with the calls executed: `services.tasks.tool_eval`). Every evaluation of the warm start samples
+through the `hf` generation backend, as RL runs do (`services.tasks.sampling_eval`).
 
 The result is an ordinary Hugging Face model directory (Qwen2 architecture, safetensors weights,
 `tokenizer.json`), loaded with `from_pretrained` exactly like a user's own model, and small
@@ -30,14 +31,16 @@ import transformers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.utils import logging as hf_logging
 
+from services.generation.hf_backend import HFBackend
 from services.messages import Prompt
 from services.tasks import arith, arith_tool
 from services.tasks.demonstration import Demonstration
 from services.tasks.registry import BUILTIN_MODEL_TASKS, get_task
 from services.tasks.sampling_eval import sampled_accuracy
 from services.tasks.tokenizer import build_tokenizer, save_tokenizer
-from services.tasks.tool_eval import evaluate_with_tool
+from services.tasks.tool_eval import ArithmeticRunner, evaluate_with_tool
 from services.tasks.warmstart import EvalPoint, Evaluation, WarmStartSettings, warm_start
+from services.tools.rollout import ToolSettings
 
 log = logging.getLogger(__name__)
 
@@ -227,6 +230,25 @@ def _save(
         raise
 
 
+def sampling_backend(
+    model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, tools: ToolSettings | None
+) -> HFBackend:
+    """An `hf` backend holding a copy of `model` (load its weights into it before sampling),
+    with `tools` enabled through an `ArithmeticRunner` when given. The global RNG is left as
+    it was, so that building it changes nothing of the warm start."""
+    with (
+        tempfile.TemporaryDirectory() as directory,
+        torch.random.fork_rng(devices=[]),
+        _quiet_progress(True),
+    ):
+        model.save_pretrained(directory)
+        save_tokenizer(tokenizer, Path(directory))
+        backend = HFBackend(directory)
+    if tools is not None:
+        backend.enable_tools(tools, ArithmeticRunner())
+    return backend
+
+
 def uses_tool(prompt: Prompt, seed: int, fraction: float) -> bool:
     """Whether `prompt`'s demonstration calls the tool: a stable draw from its text and the
     build seed, true for `fraction` of prompts (whatever the order they come in)."""
@@ -277,22 +299,29 @@ def build_tiny_model(
             pad_token_id=tokenizer.pad_token_id,
         )
 
+        sampler = sampling_backend(
+            model,
+            tokenizer,
+            ToolSettings(max_turns=settings.max_turns, call_format="fenced") if tools else None,
+        )
+        evaluations = 0
+
         def evaluate() -> float | Evaluation:
+            nonlocal evaluations
+            evaluations += 1
+            sampler.load_weights(model.state_dict(), evaluations)
             if not tools:
                 return sampled_accuracy(
-                    model,
-                    tokenizer,
+                    sampler,
                     eval_prompts,
                     seed=EVAL_SAMPLING_SEED,
                     max_new_tokens=longest + EVAL_MARGIN_TOKENS,
                 )
             measured = evaluate_with_tool(
-                model,
-                tokenizer,
+                sampler,
                 eval_prompts,
                 seed=EVAL_SAMPLING_SEED,
                 max_new_tokens=longest + EVAL_MARGIN_TOKENS,
-                max_turns=settings.max_turns,
             )
             return Evaluation(accuracy=measured.accuracy, details=measured.details())
 
@@ -307,9 +336,13 @@ def build_tiny_model(
             prompts = arith.iter_prompts(seed, settings.difficulty, "train")
             solve = arith.reference_solution
 
-        result = warm_start(
-            model, tokenizer, prompts, solve, evaluate, settings.warm_start, progress=progress
-        )
+        try:
+            result = warm_start(
+                model, tokenizer, prompts, solve, evaluate, settings.warm_start, progress=progress
+            )
+        finally:
+            if sampler.tools is not None:
+                sampler.tools.close()
     if strict and not result.in_band:
         low_band, high_band = settings.warm_start.band
         raise TinyModelBuildError(

@@ -6,6 +6,7 @@ as the tool's config or params, and ends the tool's run when the run reaches a f
 libraries are the optional `tracking` extra and are imported only by a configured tracker.
 """
 
-from services.tracking.base import Tracker, TrackingError, build_trackers
+from services.tracking.base import Tracker, TrackingError
+from services.tracking.registry import build_trackers
 
 __all__ = ["Tracker", "TrackingError", "build_trackers"]

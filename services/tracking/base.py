@@ -8,8 +8,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, ClassVar
 
-from services.pipeline.outputs import MetricsRecord, RunState
-from services.spec import RunSpec
+from services.observers import MetricsRecord, RunState
 
 log = logging.getLogger(__name__)
 
@@ -101,29 +100,3 @@ class Tracker(ABC):
 
     @abstractmethod
     def _finish(self, state: RunState, error: str | None) -> None: ...
-
-
-def build_trackers(spec: RunSpec, run_dir: Path) -> list[Tracker]:
-    """A started tracker for each one `spec.tracking` sets, in the order wandb, mlflow,
-    tensorboard; none without any. `TrackingError` if one cannot start (the others started
-    before it are closed again)."""
-    # Imported here: each module imports this one, and its library only when it starts.
-    from services.tracking.mlflow_tracker import MlflowTracker
-    from services.tracking.tensorboard_tracker import TensorboardTracker
-    from services.tracking.wandb_tracker import WandbTracker
-
-    tracking = spec.tracking
-    config = spec.model_dump(mode="json")
-    trackers: list[Tracker] = []
-    try:
-        if tracking.wandb is not None:
-            trackers.append(WandbTracker(tracking.wandb, run_dir, config))
-        if tracking.mlflow is not None:
-            trackers.append(MlflowTracker(tracking.mlflow, run_dir, config))
-        if tracking.tensorboard is not None:
-            trackers.append(TensorboardTracker(tracking.tensorboard, run_dir, config))
-    except BaseException:
-        for tracker in trackers:
-            tracker.close("failed", "another tracker could not start")
-        raise
-    return trackers

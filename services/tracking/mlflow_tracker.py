@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from services.pipeline.outputs import MetricsRecord, RunState
+from services.observers import MetricsRecord, RunState
 from services.spec import MlflowTracking
 from services.tracking.base import Tracker, TrackingError, missing_library, run_id, scalar_metrics
 

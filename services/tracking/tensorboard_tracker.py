@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from services.pipeline.outputs import MetricsRecord, RunState
+from services.observers import MetricsRecord, RunState
 from services.spec import TensorboardTracking
 from services.tracking.base import Tracker, TrackingError, missing_library, scalar_metrics
 

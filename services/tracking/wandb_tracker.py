@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from services.pipeline.outputs import MetricsRecord, RunState
+from services.observers import MetricsRecord, RunState
 from services.spec import WandbTracking
 from services.tracking.base import Tracker, TrackingError, missing_library, run_id, scalar_metrics
 

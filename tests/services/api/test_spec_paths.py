@@ -16,8 +16,9 @@ import pytest
 from services.api.spec_paths import INPUTS_DIR_NAME
 from services.pipeline.prompts import PromptStream
 from services.pipeline.specs import parse_run_spec
-from services.spec import BUILTIN_MODELS, JsonlTask
+from services.spec import JsonlTask
 from services.tasks.models import resolve_model
+from services.tasks.registry import BUILTIN_MODELS
 from tests.services.api.conftest import Api
 from tests.services.api.test_runs_api import TINY
 

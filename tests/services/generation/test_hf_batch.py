@@ -6,7 +6,8 @@ import torch
 from transformers import DynamicCache
 
 from services.generation.hf_backend import HFBackend
-from services.generation.hf_batch import GrowingLayer, left_pad, new_cache, position_ids_for
+from services.generation.hf_batch import GrowingLayer, left_pad, new_cache
+from services.positions import position_ids_for
 
 
 def decode(backend: HFBackend, cache: DynamicCache, steps: int) -> list[torch.Tensor]:

@@ -28,9 +28,10 @@ from services.learner.checkpoint import (
     save_checkpoint,
 )
 from services.learner.distributed import RankGroup
-from services.learner.export import ExportError, export_model, export_run, write_hf_files
+from services.learner.export import ExportError, export_model, write_hf_files
 from services.pipeline.checkpoints import LEARNER_DIR, checkpoint_name, write_checkpoint
 from services.pipeline.outputs import CHECKPOINTS_DIR
+from services.pipeline.run_export import export_run
 from services.tasks.models import resolve_model
 from tests.services.learner.ranks import run_ranks
 

@@ -11,12 +11,12 @@ import pytest
 from services.messages import Prompt, Response, ScoredGroup, ScoredResponse
 from services.metrics import EVAL_KEYS
 from services.pipeline.evaluation import eval_metrics
+from services.pipeline.held_out import NoHeldOutPrompts, held_out_prompts
 from services.pipeline.launch import execute_run
 from services.pipeline.outputs import EVAL_FILE, RunDirectory, read_metrics
 from services.pipeline.prompts import PromptStream
 from services.pipeline.specs import SpecError, apply_overrides, preflight
 from services.spec import ArithTask, DatasetTask, JsonlTask, RunSpec
-from services.tasks.held_out import NoHeldOutPrompts, held_out_prompts
 from tests.services.pipeline.conftest import TINY_RUN
 
 

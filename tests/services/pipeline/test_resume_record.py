@@ -13,8 +13,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from services.observers import MetricsRecord, RunState
 from services.pipeline.driver import RunDriver
-from services.pipeline.outputs import MetricsRecord, RunDirectory, RunState
+from services.pipeline.outputs import RunDirectory
 from tests.services.pipeline.conftest import tiny_spec
 
 

@@ -15,15 +15,10 @@ from typing import Any
 
 import pytest
 
+from services.observers import MetricsRecord, RunState
 from services.pipeline.job import execute_stored_run, run_output_dir
 from services.pipeline.launch import execute_run
-from services.pipeline.outputs import (
-    MetricsRecord,
-    RunDirectory,
-    RunState,
-    format_progress_line,
-    read_metrics,
-)
+from services.pipeline.outputs import RunDirectory, format_progress_line, read_metrics
 from services.pipeline.store_observer import StoreObserver
 from services.store import LocalStore, RedisStore, RetryPolicy, RunStatus, Store
 from tests.services.pipeline.conftest import tiny_spec

@@ -13,7 +13,7 @@ from services.tasks import arith_tool
 from services.tasks.answers import extract_final_answer, is_correct
 from services.tasks.arith import prompt_split
 from services.tasks.demonstration import demonstration_text
-from services.tasks.registry import BUILTIN_MODEL_TASKS, get_task, task_names
+from services.tasks.registry import BUILTIN_MODEL_TASKS, BUILTIN_MODELS, get_task, task_names
 from services.tools import calls, rollout
 
 
@@ -149,7 +149,8 @@ def test_a_response_that_used_the_tool_verifies() -> None:
 
 
 def test_the_spec_accepts_every_built_in_model_and_task() -> None:
-    from services.spec import BUILTIN_MODELS, ArithTask
+    from services.spec import ArithTask, RunSpec
 
-    assert set(BUILTIN_MODELS) == set(BUILTIN_MODEL_TASKS)
+    assert set(BUILTIN_MODELS) == set(BUILTIN_MODEL_TASKS) == {"tiny-arith", "tiny-arith-tool"}
+    assert [RunSpec(model=name).model for name in BUILTIN_MODELS] == list(BUILTIN_MODELS)
     assert ArithTask(name="arith-tool", difficulty=4).name in task_names()

@@ -15,8 +15,11 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from services.generation.hf_backend import HFBackend
+from services.messages import Response
 from services.tasks import arith_tool
 from services.tasks.models import resolve_model
+from services.tasks.sampling_eval import sample_responses
 from services.tasks.tiny_model import (
     BUILD_INFO,
     TOOL_MODEL_DIR,
@@ -24,8 +27,8 @@ from services.tasks.tiny_model import (
     ensure_tiny_model,
     is_model_dir,
 )
-from services.tasks.tool_eval import evaluate_with_tool, run_arithmetic, sample_with_tool
-from services.tools.rollout import ObservationEncoder
+from services.tasks.tool_eval import ArithmeticRunner, evaluate_with_tool, run_arithmetic
+from services.tools.rollout import ObservationEncoder, ToolSettings
 
 CALL = "```python\nprint(3417*86)\n```"
 OBSERVATION = "<output>\n293862\n</output>\n"
@@ -102,22 +105,36 @@ def test_build_info_records_the_warm_start(info: dict[str, object]) -> None:
     assert details["accuracy_without_tool"] < 0.05  # 4-digit products are out of its reach
 
 
+def first_call_and_observation(
+    response: Response, tokenizer: PreTrainedTokenizerBase
+) -> tuple[str, str]:
+    """The text of a response's first model turn and of the observation after it."""
+    ids, observed = response.response_token_ids, response.observation_mask
+    start = observed.index(True)
+    end = observed.index(False, start) if False in observed[start:] else len(observed)
+    call, observation = tokenizer.decode(ids[:start]), tokenizer.decode(ids[start:end])
+    assert isinstance(call, str) and isinstance(observation, str)  # one sequence, one string
+    return call, observation
+
+
 def test_sampled_with_calls_executed_it_sometimes_calls(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
+    tokenizer: PreTrainedTokenizerBase,
 ) -> None:
-    # Prompts of another seed than the build's evaluation.
+    # Through the hf backend with its tool rollout, as RL samples it (and as its warm start
+    # measured it); prompts of another seed than the build's evaluation.
+    backend = HFBackend(TOOL_MODEL_DIR)
+    backend.enable_tools(ToolSettings(max_turns=3, call_format="fenced"), ArithmeticRunner())
     prompts = arith_tool.generate_prompts(48, seed=1, difficulty=4, split="eval")
-    samples = sample_with_tool(model, tokenizer, prompts, seed=0, max_new_tokens=64)
-    calling = [s for s in samples if s.calls]
+    samples = sample_responses(backend, prompts, seed=0, max_new_tokens=64)
+    calling = [s for s in samples if s.tool_calls]
     assert 0 < len(calling) < len(samples)
     for sample in calling:
-        call, observed = sample.segments[0], sample.segments[1]
-        assert not call.observation and observed.observation
-        code = call.text.split("```python\n", 1)[1].removesuffix("```")
-        assert observed.text == f"<output>\n{run_arithmetic(code)}\n</output>\n"
+        call, observed = first_call_and_observation(sample, tokenizer)
+        code = call.split("```python\n", 1)[1].removesuffix("```")
+        assert observed == f"<output>\n{run_arithmetic(code)}\n</output>\n"
     # Accuracy with the calls run: a 48-prompt sample of the build's ~0.3 (binomial spread
     # about +-0.07): this only fails for a broken model, or one that never or always calls.
-    measured = evaluate_with_tool(model, tokenizer, prompts, seed=0, max_new_tokens=64)
+    measured = evaluate_with_tool(backend, prompts, seed=0, max_new_tokens=64)
     assert 0.05 < measured.accuracy < 0.8
     assert measured.accuracy_without_tool < 0.1
     assert measured.accuracy > measured.accuracy_without_tool

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from services.pipeline.outputs import MetricsRecord
+from services.observers import MetricsRecord
 
 START = 1_800_000_000.0  # the records' wall-clock `time`
 

@@ -1,7 +1,8 @@
 """A task's held-out prompts: what held-out evaluation (services.pipeline.evaluation) asks.
 
 Apart from the evaluation itself, which drives Ray actors, so that checking a run spec (its
-`eval` has prompts to evaluate on) needs neither Ray nor torch.
+`eval` has prompts to evaluate on) needs neither Ray nor torch. It reads the run spec's task, so it
+sits with the driver, above the spec, rather than with the tasks the spec reads.
 """
 
 from __future__ import annotations

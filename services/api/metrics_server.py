@@ -30,8 +30,8 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from services.api.listeners import bind, listener_config
 from services.api.prometheus import render
+from services.http_listener import bind, listener_config
 
 PATH = "/metrics"
 MAX_SCRAPES = 4

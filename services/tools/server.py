@@ -20,12 +20,14 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.http_listener import bind, listener_config
 from services.tools.sandbox import (
     MAX_CODE_BYTES,
     Backend,
@@ -64,6 +66,13 @@ class SandboxSettings(BaseSettings):
     file_mb: int = Field(16, ge=1, description="largest file, and size of the working tmpfs")
     max_output_chars: int = Field(1000, ge=1, le=1_000_000)
     max_body_bytes: int = Field(256 * 1024, ge=1024, description="largest request body")
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="a connection that has not sent a whole request head this long after it "
+        "opened (or after its last response) is closed",
+    )
     token: SecretStr | None = Field(None, description="bearer token calls must carry")
     token_file: Path | None = Field(None, description="a file holding the token")
 
@@ -237,8 +246,6 @@ def create_app(settings: SandboxSettings, runner: SandboxRunner | None = None) -
 def serve(settings: SandboxSettings, host: str, port: int) -> None:
     """Run the server with uvicorn until interrupted (raises SandboxUnavailable first when
     the backend cannot run code here)."""
-    import uvicorn
-
     app = create_app(settings)
     log.info(
         "sandbox server on %s:%d: backend %s, %d workers, queue %d",
@@ -248,17 +255,11 @@ def serve(settings: SandboxSettings, host: str, port: int) -> None:
         settings.max_concurrency,
         settings.max_queue,
     )
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        # An idle keep-alive connection is closed after this: connections are not held open.
-        timeout_keep_alive=5,
-        timeout_graceful_shutdown=5,
-        # Headers past 16 KiB are refused (h11's incomplete-event limit).
-        h11_max_incomplete_event_size=16 * 1024,
-        # Connections at once before uvicorn answers 503 itself: above the sandbox's own bound
-        # (whose 429 comes first), with room for /healthz.
-        limit_concurrency=settings.max_concurrency + settings.max_queue + EXTRA_CONNECTIONS,
-        log_level="info",
+    # Connections at once before uvicorn answers 503 itself: above the sandbox's own bound
+    # (whose 429 comes first), with room for /healthz. Idle connections do not hold places for
+    # ever (services.http_listener).
+    limit = settings.max_concurrency + settings.max_queue + EXTRA_CONNECTIONS
+    config = listener_config(
+        app, settings.header_timeout_s, limit_concurrency=limit, log_level="info", lifespan=True
     )
+    uvicorn.Server(config).run(sockets=[bind(host, port)])

@@ -42,9 +42,10 @@ LAYERS: dict[str, frozenset[str]] = {
     "positions": may(),
     "durable_files": may(),
     "host_memory": may(),
+    "http_listener": may(),
     # Building blocks with no knowledge of a run.
     "store": may(),
-    "tools": may("messages"),
+    "tools": may("messages", "http_listener"),
     "weights": may(),
     "generation": may("messages", "positions", "tools", "weights"),
     # The built-in models' warm start measures them through the generation backend.
@@ -84,7 +85,17 @@ LAYERS: dict[str, frozenset[str]] = {
     ),
     # The control plane: Ray jobs, then HTTP, then the command line over everything.
     "jobs": may("services", "store"),
-    "api": may("kpo_core", "metrics", "observers", "store", "tasks", "spec", "pipeline", "jobs"),
+    "api": may(
+        "kpo_core",
+        "metrics",
+        "observers",
+        "http_listener",
+        "store",
+        "tasks",
+        "spec",
+        "pipeline",
+        "jobs",
+    ),
     "cli": may(
         "kpo_core",
         "observers",

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import uvicorn
 from fastapi import FastAPI
 
-from services.api.listeners import bind, listener_config
+from services.http_listener import bind, listener_config
 
 
 @contextmanager

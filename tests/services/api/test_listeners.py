@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-import httpx
 import pytest
 
 from services.api.app import create_app
@@ -27,6 +26,7 @@ from services.store import LocalStore
 from tests.services.api.conftest import TOKEN, Api
 from tests.services.api.launchers import RecordingLauncher
 from tests.services.api.raw_http import raw_request
+from tests.services.idle_sockets import closed_by_server, idle_sockets, status
 from tests.services.jobs.ray_support import wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -50,34 +50,6 @@ def control_plane(tmp_path: Path, **env: str) -> Iterator[ControlPlaneServer]:
     finally:
         server.stop()
         thread.join(timeout=20)
-
-
-def idle_sockets(port: int, count: int, stack: ExitStack) -> list[socket.socket]:
-    """`count` connections to `port`: half send nothing, half an unfinished request head."""
-    sockets = []
-    for i in range(count):
-        sock = stack.enter_context(socket.create_connection(("127.0.0.1", port)))
-        if i % 2:
-            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n")
-        sockets.append(sock)
-    return sockets
-
-
-def closed_by_server(sock: socket.socket, within_s: float) -> bool:
-    """Whether the server closes `sock` within `within_s` (what it sends before is read)."""
-    sock.settimeout(within_s)
-    try:
-        while sock.recv(65536):
-            pass
-    except ConnectionResetError:
-        pass
-    except TimeoutError:
-        return False
-    return True
-
-
-def status(url: str) -> int:
-    return httpx.get(url, timeout=5).status_code
 
 
 def test_idle_sockets_past_the_api_limit_leave_the_probes_answering(tmp_path: Path) -> None:

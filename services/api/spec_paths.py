@@ -14,10 +14,11 @@ and see parts of it in the run's error message, so a spec sent over HTTP may nam
 
 Anything else (an absolute path elsewhere, `..`, `~`, backslashes, control characters) is a 422
 naming the field. Links inside the folder are followed: its contents are the operator's choice,
-never a client's. The other string options of the generation backend, and every string inside
-`generation.engine` (vLLM engine arguments, nested), may not look like a path that leaves the
-folder (absolute, `~`, `..`) either. Trackers write only into the run's own directory (their
-folders left out) or to an MLflow server.
+never a client's. The other string options of the generation backend may not look like a path
+that leaves the folder (absolute, `~`, `..`) either; `generation.engine` takes no path at all
+(its allowlist, services/generation/engine_args.py, holds no argument that names a file).
+Trackers write only into the run's own directory (their folders left out) or to an MLflow
+server.
 """
 
 from __future__ import annotations
@@ -80,12 +81,6 @@ def confined_spec(spec: RunSpec, inputs: Path) -> dict[str, Any]:
         elif isinstance(value, str) and _leaves_folder(value):
             message = "not a path option: it may not be absolute or hold '~', '..' or '\\'"
             errors.append(_error(loc, message))
-    for where, value in _string_leaves(("generation", "engine"), spec.generation.engine):
-        if _leaves_folder(value):
-            # Engine arguments name files too (tokenizer, download_dir, a draft model): none
-            # may leave the folder; relative ones are read where the engine runs.
-            message = "an engine argument may not be absolute or hold '~', '..' or '\\'"
-            errors.append(_error(where, message))
     errors.extend(_tracking_errors(spec))
     if errors:
         raise RequestValidationError(errors)
@@ -118,19 +113,6 @@ def _names_a_hub_model(model: str, inputs: Path) -> bool:
     """A hub id (`org/name`) that names no folder in `inputs`: downloaded into the cache, not
     read from the file system."""
     return is_hub_id(model) and not (inputs / model).is_dir()
-
-
-def _string_leaves(loc: tuple[str, ...], value: Any) -> list[tuple[tuple[str, ...], str]]:
-    """(location, string) of every string inside nested mappings and lists."""
-    if isinstance(value, str):
-        return [(loc, value)]
-    if isinstance(value, dict):
-        items: list[tuple[str, Any]] = [(str(key), item) for key, item in value.items()]
-    elif isinstance(value, list):
-        items = [(str(index), item) for index, item in enumerate(value)]
-    else:
-        return []
-    return [leaf for key, item in items for leaf in _string_leaves((*loc, key), item)]
 
 
 def confine_path(value: str, inputs: Path) -> str:

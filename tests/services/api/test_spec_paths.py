@@ -20,6 +20,7 @@ from services.spec import BUILTIN_MODELS, JsonlTask
 from services.tasks.models import resolve_model
 from tests.services.api.conftest import Api
 from tests.services.api.test_runs_api import TINY
+from tests.services.test_spec import CODE_LOADING_ENGINE_ARGUMENTS
 
 
 def inputs_of(tmp_path: Path) -> Path:
@@ -165,19 +166,32 @@ def test_local_run_files_keep_any_path() -> None:
     assert spec.model == "/opt/models/x" and spec.task.path == "/tmp/p.jsonl"
 
 
-@pytest.mark.parametrize("value", ["/etc/passwd", "../x", "~/x", "a\\b"])
-def test_no_string_nested_in_engine_arguments_may_leave_the_folder(api: Api, value: str) -> None:
-    engine = {"speculative_config": {"model": value, "num_speculative_tokens": 2}}
+@pytest.mark.parametrize(("argument", "value"), CODE_LOADING_ENGINE_ARGUMENTS.items())
+def test_an_engine_argument_that_loads_code_is_refused_naming_it(
+    api: Api, argument: str, value: Any
+) -> None:
+    engine = {"max_num_seqs": 64, argument: value}
+    body = spec_with(generation={"backend": "vllm", "group_size": 4, "engine": engine})
+    response = api.client.post("/v1/runs", json=body)
+    assert response.status_code == 422, response.text
+    (field,) = response.json()["error"]["fields"]
+    assert field["field"] == f"generation.engine.{argument}"
+    assert field["message"].startswith("not an engine argument a run may set")
+    assert api.launcher.submitted == []
+    allowed = {"max_num_seqs": 64, "compilation_config": {"mode": 0}, "kv_cache_dtype": "auto"}
+    ok = spec_with(generation={"backend": "vllm", "group_size": 4, "engine": allowed})
+    assert api.client.post("/v1/runs", json=ok).status_code == 201
+    assert api.launcher.submitted[-1]
+
+
+@pytest.mark.parametrize("value", ["/etc/passwd", "../x", "~/x"])
+def test_no_engine_argument_takes_a_path(api: Api, value: str) -> None:
+    engine = {"compilation_config": {"cudagraph_mode": value}}
     body = spec_with(generation={"backend": "vllm", "group_size": 4, "engine": engine})
     response = api.client.post("/v1/runs", json=body)
     assert response.status_code == 422
-    field = response.json()["error"]["fields"][0]
-    assert field["field"] == "generation.engine.speculative_config.model"
-    assert field["message"].startswith("an engine argument may not be absolute")
-    fine = {"compilation_config": {"level": 0}, "kv_cache_dtype": "auto", "tags": ["a", "b"]}
-    ok = spec_with(generation={"backend": "vllm", "group_size": 4, "engine": fine})
-    assert api.client.post("/v1/runs", json=ok).status_code == 201
-    assert api.launcher.submitted[-1]
+    fields = [f["field"] for f in response.json()["error"]["fields"]]
+    assert fields == ["generation.engine.compilation_config.cudagraph_mode"]
 
 
 @pytest.mark.parametrize(

@@ -121,7 +121,7 @@ def create_run(
     holds the absolute path). Absolute paths elsewhere, `..` and `~` are a 422.
     """
     run = store.create_run(
-        confined_spec(spec, inputs),
+        confined_spec(spec, inputs, settings.tracking_servers()),
         idempotency_key,
         max_active=settings.max_active_runs or None,
         idempotency_ttl_s=settings.idempotency_ttl_s,

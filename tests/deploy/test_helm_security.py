@@ -572,6 +572,17 @@ def test_reads_guarded_docs_off_and_runs_capped(rendered: dict[str, list[Manifes
     assert config["KPO_OPENAPI_DOCS"] == "false"
     assert config["KPO_MAX_ACTIVE_RUNS"] == "8"
     assert ApiSettings.model_validate(config).auth_reads is True
+    assert ApiSettings.model_validate(config).tracking_servers() == frozenset()
+
+
+def test_tracking_hosts_reach_the_control_plane(helm: str) -> None:
+    manifests = render(helm, sets=["controlPlane.trackingHosts={mlflow.internal:5000,mlflow.b}"])
+    config = one(manifests, "ConfigMap", CONTROL_PLANE)["data"]
+    assert config["KPO_TRACKING_HOSTS"] == "mlflow.internal:5000,mlflow.b"
+    servers = ApiSettings.model_validate(config).tracking_servers()
+    assert servers == {"mlflow.internal:5000", "mlflow.b"}
+    bad = helm_template(helm, sets=["controlPlane.trackingHosts={http://x/}"])
+    assert bad.returncode != 0 and "trackingHosts" in bad.stderr
 
 
 @pytest.mark.parametrize("values", CI_NAMES)

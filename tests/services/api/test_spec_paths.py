@@ -18,7 +18,7 @@ from services.pipeline.prompts import PromptStream
 from services.pipeline.specs import parse_run_spec
 from services.spec import BUILTIN_MODELS, JsonlTask
 from services.tasks.models import resolve_model
-from tests.services.api.conftest import Api
+from tests.services.api.conftest import Api, ApiFactory
 from tests.services.api.test_runs_api import TINY
 from tests.services.test_spec import CODE_LOADING_ENGINE_ARGUMENTS
 
@@ -209,5 +209,43 @@ def test_trackers_write_only_into_the_run_or_to_a_server(
     response = api.client.post("/v1/runs", json=spec_with(tracking=tracking))
     assert response.status_code == 422, response.text
     assert [f["field"] for f in response.json()["error"]["fields"]] == [field]
-    server = {"mlflow": {"tracking_uri": "https://mlflow.example:5000"}, "tensorboard": {}}
-    assert api.client.post("/v1/runs", json=spec_with(tracking=server)).status_code == 201
+
+
+@pytest.mark.parametrize(
+    ("uri", "why"),
+    [
+        ("http://169.254.169.254/", "169.254.169.254 is not one of the tracking servers"),
+        ("http://mlflow.example:8080", "mlflow.example is not one of the tracking servers"),
+        ("https://mlflow.internal.evil.example", "mlflow.internal.evil.example is not one"),
+        ("http://mlflow.internal@10.0.0.1/", "credentials do not go in the URI"),
+        ("http://[fd00::1]:5000", "[fd00::1] is not one of the tracking servers"),
+        ("http://mlflow.internal:x", "not a valid URL"),
+    ],
+)
+def test_a_tracking_server_outside_the_operators_list_is_refused(
+    api_factory: ApiFactory, uri: str, why: str
+) -> None:
+    with api_factory(KPO_TRACKING_HOSTS="MLflow.example:5000, mlflow.internal") as api:
+        refused = {"mlflow": {"tracking_uri": uri}}
+        response = api.client.post("/v1/runs", json=spec_with(tracking=refused))
+        assert response.status_code == 422, response.text
+        (error,) = response.json()["error"]["fields"]
+        assert error["field"] == "tracking.mlflow.tracking_uri"
+        assert why in error["message"]
+        assert api.launcher.submitted == []
+        for allowed in ("https://mlflow.example:5000", "http://MLFLOW.internal:80/api"):
+            server = {"mlflow": {"tracking_uri": allowed}, "tensorboard": {}}
+            response = api.client.post("/v1/runs", json=spec_with(tracking=server))
+            assert response.status_code == 201, response.text
+            assert response.json()["spec"]["tracking"]["mlflow"]["tracking_uri"] == allowed
+
+
+def test_without_tracking_hosts_no_tracking_server_may_be_named(api: Api) -> None:
+    server = {"mlflow": {"tracking_uri": "https://mlflow.example:5000"}}
+    response = api.client.post("/v1/runs", json=spec_with(tracking=server))
+    assert response.status_code == 422
+    (error,) = response.json()["error"]["fields"]
+    assert error["message"].endswith("allows: none (KPO_TRACKING_HOSTS is unset)")
+    # The operator's own default (MLFLOW_TRACKING_URI in the server's environment) still serves.
+    default = {"mlflow": {"experiment": "e"}}
+    assert api.client.post("/v1/runs", json=spec_with(tracking=default)).status_code == 201

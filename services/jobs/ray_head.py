@@ -49,6 +49,20 @@ REQUEST_TIMEOUT_S = 5.0
 UNUSABLE_PORT = "-1"
 
 
+# The environment of every Ray instance the project starts on one machine (the local head of
+# `kpo serve`, the instance of `kpo run`): Ray's Prometheus exporters listen on every interface
+# and answer without the token, and nothing of kpo reads them (its own metrics are the control
+# plane's /metrics and the run's metrics.jsonl). `RAY_enable_metrics_collection=0` turns off the
+# metrics agent's; it leaves two on, at fixed ports (44217, 44227): the autoscaler monitor's and
+# the dashboard's own. Ray has no switch for them; a port no socket accepts makes each fail to
+# start, which Ray logs once and runs on without.
+NO_METRICS_EXPORTERS: dict[str, str] = {
+    "RAY_enable_metrics_collection": "0",
+    "AUTOSCALER_METRIC_PORT": UNUSABLE_PORT,
+    "DASHBOARD_METRIC_PORT": UNUSABLE_PORT,
+}
+
+
 class HeadFileError(RuntimeError):
     """A file of the local head that is malformed, someone else's, or writable by others."""
 
@@ -217,14 +231,7 @@ class LocalRayHead:
             **os.environ,
             "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN_PATH": str(token_file),
-            # Ray's Prometheus exporters listen on every interface and answer without the token;
-            # nothing of kpo reads them (its own metrics are the control plane's /metrics).
-            "RAY_enable_metrics_collection": "0",
-            # That switch leaves two exporters on, at fixed ports (44217, 44227): the autoscaler
-            # monitor's and the dashboard's own. Ray has no switch for them; a port no socket
-            # accepts makes each fail to start, which Ray logs once and runs on without.
-            "AUTOSCALER_METRIC_PORT": UNUSABLE_PORT,
-            "DASHBOARD_METRIC_PORT": UNUSABLE_PORT,
+            **NO_METRICS_EXPORTERS,
         }
         # Not for the head (nor, through it, every job): Ray's address and auth settings of this
         # process, and the control plane's own secret.

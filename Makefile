@@ -51,7 +51,7 @@ test: system-deps lint typecheck
 test-vllm:
 	bash scripts/setup_vllm_venv.sh
 	.venv-vllm/bin/python -m pytest tests/services/generation/test_vllm_backend.py \
-		tests/services/generation/test_vllm_tools.py
+		tests/services/generation/test_vllm_tools.py tests/services/generation/test_vllm_engine_args.py
 
 # kpo_core inside verl and TRL (kpo_core/integrations), in their own virtualenv with both from
 # PyPI and the CPU build of torch (~1.7 GB): the integration modules are type-checked against

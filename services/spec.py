@@ -34,6 +34,7 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from kpo_core.config import AlgorithmConfig, StrictModel
+from services.generation.engine_args import engine_arg_errors
 from services.generation.registry import backend_names, backend_options
 from services.reward.registry import builtin_verifier_names
 from services.tasks.dataset_files import DatasetFormat
@@ -198,18 +199,6 @@ _OPTIONS_SET_ELSEWHERE: dict[str, str] = {
     "engine_kwargs": "generation.engine",
 }
 
-# vLLM engine arguments a run spec may not pass through `generation.engine`: the ones that run
-# code on the GPU nodes from wherever the model came from, and the ones the backend itself sets
-# (its weight loading and behaviour log-probs depend on them). Options it takes by name
-# (registry.backend_options) are refused there too, pointing to `generation.options`.
-_ENGINE_ARGS_REFUSED: dict[str, str] = {
-    "trust_remote_code": "it runs the model repository's own code on every GPU node",
-    "worker_cls": "it replaces the class vLLM runs on every GPU",
-    "worker_extension_cls": "the backend sets it (the class that loads new weights)",
-    "logprobs_mode": "the backend sets it (behaviour log-probs after temperature)",
-    "model": "the run's model is the spec's `model`",
-}
-
 # Values of the backend options that are counts, fractions or a kernel name. Which names each
 # backend takes is declared once, in services/generation/registry.py; this only bounds values,
 # by name (the same name means the same thing in every backend). Options not listed here (dtype,
@@ -313,7 +302,9 @@ class GenerationConfig(StrictModel):
     engine: dict[str, JsonValue] = Field(
         default_factory=dict,
         description="vllm only: further vLLM engine arguments (EngineArgs), passed through "
-        "unchanged, nested mappings included, e.g. {compilation_config: {level: 0}}",
+        "unchanged, nested mappings included, e.g. {compilation_config: {mode: 0}}; only the "
+        "memory, parallelism, caching, compilation and scheduling arguments listed in "
+        "docs/deploy.md are taken, each of vLLM's type",
     )
 
     @field_validator("options")
@@ -379,16 +370,12 @@ class GenerationConfig(StrictModel):
 
     @field_validator("engine")
     @classmethod
-    def _engine_leaves_the_backend_its_own(
-        cls, engine: dict[str, JsonValue]
-    ) -> dict[str, JsonValue]:
-        for name in engine:
-            if name in _ENGINE_ARGS_REFUSED:
-                raise ValueError(f"engine.{name} may not be set: {_ENGINE_ARGS_REFUSED[name]}")
-            if name in backend_options("vllm"):
-                raise ValueError(
-                    f"engine.{name} is a backend option: set generation.options.{name}"
-                )
+    def _engine_arguments_allowed(cls, engine: dict[str, JsonValue]) -> dict[str, JsonValue]:
+        # An allowlist (services/generation/engine_args.py): other arguments load code by name.
+        errors = engine_arg_errors(engine, backend_options("vllm"))
+        if errors:
+            # Raised as a ValidationError so each error's location is generation.engine.<name>.
+            raise ValidationError.from_exception_data("GenerationConfig.engine", errors)
         return engine
 
 

@@ -23,8 +23,18 @@ from services.api.deps import (
 )
 from services.api.spec_paths import confined_spec
 from services.api.sse import EventStreams, SlotResponse, run_events
+from services.jobs.interface import RunLauncher
 from services.spec import RunSpec
-from services.store import TERMINAL_STATUSES, InvalidTransition, RunRecord, RunStatus, Transition
+from services.store import (
+    TERMINAL_STATUSES,
+    InvalidTransition,
+    QuotaExceeded,
+    RunNotFound,
+    RunRecord,
+    RunStatus,
+    Store,
+    Transition,
+)
 from services.store.base import RUN_ID_PATTERN
 
 log = logging.getLogger(__name__)
@@ -114,18 +124,23 @@ def create_run(
 
     With an `Idempotency-Key`, sending the same key and body again returns the same run; the
     same key with another body is a 409. A key holds until its run has been finished for
-    `KPO_IDEMPOTENCY_TTL_S` (a day). While `KPO_MAX_ACTIVE_RUNS` runs are queued or running, a
-    new run is a 429 with `Retry-After` (a resend of a key still returns its run).
+    `KPO_IDEMPOTENCY_TTL_S` (a day). While `KPO_MAX_ACTIVE_RUNS` runs are queued or running, or
+    have a Ray job that has not ended yet (a cancelled run's included), a new run is a 429 with
+    `Retry-After` (a resend of a key still returns its run, unless Ray holds that many jobs of
+    finished runs).
 
     Paths (`model` unless built-in, `task.path`, `generation.options.tokenizer`) are read from
     the server's inputs folder, `KPO_DATA_DIR/inputs`: give them relative to it (the stored spec
     holds the absolute path). Absolute paths elsewhere, `..` and `~` are a 422.
     """
+    data = confined_spec(spec, inputs, settings.tracking_servers())
+    max_active = None
+    if settings.max_active_runs:
+        max_active = settings.max_active_runs - len(_lingering_jobs(store, launcher))
+        if max_active < 1:
+            raise QuotaExceeded(settings.max_active_runs)
     run = store.create_run(
-        confined_spec(spec, inputs),
-        idempotency_key,
-        max_active=settings.max_active_runs or None,
-        idempotency_ttl_s=settings.idempotency_ttl_s,
+        data, idempotency_key, max_active=max_active, idempotency_ttl_s=settings.idempotency_ttl_s
     )
     if run.status == RunStatus.QUEUED:
         try:
@@ -134,6 +149,28 @@ def create_run(
             # The run stays queued: the launcher's reconciler submits queued runs again.
             log.warning("could not launch %s yet: %s", run.id, error)
     return run
+
+
+def _lingering_jobs(store: Store, launcher: RunLauncher) -> set[str]:
+    """Runs finished in the store whose Ray job has not ended: a cancelled run's job that Ray
+    still holds (one stopped before its driver started stays queued until Ray places it). Each
+    holds a driver slot as an active run does, so the cap counts it: otherwise a loop of creates
+    and cancels would fill Ray's queue. Without Ray's job server, none is known (the store's
+    count alone holds, and the run waits queued for the reconciler)."""
+    try:
+        live = launcher.live_runs()
+    except Exception as error:
+        log.warning("could not list the Ray jobs for the cap on active runs: %s", error)
+        return set()
+    lingering = set()
+    for run_id in live:
+        try:
+            status = store.get_run(run_id).status
+        except RunNotFound:  # another control plane's run on the same cluster: its cap's
+            continue
+        if status in TERMINAL_STATUSES:
+            lingering.add(run_id)
+    return lingering
 
 
 @router.get("", response_model=RunPage, dependencies=[ReadAccess])

@@ -113,6 +113,12 @@ class ApiSettings(TokenSettings):
         validation_alias="KPO_ALLOWED_HOSTS",
         description="comma-separated Host header values the API answers (see `trusted_hosts`)",
     )
+    tracking_hosts: str = Field(
+        "",
+        validation_alias="KPO_TRACKING_HOSTS",
+        description="comma-separated tracking servers (host or host:port) a run sent over the "
+        "API may name; none by default",
+    )
     max_active_runs: int = Field(
         16, ge=0, validation_alias="KPO_MAX_ACTIVE_RUNS", description="queued + running; 0: no cap"
     )
@@ -207,6 +213,15 @@ class ApiSettings(TokenSettings):
                         "(e.g. 10.0.0.0/8)"
                     ) from None
         return tuple(networks)
+
+    def tracking_servers(self) -> frozenset[str]:
+        """The tracking servers (`host` or `host:port`, lowercase) that runs sent over the API
+        may log to: KPO_TRACKING_HOSTS. A tracker's credentials come from the server's
+        environment, so a client that could name any host could have them sent there (or have
+        the cluster call its cloud metadata address): only the operator's servers are allowed."""
+        return frozenset(
+            host.strip().lower() for host in self.tracking_hosts.split(",") if host.strip()
+        )
 
     def trusted_hosts(self, has_token: bool, bind_host: str) -> list[str]:
         """The Host header values the API answers (any other is a 400), against DNS rebinding.

@@ -14,10 +14,11 @@ and see parts of it in the run's error message, so a spec sent over HTTP may nam
 
 Anything else (an absolute path elsewhere, `..`, `~`, backslashes, control characters) is a 422
 naming the field. Links inside the folder are followed: its contents are the operator's choice,
-never a client's. The other string options of the generation backend, and every string inside
-`generation.engine` (vLLM engine arguments, nested), may not look like a path that leaves the
-folder (absolute, `~`, `..`) either. Trackers write only into the run's own directory (their
-folders left out) or to an MLflow server.
+never a client's. The other string options of the generation backend may not look like a path
+that leaves the folder (absolute, `~`, `..`) either; `generation.engine` takes no path at all
+(its allowlist, services/generation/engine_args.py, holds no argument that names a file).
+Trackers write only into the run's own directory (their folders left out) or to an MLflow
+server the operator allows (KPO_TRACKING_HOSTS).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import unicodedata
 from pathlib import Path, PurePosixPath
 from typing import Any
+from urllib.parse import urlsplit
 
 from fastapi.exceptions import RequestValidationError
 
@@ -49,10 +51,13 @@ def inputs_dir(data_dir: Path) -> Path:
     return Path(data_dir).expanduser().resolve() / INPUTS_DIR_NAME
 
 
-def confined_spec(spec: RunSpec, inputs: Path) -> dict[str, Any]:
+def confined_spec(
+    spec: RunSpec, inputs: Path, tracking_servers: frozenset[str] = frozenset()
+) -> dict[str, Any]:
     """`spec` as JSON, with each path made absolute inside `inputs`.
 
-    Raises RequestValidationError (a 422 naming each refused field) for a path outside it.
+    Raises RequestValidationError (a 422 naming each refused field) for a path outside it, or
+    a tracking server not in `tracking_servers` (`host` or `host:port`, lowercase).
     """
     data = spec.model_dump(mode="json")
     errors: list[dict[str, Any]] = []
@@ -81,21 +86,16 @@ def confined_spec(spec: RunSpec, inputs: Path) -> dict[str, Any]:
         elif isinstance(value, str) and _leaves_folder(value):
             message = "not a path option: it may not be absolute or hold '~', '..' or '\\'"
             errors.append(_error(loc, message))
-    for where, value in _string_leaves(("generation", "engine"), spec.generation.engine):
-        if _leaves_folder(value):
-            # Engine arguments name files too (tokenizer, download_dir, a draft model): none
-            # may leave the folder; relative ones are read where the engine runs.
-            message = "an engine argument may not be absolute or hold '~', '..' or '\\'"
-            errors.append(_error(where, message))
-    errors.extend(_tracking_errors(spec))
+    errors.extend(_tracking_errors(spec, tracking_servers))
     if errors:
         raise RequestValidationError(errors)
     return data
 
 
-def _tracking_errors(spec: RunSpec) -> list[dict[str, Any]]:
+def _tracking_errors(spec: RunSpec, servers: frozenset[str]) -> list[dict[str, Any]]:
     """Trackers write files: over the API only into the run's own directory (their default),
-    and MLflow only to a server, never to a file store the client names."""
+    and MLflow only to one of the operator's `servers`, never to a file store the client names
+    nor to another host (the tracker's credentials come from the server's environment)."""
     errors = []
     tracking = spec.tracking
     folders = {
@@ -109,29 +109,37 @@ def _tracking_errors(spec: RunSpec) -> list[dict[str, Any]]:
                 _error(loc, "leave it out over the API: the run writes it in its own directory")
             )
     uri = tracking.mlflow and tracking.mlflow.tracking_uri
-    if uri and not uri.startswith(("http://", "https://")):
-        message = "over the API an MLflow tracking URI is a server (http or https)"
-        errors.append(_error(("tracking", "mlflow", "tracking_uri"), message))
+    if uri:
+        refused = _refused_server(uri, servers)
+        if refused:
+            errors.append(_error(("tracking", "mlflow", "tracking_uri"), refused))
     return errors
+
+
+def _refused_server(uri: str, servers: frozenset[str]) -> str | None:
+    """Why the tracking server `uri` is refused over the API; None if it is one of `servers`."""
+    try:
+        parts = urlsplit(uri)
+        host, port = parts.hostname, parts.port
+    except ValueError as error:  # a port that is not a number, a bracket left open
+        return f"not a valid URL: {error}"
+    if parts.scheme not in ("http", "https") or not host:
+        return "over the API an MLflow tracking URI is a server (http or https)"
+    if parts.username is not None or parts.password is not None:
+        return "credentials do not go in the URI: the server's environment holds them"
+    # urlsplit lowercases the host and drops an IPv6 address's brackets; KPO_TRACKING_HOSTS
+    # writes them as a URL does.
+    name = f"[{host}]" if ":" in host else host
+    if name in servers or (port is not None and f"{name}:{port}" in servers):
+        return None
+    allowed = ", ".join(sorted(servers)) or "none (KPO_TRACKING_HOSTS is unset)"
+    return f"{name} is not one of the tracking servers the operator allows: {allowed}"
 
 
 def _names_a_hub_model(model: str, inputs: Path) -> bool:
     """A hub id (`org/name`) that names no folder in `inputs`: downloaded into the cache, not
     read from the file system."""
     return is_hub_id(model) and not (inputs / model).is_dir()
-
-
-def _string_leaves(loc: tuple[str, ...], value: Any) -> list[tuple[tuple[str, ...], str]]:
-    """(location, string) of every string inside nested mappings and lists."""
-    if isinstance(value, str):
-        return [(loc, value)]
-    if isinstance(value, dict):
-        items: list[tuple[str, Any]] = [(str(key), item) for key, item in value.items()]
-    elif isinstance(value, list):
-        items = [(str(index), item) for index, item in enumerate(value)]
-    else:
-        return []
-    return [leaf for key, item in items for leaf in _string_leaves((*loc, key), item)]
 
 
 def confine_path(value: str, inputs: Path) -> str:

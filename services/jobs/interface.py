@@ -20,6 +20,11 @@ class RunLauncher(Protocol):
     def stop(self, run_id: str) -> None:
         """Ask the run's job to stop (SIGTERM: the driver checkpoints and records `cancelled`)."""
 
+    def live_runs(self) -> set[str]:
+        """Ids of the runs that have a job Ray has not ended (pending, running or stopping),
+        whatever the store says of them: what the cap on active runs counts besides the store.
+        Raises when Ray's job server cannot be reached."""
+
     def ready(self) -> bool:
         """Whether Ray's job server answers (for /readyz)."""
 

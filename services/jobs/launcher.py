@@ -236,6 +236,17 @@ class RayJobLauncher:
                 return
             raise
 
+    def live_runs(self) -> set[str]:
+        """Ids of the runs with a job that has not ended on Ray. A job stopped before its driver
+        started stays pending until Ray places its supervisor (which then stops at once): Ray's
+        job server can neither delete a job that has not ended nor cancel a pending one, so such
+        a job counts until it has really gone."""
+        return {
+            run_id
+            for run_id, jobs in self.run_jobs().items()
+            if any(not job.status.is_terminal() for job in jobs.jobs)
+        }
+
     def ready(self) -> bool:
         return job_server_answers(self.dashboard_url, self.headers)
 

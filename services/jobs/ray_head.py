@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from services.local_ray import NO_METRICS_EXPORTERS
 from services.store.private_files import private_directory
 
 log = logging.getLogger(__name__)
@@ -47,8 +48,6 @@ LEGACY_HEAD_FILE = "ray-head.json"
 MIN_HEAD_CPUS = 4
 LOG_TAIL_LINES = 30
 REQUEST_TIMEOUT_S = 5.0
-# A port number no socket accepts (see `_start`: how Ray's fixed-port exporters are kept off).
-UNUSABLE_PORT = "-1"
 
 
 class HeadFileError(RuntimeError):
@@ -219,14 +218,7 @@ class LocalRayHead:
             **os.environ,
             "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN_PATH": str(token_file),
-            # Ray's Prometheus exporters listen on every interface and answer without the token;
-            # nothing of kpo reads them (its own metrics are the control plane's /metrics).
-            "RAY_enable_metrics_collection": "0",
-            # That switch leaves two exporters on, at fixed ports (44217, 44227): the autoscaler
-            # monitor's and the dashboard's own. Ray has no switch for them; a port no socket
-            # accepts makes each fail to start, which Ray logs once and runs on without.
-            "AUTOSCALER_METRIC_PORT": UNUSABLE_PORT,
-            "DASHBOARD_METRIC_PORT": UNUSABLE_PORT,
+            **NO_METRICS_EXPORTERS,
         }
         # Not for the head (nor, through it, every job): Ray's address and auth settings of this
         # process, and the control plane's own secret.

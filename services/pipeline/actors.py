@@ -19,6 +19,7 @@ import ray
 
 from services.generation.worker import GenerationWorker
 from services.learner.group import LearnerGroup, wait_all
+from services.local_ray import NO_METRICS_EXPORTERS
 from services.reward.actor import start_verifier_actor
 from services.spec import RunSpec
 from services.tools.rollout import SandboxTarget, ToolSettings
@@ -78,6 +79,18 @@ def connect_ray(spec: RunSpec) -> None:
     if address:
         ray.init(address=address, runtime_env={"env_vars": ACTOR_ENV})
         return
+    # What ray.init starts (the GCS, the raylet, their agents) inherits this environment.
+    # Ray's ports other than its exporters bind every interface, as for `kpo serve`'s head
+    # (services/jobs/ray_head.py): they run in token mode, Ray's default for a new local
+    # instance (its token in ~/.ray/auth_token, made if missing), which an inherited
+    # RAY_AUTH_MODE=disabled would turn off.
+    os.environ.update(NO_METRICS_EXPORTERS)
+    if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token":
+        log.warning(
+            "RAY_AUTH_MODE=%s ignored: a local Ray instance runs in token mode",
+            os.environ["RAY_AUTH_MODE"],
+        )
+        del os.environ["RAY_AUTH_MODE"]
     needs = resource_needs(spec)
     cpus = max(os.cpu_count() or 1, math.ceil(needs.cpus))
     ray.init(

@@ -47,8 +47,11 @@ def promtool() -> str:
 
 @pytest.fixture(scope="session")
 def rendered(helm: str) -> dict[str, list[Manifest]]:
-    """The chart's objects for each ci/*.yaml, by file name (rendered once per session)."""
-    return {path.name: render(helm, [path]) for path in CI_VALUES}
+    """The chart's objects for each ci/*.yaml, by file name (rendered once per session), with
+    the secrets the chart generates (`secrets.requireExisting=false`): the tests follow each
+    secret from its Secret to the processes that read it. test_helm_security.py renders every
+    ci/*.yaml with existing Secrets, the default, as well."""
+    return {path.name: render(helm, [path], secrets="generated") for path in CI_VALUES}
 
 
 @pytest.fixture(scope="session")

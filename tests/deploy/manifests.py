@@ -15,7 +15,7 @@ import subprocess
 from collections.abc import Iterator, Sequence
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jsonschema
 import kubernetes_validate
@@ -24,6 +24,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "kpo"
 CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
+# The names of the Secret docs/deploy.md has an install create first.
+EXISTING_SECRETS = Path(__file__).parent / "existing-secrets-values.yaml"
 SCHEMAS = Path(__file__).parent / "schemas"
 # The Kubernetes release objects are validated against (and `helm template --kube-version`).
 KUBERNETES_VERSION = "1.35.0"
@@ -39,12 +41,22 @@ CUSTOM_KINDS = {
 }
 
 Manifest = dict[str, Any]
+# Where a render's secrets come from (see helm_template).
+Secrets = Literal["existing", "generated", "chart"]
 
 
 def helm_template(
-    helm: str, values_files: Sequence[Path] = (), sets: Sequence[str] = ()
+    helm: str,
+    values_files: Sequence[Path] = (),
+    sets: Sequence[str] = (),
+    secrets: Secrets = "existing",
 ) -> subprocess.CompletedProcess[str]:
-    """`helm template` of the chart (not checked: callers look at the return code)."""
+    """`helm template` of the chart (not checked: callers look at the return code).
+
+    `secrets`: "existing", from the Secret an install creates first (EXISTING_SECRETS, before
+    `values_files`), as the chart requires by default; "generated", made by the chart
+    (`secrets.requireExisting=false`, what `helm install` can keep); "chart", neither (the
+    chart's own defaults, which refuse to render without the Secrets)."""
     command = [
         helm,
         "template",
@@ -55,6 +67,10 @@ def helm_template(
         "--kube-version",
         KUBERNETES_VERSION,
     ]
+    if secrets == "generated":
+        command += ["--set", "secrets.requireExisting=false"]
+    elif secrets == "existing":
+        command += ["--values", str(EXISTING_SECRETS)]
     for path in values_files:
         command += ["--values", str(path)]
     for assignment in sets:
@@ -63,10 +79,13 @@ def helm_template(
 
 
 def render(
-    helm: str, values_files: Sequence[Path] = (), sets: Sequence[str] = ()
+    helm: str,
+    values_files: Sequence[Path] = (),
+    sets: Sequence[str] = (),
+    secrets: Secrets = "existing",
 ) -> list[Manifest]:
     """The chart's objects for these values; fails the test with helm's message otherwise."""
-    result = helm_template(helm, values_files, sets)
+    result = helm_template(helm, values_files, sets, secrets)
     assert result.returncode == 0, f"helm template failed:\n{result.stderr}"
     return load_all(result.stdout)
 

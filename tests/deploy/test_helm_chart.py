@@ -34,6 +34,7 @@ from services.jobs.settings import JobSettings
 from tests.deploy.manifests import (
     CHART,
     CI_VALUES,
+    EXISTING_SECRETS,
     NAMESPACE,
     REPO,
     Manifest,
@@ -116,7 +117,10 @@ def test_ci_values_cover_the_main_combinations() -> None:
 @pytest.mark.parametrize("values", CI_NAMES)
 def test_helm_lint_strict(helm: str, values: str) -> None:
     result = subprocess.run(
-        [helm, "lint", "--strict", str(CHART), "--values", str(CHART / "ci" / values)],
+        [
+            *(helm, "lint", "--strict", str(CHART)),
+            *("--values", str(EXISTING_SECRETS), "--values", str(CHART / "ci" / values)),
+        ],
         capture_output=True,
         text=True,
         timeout=60,
@@ -1416,7 +1420,11 @@ REFUSED = {
         "set either redis.builtin.enabled=true or redis.external.url, not both",
     ),
     "external Redis without its Secret": (
-        ["redis.builtin.enabled=false", "redis.external.url=redis://host:6379/0"],
+        [
+            "redis.builtin.enabled=false",
+            "redis.external.url=redis://host:6379/0",
+            "redis.auth.existingSecret=",
+        ],
         "set redis.auth.existingSecret",
     ),
     "no Ray cluster and no address": (

@@ -48,7 +48,8 @@ ON = ["sandbox.enabled=true"]
 
 @pytest.fixture(scope="module")
 def sandbox_on(helm: str) -> list[Manifest]:
-    return render(helm, sets=ON)
+    # The token the chart generates: the tests follow it from its Secret to every reader.
+    return render(helm, sets=ON, secrets="generated")
 
 
 @pytest.fixture(scope="module")
@@ -316,24 +317,25 @@ def test_token_comes_from_a_secret_never_a_literal(sandbox_on: list[Manifest]) -
 def test_existing_token_secret_and_require_existing(helm: str) -> None:
     existing = ["apiToken.existingSecret=api", "redis.auth.existingSecret=redis"]
     existing += ["ray.auth.existingSecret=ray", "secrets.requireExisting=true"]
-    refused = helm_template(helm, sets=[*ON, *existing])
+    refused = helm_template(helm, sets=[*ON, *existing], secrets="chart")
     assert refused.returncode != 0
     assert "sandbox.token.existingSecret" in refused.stderr
     manifests = render(
         helm,
         sets=[*ON, *existing, "sandbox.token.existingSecret=mine", "sandbox.token.secretKey=k"],
+        secrets="chart",
     )
     assert named(manifests, "Secret") == []
     ref = env_of(container(manifests))["KPO_SANDBOX_TOKEN"]["valueFrom"]["secretKeyRef"]
     assert ref == {"name": "mine", "key": "k"}
     # Without the sandbox, requireExisting asks nothing more of it.
-    render(helm, sets=existing)
+    render(helm, sets=existing, secrets="chart")
 
 
 def test_clusters_without_user_namespaces_by_default_are_refused(helm: str) -> None:
     def at(version: str, *sets: str) -> subprocess.CompletedProcess[str]:
         command = [helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE]
-        command += ["--kube-version", version]
+        command += ["--kube-version", version, "--set", "secrets.requireExisting=false"]
         for assignment in sets:
             command += ["--set", assignment]
         return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)

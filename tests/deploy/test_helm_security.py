@@ -37,6 +37,9 @@ from services.jobs.ray_head import free_port
 from services.jobs.settings import JobSettings
 from tests.deploy.manifests import (
     CI_VALUES,
+    EXISTING_SECRETS,
+    NAMESPACE,
+    REPO,
     Manifest,
     autoscaler_pod,
     containers,
@@ -300,7 +303,7 @@ def test_redis_password_is_a_file_never_an_argument(helm: str, tmp_path: Path) -
     and arguments then wants the password, while its command line holds none."""
     server_binary = shutil.which("redis-server")
     assert server_binary, "redis-server is not on PATH: apt-get install redis-server"
-    manifests = render(helm)
+    manifests = render(helm, secrets="generated")
     conf, init, server = redis_parts(manifests)
     password = secret_value(manifests, REDIS_SECRET, "redis-password")
     assert server["args"] == ["/etc/redis/redis.conf"]
@@ -391,45 +394,61 @@ def test_redis_fsync_policy(helm: str) -> None:
 
 
 def test_require_existing_refuses_generated_secrets(helm: str) -> None:
-    """secrets.requireExisting fails the render, naming each value to set, until every secret
-    is an existing one; then the chart generates none."""
-    result = helm_template(helm, sets=["secrets.requireExisting=true"])
+    """By default (secrets.requireExisting) the chart refuses to render, naming each value to
+    set and the command that creates the Secret, until every secret is an existing one; then it
+    generates none and renders the same manifests every time."""
+    result = helm_template(helm, secrets="chart")
     assert result.returncode != 0
     assert (
         "secrets.requireExisting is true, so set apiToken.existingSecret, "
-        "redis.auth.existingSecret, ray.auth.existingSecret" in result.stderr
+        "redis.auth.existingSecret, ray.auth.existingSecret:" in result.stderr
     ), result.stderr
-    partial = helm_template(
-        helm, sets=["secrets.requireExisting=true", "apiToken.existingSecret=api"]
-    )
+    assert (
+        f"kubectl -n {NAMESPACE} create secret generic kpo-secrets "
+        '--from-literal=token="$(openssl rand -hex 32)"' in result.stderr
+    ), result.stderr
+    partial = helm_template(helm, sets=["apiToken.existingSecret=api"], secrets="chart")
     assert partial.returncode != 0
     assert "set redis.auth.existingSecret, ray.auth.existingSecret:" in partial.stderr
-    assert "apiToken.existingSecret" not in partial.stderr
-    existing = [
-        "secrets.requireExisting=true",
-        "apiToken.existingSecret=api",
-        "redis.auth.existingSecret=redis-credentials",
-        "ray.auth.existingSecret=ray-token",
-    ]
-    manifests = render(helm, sets=existing)
+    assert "apiToken.existingSecret," not in partial.stderr
+    # The values of the one command docs/deploy.md gives (tests/deploy/existing-secrets-values).
+    manifests = render(helm)
     assert not named(manifests, "Secret")
     for manifest in manifests:
         validate(manifest)
+    for path in CI_VALUES:
+        assert not named(render(helm, [path]), "Secret"), path.name
     # Two renders without the cluster are the same release: nothing random in them.
-    assert helm_template(helm, sets=existing).stdout == helm_template(helm, sets=existing).stdout
+    assert helm_template(helm).stdout == helm_template(helm).stdout
     # A secret the release does not use is not asked for.
-    assert (
-        helm_template(
-            helm,
-            sets=[
-                "secrets.requireExisting=true",
-                "apiToken.existingSecret=api",
-                "redis.auth.enabled=false",
-                "ray.auth.enabled=false",
-            ],
-        ).returncode
-        == 0
-    )
+    unused = ["apiToken.existingSecret=api", "redis.auth.enabled=false", "ray.auth.enabled=false"]
+    assert helm_template(helm, sets=unused, secrets="chart").returncode == 0
+    # Turned off, the chart generates them (and `helm upgrade` keeps them, through `lookup`).
+    generated = render(helm, secrets="generated")
+    assert {m["metadata"]["name"] for m in named(generated, "Secret")} == {
+        "kpo-api-token",
+        REDIS_SECRET,
+        RAY_AUTH_SECRET,
+    }
+
+
+def test_install_docs_create_the_secrets_the_chart_requires() -> None:
+    """docs/deploy.md's one command creates a Secret with each key the existing-secret values
+    name, and its values snippet names that Secret."""
+    docs = (REPO / "docs" / "deploy.md").read_text(encoding="utf-8")
+    start = docs.index("kubectl -n kpo create secret generic kpo-secrets")
+    lines = []
+    for line in docs[start:].splitlines():  # the command, with its continuation lines
+        lines.append(line)
+        if not line.endswith("\\"):
+            break
+    command = " ".join(lines)
+    keys = set(re.findall(r"--from-literal=([\w-]+)=", command))
+    values = yaml.safe_load(EXISTING_SECRETS.read_text(encoding="utf-8"))
+    assert keys == {"token", "redis-password", "auth_token"}
+    assert values["apiToken"]["existingSecret"] == "kpo-secrets"
+    assert values["redis"]["auth"]["existingSecret"] == "kpo-secrets"
+    assert values["ray"]["auth"]["existingSecret"] == "kpo-secrets"
 
 
 def checksums(manifests: list[Manifest]) -> dict[str, dict[str, str]]:
@@ -450,7 +469,7 @@ def test_checksums_roll_every_reader_of_a_secret(helm: str) -> None:
     """Redis, the control plane and every Ray pod carry the checksum of each secret they read:
     the same value on each, that of the Secret's content for a generated one (consistent within
     a render), of the Secret's name and key for an existing one."""
-    manifests = render(helm)
+    manifests = render(helm, secrets="generated")
     found = checksums(manifests)
     expected_keys = {
         f"Deployment/{CONTROL_PLANE}": {
@@ -572,6 +591,17 @@ def test_reads_guarded_docs_off_and_runs_capped(rendered: dict[str, list[Manifes
     assert config["KPO_OPENAPI_DOCS"] == "false"
     assert config["KPO_MAX_ACTIVE_RUNS"] == "8"
     assert ApiSettings.model_validate(config).auth_reads is True
+    assert ApiSettings.model_validate(config).tracking_servers() == frozenset()
+
+
+def test_tracking_hosts_reach_the_control_plane(helm: str) -> None:
+    manifests = render(helm, sets=["controlPlane.trackingHosts={mlflow.internal:5000,mlflow.b}"])
+    config = one(manifests, "ConfigMap", CONTROL_PLANE)["data"]
+    assert config["KPO_TRACKING_HOSTS"] == "mlflow.internal:5000,mlflow.b"
+    servers = ApiSettings.model_validate(config).tracking_servers()
+    assert servers == {"mlflow.internal:5000", "mlflow.b"}
+    bad = helm_template(helm, sets=["controlPlane.trackingHosts={http://x/}"])
+    assert bad.returncode != 0 and "trackingHosts" in bad.stderr
 
 
 @pytest.mark.parametrize("values", CI_NAMES)

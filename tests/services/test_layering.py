@@ -43,6 +43,7 @@ LAYERS: dict[str, frozenset[str]] = {
     "durable_files": may(),
     "host_memory": may(),
     "http_listener": may(),
+    "local_ray": may(),
     # Building blocks with no knowledge of a run.
     "store": may(),
     "tools": may("messages", "http_listener"),
@@ -73,6 +74,7 @@ LAYERS: dict[str, frozenset[str]] = {
         "metrics",
         "observers",
         "durable_files",
+        "local_ray",
         "store",
         "tools",
         "weights",
@@ -84,7 +86,7 @@ LAYERS: dict[str, frozenset[str]] = {
         "tracking",
     ),
     # The control plane: Ray jobs, then HTTP, then the command line over everything.
-    "jobs": may("services", "store"),
+    "jobs": may("services", "local_ray", "store"),
     "api": may(
         "kpo_core",
         "metrics",

@@ -350,28 +350,64 @@ def test_an_option_that_another_key_sets_names_that_key(option: str, key: str) -
     assert message == f"run.yaml: generation.options.{option}: not a backend option: set {key}"
 
 
-@pytest.mark.parametrize(
-    ("argument", "why"),
-    [
-        ("trust_remote_code", "it runs the model repository's own code on every GPU node"),
-        ("worker_extension_cls", "the backend sets it (the class that loads new weights)"),
-        ("logprobs_mode", "the backend sets it (behaviour log-probs after temperature)"),
-    ],
-)
-def test_engine_arguments_that_run_code_or_that_the_backend_sets_are_refused(
-    argument: str, why: str
+# Engine arguments that load code by qualified name or path, send data elsewhere, or read
+# secrets or other weights: none is on the allowlist (services/generation/engine_args.py).
+CODE_LOADING_ENGINE_ARGUMENTS: dict[str, Any] = {
+    "distributed_executor_backend": "evil.module:Executor",
+    "scheduler_cls": "evil.module:Scheduler",
+    "logits_processors": ["evil.module:Processor"],
+    "kv_transfer_config": {"kv_connector": "X", "kv_connector_module_path": "evil.module"},
+    "reasoning_parser_plugin": "plugins/parser.py",
+    "otlp_traces_endpoint": "http://collector.example:4317",
+    "hf_token": "hf_stolen",
+    "load_format": "tensorizer",
+    "worker_cls": "evil.module:Worker",
+    "worker_extension_cls": "evil.module:Extension",
+    "trust_remote_code": True,
+    "logprobs_mode": "raw_logprobs",
+    "model": "other/model",
+}
+
+
+@pytest.mark.parametrize(("argument", "value"), CODE_LOADING_ENGINE_ARGUMENTS.items())
+def test_an_engine_argument_off_the_allowlist_is_refused_naming_it(
+    argument: str, value: Any
 ) -> None:
-    message = run_spec_error({"generation": {"backend": "vllm", "engine": {argument: True}}})
-    assert (
-        message
-        == f"run.yaml: generation.engine: Value error, engine.{argument} may not be set: {why}"
-    )
+    message = run_spec_error({"generation": {"backend": "vllm", "engine": {argument: value}}})
+    assert message.startswith(
+        f"run.yaml: generation.engine.{argument}: not an engine argument a run may set; "
+        "those are: block_size, compilation_config, "
+    ), message
+
+
+def test_engine_argument_values_are_type_checked_nested_ones_included() -> None:
+    engine = {
+        "max_num_seqs": "64",
+        "enable_chunked_prefill": 1,
+        "kv_cache_dtype": "/etc/passwd",
+        "compilation_config": {"mode": 0, "backend": "evil.module:compile"},
+    }
+    lines = run_spec_error({"generation": {"backend": "vllm", "engine": engine}}).splitlines()
+    assert [line.split(": ")[1] for line in lines] == [
+        "generation.engine.max_num_seqs",
+        "generation.engine.enable_chunked_prefill",
+        "generation.engine.kv_cache_dtype",
+        "generation.engine.compilation_config.backend",
+    ]
 
 
 def test_an_engine_argument_that_is_a_backend_option_points_to_options() -> None:
     message = run_spec_error({"generation": {"backend": "vllm", "engine": {"max_model_len": 512}}})
-    assert "set generation.options.max_model_len" in message
-    engine = {"compilation_config": {"level": 0}, "max_num_seqs": 64}
+    assert message == (
+        "run.yaml: generation.engine.max_model_len: a backend option: "
+        "set generation.options.max_model_len"
+    )
+    engine = {
+        "compilation_config": {"mode": 0, "cudagraph_capture_sizes": [1, 2, 4]},
+        "max_num_seqs": 64,
+        "cpu_offload_gb": 4,
+        "scheduling_policy": "priority",
+    }
     spec = RunSpec.model_validate({"generation": {"backend": "vllm", "engine": engine}})
     assert spec.generation.engine == engine
 

@@ -690,7 +690,7 @@ generated ones and would make new ones each time.
 {{- if and .Values.ray.auth.enabled (not .Values.ray.auth.existingSecret) }}{{ $missing = append $missing "ray.auth.existingSecret" }}{{ end }}
 {{- if and .Values.sandbox.enabled (not .Values.sandbox.token.existingSecret) }}{{ $missing = append $missing "sandbox.token.existingSecret" }}{{ end }}
 {{- if $missing }}
-{{- fail (printf "secrets.requireExisting is true, so set %s: rendered without the cluster (helm template, Argo CD, Flux), the chart cannot read back the secrets it generates and would make new ones on every render" (join ", " $missing)) }}
+{{- fail (printf "secrets.requireExisting is true, so set %s: rendered without the cluster (helm template, Argo CD, Flux), the chart cannot read back the secrets it generates and would make new ones on every render. Create them first, e.g. kubectl -n %s create secret generic kpo-secrets --from-literal=token=\"$(openssl rand -hex 32)\" --from-literal=redis-password=\"$(openssl rand -hex 32)\" --from-literal=auth_token=\"$(openssl rand -hex 32)\", and set each of those values to kpo-secrets (docs/deploy.md, step 3); or set secrets.requireExisting=false to have the chart generate them" (join ", " $missing) .Release.Namespace) }}
 {{- end }}
 {{- end }}
 {{- end }}

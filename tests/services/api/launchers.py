@@ -26,6 +26,12 @@ class RecordingLauncher:
             raise ConnectionError("job server unreachable")
         self.stopped.append(run_id)
 
+    def live_runs(self) -> set[str]:
+        # A job of this double ends the moment it is stopped.
+        if not self.reachable:
+            raise ConnectionError("job server unreachable")
+        return set(self.submitted) - set(self.stopped)
+
     def ready(self) -> bool:
         return self.is_ready
 

@@ -19,8 +19,9 @@ from services.pipeline.specs import parse_run_spec
 from services.spec import JsonlTask
 from services.tasks.models import resolve_model
 from services.tasks.registry import BUILTIN_MODELS
-from tests.services.api.conftest import Api
+from tests.services.api.conftest import Api, ApiFactory
 from tests.services.api.test_runs_api import TINY
+from tests.services.test_spec import CODE_LOADING_ENGINE_ARGUMENTS
 
 
 def inputs_of(tmp_path: Path) -> Path:
@@ -166,19 +167,32 @@ def test_local_run_files_keep_any_path() -> None:
     assert spec.model == "/opt/models/x" and spec.task.path == "/tmp/p.jsonl"
 
 
-@pytest.mark.parametrize("value", ["/etc/passwd", "../x", "~/x", "a\\b"])
-def test_no_string_nested_in_engine_arguments_may_leave_the_folder(api: Api, value: str) -> None:
-    engine = {"speculative_config": {"model": value, "num_speculative_tokens": 2}}
+@pytest.mark.parametrize(("argument", "value"), CODE_LOADING_ENGINE_ARGUMENTS.items())
+def test_an_engine_argument_that_loads_code_is_refused_naming_it(
+    api: Api, argument: str, value: Any
+) -> None:
+    engine = {"max_num_seqs": 64, argument: value}
+    body = spec_with(generation={"backend": "vllm", "group_size": 4, "engine": engine})
+    response = api.client.post("/v1/runs", json=body)
+    assert response.status_code == 422, response.text
+    (field,) = response.json()["error"]["fields"]
+    assert field["field"] == f"generation.engine.{argument}"
+    assert field["message"].startswith("not an engine argument a run may set")
+    assert api.launcher.submitted == []
+    allowed = {"max_num_seqs": 64, "compilation_config": {"mode": 0}, "kv_cache_dtype": "auto"}
+    ok = spec_with(generation={"backend": "vllm", "group_size": 4, "engine": allowed})
+    assert api.client.post("/v1/runs", json=ok).status_code == 201
+    assert api.launcher.submitted[-1]
+
+
+@pytest.mark.parametrize("value", ["/etc/passwd", "../x", "~/x"])
+def test_no_engine_argument_takes_a_path(api: Api, value: str) -> None:
+    engine = {"compilation_config": {"cudagraph_mode": value}}
     body = spec_with(generation={"backend": "vllm", "group_size": 4, "engine": engine})
     response = api.client.post("/v1/runs", json=body)
     assert response.status_code == 422
-    field = response.json()["error"]["fields"][0]
-    assert field["field"] == "generation.engine.speculative_config.model"
-    assert field["message"].startswith("an engine argument may not be absolute")
-    fine = {"compilation_config": {"level": 0}, "kv_cache_dtype": "auto", "tags": ["a", "b"]}
-    ok = spec_with(generation={"backend": "vllm", "group_size": 4, "engine": fine})
-    assert api.client.post("/v1/runs", json=ok).status_code == 201
-    assert api.launcher.submitted[-1]
+    fields = [f["field"] for f in response.json()["error"]["fields"]]
+    assert fields == ["generation.engine.compilation_config.cudagraph_mode"]
 
 
 @pytest.mark.parametrize(
@@ -196,5 +210,43 @@ def test_trackers_write_only_into_the_run_or_to_a_server(
     response = api.client.post("/v1/runs", json=spec_with(tracking=tracking))
     assert response.status_code == 422, response.text
     assert [f["field"] for f in response.json()["error"]["fields"]] == [field]
-    server = {"mlflow": {"tracking_uri": "https://mlflow.example:5000"}, "tensorboard": {}}
-    assert api.client.post("/v1/runs", json=spec_with(tracking=server)).status_code == 201
+
+
+@pytest.mark.parametrize(
+    ("uri", "why"),
+    [
+        ("http://169.254.169.254/", "169.254.169.254 is not one of the tracking servers"),
+        ("http://mlflow.example:8080", "mlflow.example is not one of the tracking servers"),
+        ("https://mlflow.internal.evil.example", "mlflow.internal.evil.example is not one"),
+        ("http://mlflow.internal@10.0.0.1/", "credentials do not go in the URI"),
+        ("http://[fd00::1]:5000", "[fd00::1] is not one of the tracking servers"),
+        ("http://mlflow.internal:x", "not a valid URL"),
+    ],
+)
+def test_a_tracking_server_outside_the_operators_list_is_refused(
+    api_factory: ApiFactory, uri: str, why: str
+) -> None:
+    with api_factory(KPO_TRACKING_HOSTS="MLflow.example:5000, mlflow.internal") as api:
+        refused = {"mlflow": {"tracking_uri": uri}}
+        response = api.client.post("/v1/runs", json=spec_with(tracking=refused))
+        assert response.status_code == 422, response.text
+        (error,) = response.json()["error"]["fields"]
+        assert error["field"] == "tracking.mlflow.tracking_uri"
+        assert why in error["message"]
+        assert api.launcher.submitted == []
+        for allowed in ("https://mlflow.example:5000", "http://MLFLOW.internal:80/api"):
+            server = {"mlflow": {"tracking_uri": allowed}, "tensorboard": {}}
+            response = api.client.post("/v1/runs", json=spec_with(tracking=server))
+            assert response.status_code == 201, response.text
+            assert response.json()["spec"]["tracking"]["mlflow"]["tracking_uri"] == allowed
+
+
+def test_without_tracking_hosts_no_tracking_server_may_be_named(api: Api) -> None:
+    server = {"mlflow": {"tracking_uri": "https://mlflow.example:5000"}}
+    response = api.client.post("/v1/runs", json=spec_with(tracking=server))
+    assert response.status_code == 422
+    (error,) = response.json()["error"]["fields"]
+    assert error["message"].endswith("allows: none (KPO_TRACKING_HOSTS is unset)")
+    # The operator's own default (MLFLOW_TRACKING_URI in the server's environment) still serves.
+    default = {"mlflow": {"experiment": "e"}}
+    assert api.client.post("/v1/runs", json=spec_with(tracking=default)).status_code == 201

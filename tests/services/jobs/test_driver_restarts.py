@@ -53,6 +53,7 @@ from tests.services.jobs.ray_support import (
     tiny_run,
     wait_until,
 )
+from tests.services.listeners import http_answers_without_token, listening
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -431,22 +432,10 @@ def test_the_job_server_listens_on_loopback_only_and_no_port_serves_without_the_
                 daemons.add(process.pid)
         except (ProcessLookupError, psutil.NoSuchProcess):
             continue
-    listening = [
-        c
-        for c in psutil.net_connections("tcp")
-        if c.status == psutil.CONN_LISTEN and c.pid in daemons
-    ]
+    sockets = listening(daemons)
     job_server = urlsplit(head.info.dashboard_url).port
-    assert {c.laddr.ip for c in listening if c.laddr.port == job_server} == {"127.0.0.1"}
+    assert {c.laddr.ip for c in sockets if c.laddr.port == job_server} == {"127.0.0.1"}
     # Ray binds its other ports beyond loopback (see LocalRayHead): none of them may answer an
     # HTTP client without the token. (Ray's gRPC ports do not speak HTTP/1.1 at all.)
-    answered = {}
-    for connection in listening:
-        ip = connection.laddr.ip.removeprefix("::ffff:")
-        host = "127.0.0.1" if ip in ("0.0.0.0", "::") else f"[{ip}]" if ":" in ip else ip
-        try:
-            response = httpx.get(f"http://{host}:{connection.laddr.port}/metrics", timeout=5)
-        except httpx.HTTPError:
-            continue
-        answered[connection.laddr.port] = response.status_code
+    answered = http_answers_without_token(sockets)
     assert answered and set(answered.values()) <= {401, 403}, answered

@@ -33,11 +33,11 @@ MODEL_DIR = Path("/models/qwen")
 ENGINE = {
     "compilation_config": {
         "max_cudagraph_capture_size": 64,
-        "pass_config": {"fuse_norm_quant": False},
+        "cudagraph_capture_sizes": [1, 2, 4, 8],
     },
-    "limit_mm_per_prompt": {"image": 0},
+    "kv_cache_dtype": "fp8",
     "max_num_seqs": 128,
-    "override_generation_config": {"stop_token_ids": [2, 7]},
+    "cpu_offload_gb": 2.5,
 }
 
 

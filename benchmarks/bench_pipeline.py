@@ -30,6 +30,7 @@ import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import print_table
+from checkpoint_hold import checkpoint_hold
 
 from services.observers import MetricsRecord
 from services.pipeline.actors import connect_ray
@@ -90,10 +91,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--long-tail", action="store_true", help="difficulties 1-5 mixed")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument(
+        "--checkpoints", type=int, default=0, help="also time the learner held per checkpoint"
+    )
     args = parser.parse_args(argv)
     if "sync" not in args.modes:
         parser.error("--modes must include sync: every ratio is against it")
     base = load_run_spec(args.config, args.overrides)
+    if args.checkpoints:
+        checkpoint_hold(base, args.checkpoints)
     connect_ray(base)
     rows, rates = [], {}
     for mode in args.modes:

@@ -486,6 +486,15 @@ class LearnerConfig(StrictModel):
     world_size: int = Field(
         1, ge=1, le=MAX_ACTORS, description="learner ranks (fsdp2), one per GPU"
     )
+    # Loading an 8B model's weights and AdamW state (~100 GB over the ranks) from network
+    # storage takes minutes; a rank still silent after this is hung, not slow.
+    resume_timeout_s: float = Field(
+        900.0,
+        gt=0.0,
+        le=86_400.0,
+        description="seconds every rank has to load a checkpoint on resume; a rank that has not "
+        "answered by then fails the run with its rank named",
+    )
     micro_batch_tokens: int = Field(
         0,
         ge=0,

@@ -18,6 +18,7 @@ rank `send_weights` while the generation workers receive.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,12 +33,31 @@ from services.spec import RunSpec
 log = logging.getLogger(__name__)
 
 
-def wait_all(refs: list[Any]) -> list[Any]:
-    """The results of `refs`, in order; the first failure is raised as soon as it happens
-    (`ray.get(refs)` would first wait on a rank stuck in a collective with a dead one)."""
+class LearnerRanksSilent(RuntimeError):
+    """Learner ranks that did not answer a call within its deadline."""
+
+    def __init__(self, what: str, ranks: list[int], timeout_s: float) -> None:
+        self.ranks = ranks
+        names = ", ".join(str(rank) for rank in ranks)
+        super().__init__(
+            f"learner rank{'s' if len(ranks) > 1 else ''} {names} did not answer {what} "
+            f"within {timeout_s:g} s (hung, or waiting in a collective for a rank that is)"
+        )
+
+
+def wait_all(refs: list[Any], timeout_s: float | None = None, what: str = "") -> list[Any]:
+    """The results of `refs` (one per rank, in rank order); the first failure is raised as soon
+    as it happens (`ray.get(refs)` would first wait on a rank stuck in a collective with a dead
+    one). With `timeout_s`, ranks still silent at the deadline raise LearnerRanksSilent."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     pending = list(refs)
     while pending:
-        ready, pending = ray.wait(pending, num_returns=1)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if not ready:
+            assert timeout_s is not None  # ray.wait returns empty-handed only on a timeout
+            silent = [rank for rank, ref in enumerate(refs) if ref in pending]
+            raise LearnerRanksSilent(what or "the call", silent, timeout_s)
         ray.get(ready)
     return list(ray.get(refs))
 
@@ -66,6 +86,7 @@ class LearnerGroup:
         if learner.world_size > 1:
             self.placement = placement_group([dict(bundle)] * learner.world_size, "PACK")
         self.ranks: list[Any] = []
+        self.resume_timeout_s = learner.resume_timeout_s
         # KPO's `reference_length: auto` is the run's response limit.
         algorithm = spec.algorithm.with_response_length(spec.generation.max_new_tokens)
         for rank in range(learner.world_size):
@@ -99,9 +120,10 @@ class LearnerGroup:
     def _all(self, method: str, *args: Any) -> list[Any]:
         return [getattr(rank, method).remote(*args) for rank in self.ranks]
 
-    def call(self, method: str, *args: Any) -> Any:
-        """Call `method` on every rank, wait for all, return rank 0's result."""
-        return wait_all(self._all(method, *args))[0]
+    def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        """Call `method` on every rank, wait for all (at most `timeout_s`: then
+        LearnerRanksSilent names the ranks that did not answer), return rank 0's result."""
+        return wait_all(self._all(method, *args), timeout_s, method)[0]
 
     def step(self, batch: list[ScoredGroup]) -> StepRefs:
         """One step on every rank (the batch is put into the object store once)."""
@@ -135,7 +157,7 @@ class LearnerGroup:
         self.call("save_checkpoint", path)
 
     def load_checkpoint(self, path: str) -> int:
-        version: int = self.call("load_checkpoint", path)
+        version: int = self.call("load_checkpoint", path, timeout_s=self.resume_timeout_s)
         return version
 
     def export(self, learner_dir: str, out_dir: str) -> str:

@@ -1,30 +1,44 @@
 """Checkpoints written beside the event loop, so generation and scoring go on meanwhile.
 
 The driver's state is captured when the checkpoint is started (at a step boundary, the learner
-idle); the learner's ranks then write their part and a thread hashes, flushes and renames the
-directory into place. Writing a checkpoint of a large model takes minutes (tens of GB to hash
-and fsync): the loop only polls `done`, and the learner takes no step until it is written.
+idle); the learner's ranks then write their part, and only that holds the learner. The same
+thread then hashes the files once, writes the manifest, flushes and renames the directory into
+place while the learner takes its next steps: for a large model that is tens of GB to hash and
+fsync, minutes the learner no longer waits. The loop only polls `holds_learner` and `done`.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from services.pipeline.checkpoints import prune_checkpoints, write_checkpoint
+from services.pipeline.checkpoints import (
+    LEARNER_DIR,
+    begin_checkpoint,
+    finish_checkpoint,
+    prune_checkpoints,
+)
 
 log = logging.getLogger(__name__)
 
 
 class CheckpointWriter:
-    """At most one checkpoint in flight; `result` re-raises what writing it raised."""
+    """At most one checkpoint in flight; `result` re-raises what writing it raised.
 
-    def __init__(self) -> None:
+    `hold_learner_until_written` keeps the learner held until the checkpoint is complete
+    (hashed, flushed, renamed): the behaviour before the learner was released early, kept as
+    the benchmark's baseline.
+    """
+
+    def __init__(self, hold_learner_until_written: bool = False) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kpo-checkpoint")
         self._future: Future[int] | None = None
+        self._learner_written = threading.Event()
+        self._hold_until_written = hold_learner_until_written
 
     @property
     def busy(self) -> bool:
@@ -34,20 +48,31 @@ class CheckpointWriter:
     def done(self) -> bool:
         return self._future is not None and self._future.done()
 
+    @property
+    def holds_learner(self) -> bool:
+        """The checkpoint in flight still needs the learner (its ranks are writing their part)."""
+        if self._future is None or self._future.done():
+            return False
+        return self._hold_until_written or not self._learner_written.is_set()
+
     def start(
         self,
         root: Path,
         step: int,
         driver_state: dict[str, Any],
-        write_learner: Callable[[Path], None],
+        write_learner: Callable[[Path], object],
         keep: int,
     ) -> None:
         """Write checkpoint `step` under `root` in the background (`driver_state` is final)."""
         if self._future is not None:
             raise RuntimeError("a checkpoint is being written already")
+        self._learner_written.clear()
 
         def write() -> int:
-            write_checkpoint(root, step, driver_state, write_learner)
+            tmp = begin_checkpoint(root, step)
+            write_learner(tmp / LEARNER_DIR)
+            self._learner_written.set()
+            finish_checkpoint(root, step, tmp, driver_state)
             prune_checkpoints(root, keep)
             return step
 

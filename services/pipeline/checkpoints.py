@@ -9,6 +9,11 @@ Everything is written into a hidden temporary directory, flushed to disk (fsync)
 into place at the end, so a crash or power loss mid-write leaves no directory that looks
 complete; a checkpoint whose files do not match its manifest (missing, truncated, or with
 changed bytes) is skipped with a message, falling back to the previous one.
+
+Every byte is hashed once, by the thread that writes the checkpoint: the driver's state as it is
+written, the learner's files once its ranks have written them. A finished run exports the
+checkpoint it just wrote on those digests; files are hashed again only to load a checkpoint
+(`verify_checkpoint`: resume, export of an earlier run), where a damaged one must be caught.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -44,40 +50,78 @@ def _files(directory: Path) -> dict[str, Path]:
     }
 
 
+class HashTally:
+    """Bytes this process has SHA-256-hashed for checkpoints (a written checkpoint's once)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bytes = 0
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
+    def add(self, count: int) -> None:
+        with self._lock:
+            self._bytes += count
+
+
+HASHED = HashTally()
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
             digest.update(chunk)
+            HASHED.add(len(chunk))
     return digest.hexdigest()
+
+
+def _write_hashed(path: Path, data: bytes) -> dict[str, Any]:
+    """Write `data` to `path`; its manifest entry, hashed from the bytes in memory."""
+    path.write_bytes(data)
+    HASHED.add(len(data))
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def begin_checkpoint(root: Path, step: int) -> Path:
+    """The empty hidden directory checkpoint `step` is written into (see `finish_checkpoint`)."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{checkpoint_name(step)}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
+def finish_checkpoint(root: Path, step: int, tmp: Path, driver_state: dict[str, Any]) -> Path:
+    """Complete checkpoint `step` from `tmp` (its learner part written): the driver's state,
+    the manifest of every file's size and digest, flushed and renamed into place."""
+    files = {DRIVER_STATE: _write_hashed(tmp / DRIVER_STATE, json.dumps(driver_state).encode())}
+    for name, path in _files(tmp).items():
+        if name not in files:  # the learner's files, written by its ranks
+            files[name] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    manifest = {"step": step, "files": dict(sorted(files.items()))}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+    sync_tree(tmp)
+    final = root / checkpoint_name(step)
+    if final.exists():  # a checkpoint of the same step from an earlier, interrupted attempt
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_path(root)
+    return final
 
 
 def write_checkpoint(
     root: Path,
     step: int,
     driver_state: dict[str, Any],
-    write_learner: Callable[[Path], None],
+    write_learner: Callable[[Path], object],
 ) -> Path:
     """Write checkpoint `step` under `root` atomically; `write_learner(dir)` fills `learner/`."""
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / checkpoint_name(step)
-    tmp = root / f".tmp-{checkpoint_name(step)}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = begin_checkpoint(root, step)
     write_learner(tmp / LEARNER_DIR)
-    (tmp / DRIVER_STATE).write_text(json.dumps(driver_state), encoding="utf-8")
-    files = {
-        name: {"size": path.stat().st_size, "sha256": _sha256(path)}
-        for name, path in _files(tmp).items()
-    }
-    manifest = {"step": step, "files": files}
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
-    sync_tree(tmp)
-    if final.exists():  # a checkpoint of the same step from an earlier, interrupted attempt
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    fsync_path(root)
-    return final
+    return finish_checkpoint(root, step, tmp, driver_state)
 
 
 def verify_checkpoint(path: Path) -> str | None:

@@ -54,7 +54,12 @@ from services.observers import MetricsRecord, RunObserver, RunState
 from services.pipeline.actors import RunActors, check_cluster_resources, start_actors
 from services.pipeline.buffer import RolloutBuffer
 from services.pipeline.checkpoint_writer import CheckpointWriter
-from services.pipeline.checkpoints import LEARNER_DIR, latest_checkpoint, read_driver_state
+from services.pipeline.checkpoints import (
+    LEARNER_DIR,
+    checkpoint_name,
+    latest_checkpoint,
+    read_driver_state,
+)
 from services.pipeline.curves import CurveDrawer
 from services.pipeline.evaluation import Evaluator
 from services.pipeline.held_out import held_out_prompts
@@ -217,6 +222,7 @@ class RunDriver:
         self._checkpoints = CheckpointWriter()
         self._curves = CurveDrawer(run_dir.path, spec.name)
         self._held_record: MetricsRecord | None = None  # waits for its step's checkpoint
+        self._records_after_checkpoint: list[MetricsRecord] = []  # steps taken while it is
         self.supervisor = ActorSupervisor(
             spec,
             lambda: self.counters,
@@ -374,6 +380,7 @@ class RunDriver:
         actors.kill()
         self._pending.clear()
         self._held_record = None
+        self._records_after_checkpoint.clear()
         self.weights.reset()
         if self.evals is not None:
             self.evals.reset()
@@ -419,9 +426,12 @@ class RunDriver:
     # --- the loop ---------------------------------------------------------------------------
 
     def _learner_busy(self) -> bool:
-        """The learner is stepping, sending weights, or its checkpoint is being written."""
+        """The learner is stepping, sending weights, or writing its part of a checkpoint (a
+        checkpoint still being hashed and flushed holds it only before the next checkpoint)."""
+        every = self.spec.pipeline.checkpoint_every
         return (
-            self._checkpoints.busy
+            self._checkpoints.holds_learner
+            or (self._checkpoints.busy and bool(every) and (self.counters.step + 1) % every == 0)
             or self.weights.sending
             or any(isinstance(call, LearnerCall) for call in self._pending.values())
         )
@@ -709,6 +719,8 @@ class RunDriver:
             # cancelled.
             self._held_record = record
             self._start_checkpoint(actors)
+        elif self._checkpoints.busy:  # records go out in step order
+            self._records_after_checkpoint.append(record)
         else:
             self._emit(record)
 
@@ -764,6 +776,9 @@ class RunDriver:
         if self._held_record is not None:
             record, self._held_record = self._held_record, None
             self._emit(record)
+        for record in self._records_after_checkpoint:
+            self._emit(record)
+        self._records_after_checkpoint.clear()
         self._curves.redraw()  # as often as the run is checkpointed
 
     def _checkpoint_now(self, actors: RunActors) -> None:
@@ -777,10 +792,12 @@ class RunDriver:
         """Final checkpoint (the last step, or where a cancel stopped the run), exported as a
         Hugging Face model to `RUN_DIR/model/`; then the final evaluation, with `eval`."""
         self._checkpoint_now(actors)
-        found = latest_checkpoint(self.run_dir.checkpoints)
-        if found is not None:
-            out = actors.learner.export(str(found[1] / LEARNER_DIR), str(self.run_dir.model))
-            log.info("policy of step %d exported to %s", found[0], out)
+        # Written (and hashed) by this run or verified when it resumed: not hashed again.
+        step = self._last_checkpoint_step
+        if step >= 0:
+            learner_dir = self.run_dir.checkpoints / checkpoint_name(step) / LEARNER_DIR
+            out = actors.learner.export(str(learner_dir), str(self.run_dir.model))
+            log.info("policy of step %d exported to %s", step, out)
         if self.evals is not None and not self._cancel:
             self._deliver_all(actors)  # the final evaluation samples the last step's policy
             self._final_eval = self.evals.run_final(

@@ -617,6 +617,7 @@ class LearnerCore:
             behaviour_logp=part.behaviour_logp,
             correction=algorithm.off_policy,
             nonfinite=self.learner.nonfinite,
+            token_versions=part.batch.token_versions,
         )
         mode = algorithm.resolved_loss_agg_mode
         loss = aggregate_loss(

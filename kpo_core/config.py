@@ -237,6 +237,12 @@ class OffPolicyCorrection(StrictModel):
     """
 
     level: Literal["token", "sequence", "sequence-mean"] = "token"
+    truncated_sampling: Literal["refuse", "allow"] = Field(
+        "refuse",
+        description="training rollouts sampled with top-p < 1 or top-k > 0: refuse (the "
+        "learner's log-probs are of the full softmax, so every ratio would be biased) or allow "
+        "(a declared choice, recorded with the run)",
+    )
     tis_cap: float | None = Field(None, gt=0.0)
     mis_low: float | None = Field(None, ge=0.0)
     mis_high: float | None = Field(None, gt=0.0)

@@ -53,7 +53,11 @@ from kpo_core.ratios import (
 )
 
 NonFinitePolicy = Literal["raise", "mask"]
-_CORRECTION_OPTIONS = frozenset(OffPolicyCorrection.model_fields) - {"level"} | {"tis_level"}
+# truncated_sampling is a rule of the run's sampling, not an option of the loss.
+_CORRECTION_OPTIONS = frozenset(OffPolicyCorrection.model_fields) - {
+    "level",
+    "truncated_sampling",
+} | {"tis_level"}
 
 
 class NonFiniteInputError(ValueError):

@@ -284,13 +284,38 @@ class AlgorithmConfig(StrictModel):
     def resolved_loss_agg_mode(self) -> LossAggMode:
         return self.loss_agg_mode or self.estimator.default_loss_agg_mode
 
-    def with_response_length(self, max_new_tokens: int) -> AlgorithmConfig:
+    def with_response_length(
+        self, max_new_tokens: int | None, setting: str = "generation.max_new_tokens"
+    ) -> AlgorithmConfig:
         """This config with settings that follow the response length (KPO's
-        `reference_length: auto`) resolved to `max_new_tokens`."""
-        if not isinstance(self.estimator, KalmanEstimator):
+        `reference_length: auto`) resolved to `max_new_tokens` (`resolve_reference_length`)."""
+        estimator = resolve_reference_length(self.estimator, max_new_tokens, setting)
+        if estimator is self.estimator:
             return self
-        estimator = self.estimator.with_response_length(max_new_tokens)
         return self.model_copy(update={"estimator": estimator})
+
+
+def resolve_reference_length(
+    estimator: EstimatorConfig, max_response_tokens: int | None, setting: str
+) -> EstimatorConfig:
+    """The estimator with KPO's `reference_length: auto` resolved to the run's response limit:
+    the one resolver of it, for the pipeline, `LearnerCore` and the framework integrations.
+
+    `setting` names where the limit comes from (`generation.max_new_tokens`, verl's
+    `response_length`, TRL's `max_completion_length`), for the error when it is not known: an
+    unresolved `auto` would fall back to the paper's 4,096-token constants, which barely filter
+    short responses, so it is refused rather than guessed (never from a batch's padded width,
+    which would make the loss depend on padding).
+    """
+    if not isinstance(estimator, KalmanEstimator) or estimator.reference_length != "auto":
+        return estimator
+    if max_response_tokens is None:
+        raise ValueError(
+            f"reference_length: auto matches KPO's constants to the response limit, but "
+            f"{setting} is not set: set it, or give reference_length a length (or null for "
+            "the paper's 4,096-token constants)"
+        )
+    return estimator.with_response_length(max_response_tokens)
 
 
 def describe_validation_error(

@@ -66,7 +66,7 @@ class LearnerGroup:
         if learner.world_size > 1:
             self.placement = placement_group([dict(bundle)] * learner.world_size, "PACK")
         self.ranks: list[Any] = []
-        # KPO's `reference_length: auto` is the run's response limit.
+        # KPO's `reference_length: auto` is the run's response limit (`LearnerCore` checks).
         algorithm = spec.algorithm.with_response_length(spec.generation.max_new_tokens)
         for rank in range(learner.world_size):
             options: dict[str, Any] = {

@@ -294,6 +294,8 @@ class LearnerCore:
         num_threads: int | None = None,
         ratio_dir: str | Path | None = None,
         group: RankGroup | None = None,
+        *,
+        response_length: int | None = None,
     ) -> None:
         """Load the model and tokenizer from `model_path`; version 0 is those weights.
 
@@ -302,6 +304,9 @@ class LearnerCore:
         torch.set_num_threads (a process-wide setting); `ratio_dir` receives the log-ratio
         files of `learner.record_ratios_every` (`ratio_file`). `group`: this rank's place in a
         learner group whose process group is joined already (default: a group of one).
+        `response_length`: the run's response limit (generation.max_new_tokens), which KPO's
+        `reference_length: auto` resolves to; it may be None only when `algorithm` needs no
+        length (resolved already, as the learner group hands it, or another setting).
         """
         if not temperature > 0:
             raise ValueError(
@@ -309,6 +314,7 @@ class LearnerCore:
             )
         if num_threads is not None:
             torch.set_num_threads(num_threads)
+        algorithm = algorithm.with_response_length(response_length)
         self.learner, self.algorithm, self.temperature = learner, algorithm, temperature
         self.group = group or RankGroup()
         self.model_path = str(model_path)

@@ -203,6 +203,7 @@ class RatioLog:
                     "mask": mask,
                     "row": part.rows,
                     "staleness": part.batch.staleness,
+                    "token_versions": self._pad(part.batch.token_versions, 0),
                     "advantage": part.advantages.detach().float(),
                     "minibatch": torch.full((part.batch.num_rows,), minibatch, device=mask.device),
                 }
@@ -256,7 +257,7 @@ class RatioLog:
         partial.replace(path)
 
 
-RATIO_FILE_ROWS = ("log_ratio", "mask", "row", "staleness", "advantage")
+RATIO_FILE_ROWS = ("log_ratio", "mask", "row", "staleness", "advantage", "token_versions")
 
 
 def ratio_file(ratio_dir: Path, version: int) -> Path:
@@ -265,8 +266,9 @@ def ratio_file(ratio_dir: Path, version: int) -> Path:
     The file (named after the step, version + 1) is a torch dict of the first epoch's rows in
     minibatch order, rows ascending within a minibatch: log_ratio [N, T] float32 (log of the raw
     ratio, z clamped to +-20, 0 off the mask), mask [N, T] bool, row [N] (the row's index in the
-    step's batch), staleness [N], advantage [N], minibatch [N]; and version (the weights the step
-    started from).
+    step's batch), staleness [N], advantage [N], minibatch [N], token_versions [N, T] int64 (the
+    policy version that sampled each token, 0 off the mask: where in-flight updates switched
+    the sampler); and version (the weights the step started from).
     """
     return ratio_dir / f"step-{version + 1:06d}.pt"
 

@@ -50,7 +50,7 @@ def test_the_grid_has_the_pilot_and_every_arm_under_each_setting() -> None:
     keys = [c.key for s in SETTINGS for c in arm_cells(s)]
     assert len(set(keys)) == len(keys) == len(ARMS) * len(SETTINGS)
     names = {m.estimator["name"] for m in ARMS}
-    assert names == {"token", "sequence", "cumulative", "kalman"}
+    assert names == {"token", "sequence", "cumulative", "geometric", "kalman"}
     # The KPO arms pin the paper's constants, so that a change of defaults cannot move them.
     for method in ARMS:
         if method.estimator["name"] == "kalman":
@@ -62,7 +62,8 @@ def test_the_grid_has_the_pilot_and_every_arm_under_each_setting() -> None:
 
 def test_cell_specs_apply_the_arm_and_the_settings_overrides() -> None:
     base = load_run_spec(STUDY_CONFIG)
-    stressed = cell_spec(base, Cell(ARMS[4], STRESSES[0]), seed=2)  # kpo-matched, lr 3e-4
+    matched = next(m for m in ARMS if m.key == "kpo-matched")
+    stressed = cell_spec(base, Cell(matched, STRESSES[0]), seed=2)  # lr 3e-4
     assert stressed.seed == 2 and stressed.learner.lr == 3e-4
     assert (stressed.pipeline.mode, stressed.pipeline.max_staleness) == ("async", 8)
     assert stressed.pipeline.lead_batches == 8

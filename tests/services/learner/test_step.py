@@ -282,7 +282,16 @@ def test_a_zero_temperature_is_refused(tiny_model_dir: Path) -> None:
         LearnerCore(tiny_model_dir, LearnerConfig(), AlgorithmConfig(), temperature=0.0)
 
 
-RATIO_KEYS = {"log_ratio", "mask", "row", "staleness", "advantage", "minibatch", "version"}
+RATIO_KEYS = {
+    "log_ratio",
+    "mask",
+    "row",
+    "staleness",
+    "advantage",
+    "minibatch",
+    "version",
+    "token_versions",
+}
 
 
 def recording_core(model_dir: Path, ratio_dir: Path, **learner: object) -> LearnerCore:
@@ -313,6 +322,8 @@ def check_ratio_record(record: dict[str, torch.Tensor], groups: list[ScoredGroup
     # Every row once (first epoch), in minibatch order, traceable to the batch by its index.
     assert sorted(record["row"].tolist()) == list(range(rows))
     assert torch.equal(mask, batch.response_mask[record["row"]])
+    versions = batch.token_versions[record["row"]]
+    assert torch.equal(record["token_versions"][mask], versions[mask])
     # The first response of each group is the rewarded one: a positive advantage.
     first = record["row"] % 4 == 0
     assert bool((record["advantage"][first] > 0).all())

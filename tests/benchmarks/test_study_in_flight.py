@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from stability_study.grid import (
 )
 from stability_study.runner import RunResult
 from stability_study.summary import summarize
-from tests.benchmarks.test_study import STUDY_CONFIG, fake_result
+from tests.benchmarks.test_study import STUDY_CONFIG, fake_result, run_tiny_study
 
 
 def test_the_arms_include_gmpo_and_the_in_flight_phase_its_switch_arms() -> None:
@@ -171,18 +170,8 @@ def test_the_in_flight_table_pairs_each_switch_arm_with_its_off_twin() -> None:
 def test_the_in_flight_phase_runs_and_reports_its_switch_arms(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import study  # benchmarks/study.py
-
-    out, docs = tmp_path / "out", tmp_path / "docs"
-    argv = [
-        "--phase", "in-flight", "--only", "^kpo-switch-(off|inflate)__in-flight$",
-        "--seeds", "1", "--eval-prompts", "16", "--name", "tiny",
-        "--set", "pipeline.steps=4", "--set", "pipeline.checkpoint_every=2",
-        "--set", "learner.record_ratios_every=1",
-        "--out", str(out), "--docs", str(docs), "--filter-lengths", "1024",
-    ]  # fmt: skip
-    monkeypatch.setattr(sys, "argv", ["study.py", *argv])
-    study.main(argv)
+    only = "^kpo-switch-(off|inflate)__in-flight$"
+    out, docs, _ = run_tiny_study(tmp_path, monkeypatch, "in-flight", only, ratios_every=1)
     for arm in ("kpo-switch-off", "kpo-switch-inflate"):
         run = out / "runs" / f"{arm}__in-flight" / "seed-0"
         ratios = sorted((run / "ratios").glob("step-*.pt"))

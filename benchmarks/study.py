@@ -330,7 +330,7 @@ def write_report(
             *report.pooled_table(by_setting, methods, GRPO),
             "",
         ]
-    in_phases = [s for v in phases.values() for s in v.values()]
+    in_phases = [*(s for v in phases.values() for s in v.values()), *in_flight.values()]
     # GRPO's pilot runs under the chosen stress are listed with the main phase's.
     every = [*(s for c, s in pilot.items() if not any(c in v for v in phases.values())), *in_phases]
     block += ["### Runs that did not learn or collapsed", "", *report.outcome_notes(every), ""]

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import best_seconds, print_table
 
 from kpo_core.integrations.trl import KpoGRPOConfig, KpoGRPOTrainer
+from kpo_core.integrations.verl import KpoPolicyLossConfig
 
 MODEL = Path(__file__).resolve().parents[1] / "services" / "tasks" / "assets" / "tiny-arith"
 # verl loss name and the clip window it runs with (the papers' windows).
@@ -64,6 +65,8 @@ def bench_verl(batch: int, length: int, repeats: int) -> None:
             ppo_micro_batch_size_per_gpu=2,
             clip_ratio_low=low,
             clip_ratio_high=high,
+            # The response limit KPO's `reference_length: auto` resolves to, as in a run.
+            policy_loss=KpoPolicyLossConfig(loss_mode=name, response_length=length),
         )
 
         def run() -> None:

@@ -443,7 +443,9 @@ def measure_step(group: RankGroup, settings: Settings, tokens: int, rows: int) -
     before_load = rss_bytes()
     strategy = "fsdp2" if group.distributed else "single"
     learner = settings.learner(strategy=strategy, world_size=group.world_size)
-    core = LearnerCore(settings.model_dir, learner, AlgorithmConfig(), 1.0, group=group)
+    core = LearnerCore(
+        settings.model_dir, learner, AlgorithmConfig(), 1.0, group=group, response_length=tokens
+    )
     after_load = rss_bytes()
     # A short step first: AdamW allocates its state in the first optimiser step, after that
     # step's activations are freed, so only from the second step on is the peak that of every

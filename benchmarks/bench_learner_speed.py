@@ -383,7 +383,10 @@ def measure_ours(
     case: Case, model_dir: str, groups: list[ScoredGroup], args: argparse.Namespace,
     warmup: int, steps: int,
 ) -> Measured:  # fmt: skip
-    core = LearnerCore(model_dir, learner_config(case, args), AlgorithmConfig(), 1.0)
+    longest = max(len(s.response.response_token_ids) for g in groups for s in g.responses)
+    core = LearnerCore(
+        model_dir, learner_config(case, args), AlgorithmConfig(), 1.0, response_length=longest
+    )
     # Compiled layers compile in their first steps (forward, then backward shapes).
     return measure_cuda(
         lambda: core.train_step(groups), warmup + 2 * args.compile, steps, not args.compile
@@ -589,7 +592,9 @@ def step_host_reads(group: RankGroup, micro_batches: int, seed: int) -> dict[str
     config = LearnerConfig(
         lr=LR, micro_batch_tokens=0 if micro_batches == 1 else rows // micro_batches * 32
     )
-    core = LearnerCore(DEFAULT_MODEL_DIR, config, AlgorithmConfig(), 1.0, seed=seed)
+    core = LearnerCore(
+        DEFAULT_MODEL_DIR, config, AlgorithmConfig(), 1.0, seed=seed, response_length=response
+    )
     vocab = int(json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())["vocab_size"])
     groups = [
         group

@@ -1,7 +1,7 @@
 """Stability study: where does GRPO collapse, and does KPO in any form hold there?
 
-    make study                                   # pilot, main and gentle phases (about 2 h on
-                                                 # 2 CPU cores); finished runs are reused
+    make study                                   # pilot, main, gentle and in-flight phases;
+                                                 # finished runs are reused
     python benchmarks/study.py --phase pilot     # one phase at a time
     python benchmarks/study.py --report-only     # rewrite docs/results.md from finished runs
     python benchmarks/study.py --set model=/models/qwen --set generation.backend=vllm ...
@@ -9,7 +9,9 @@
 
 Phases (stability_study.grid): the pilot runs GRPO under each stress setting and picks the one
 where GRPO collapses most (`pick_stress`); the main phase runs every arm there with shared seeds
-(PHASE_SEEDS); the gentle phase runs every arm synchronously at a small step size. Every run is
+(PHASE_SEEDS); the gentle phase runs every arm synchronously at a small step size; the in-flight
+phase runs KPO length-matched with each `version_switch` under in-flight weight updates over the
+collective transport, each paired with the same filter with the switch off. Every run is
 the base spec (examples/study.yaml unless --config) with its cell's settings; runs go to
 runs/NAME (NAME: the config's stem unless --name) and are reused when the study is started again.
 The study's block of docs/results.md, its figures and its per-step CSV files under
@@ -26,7 +28,7 @@ import re
 import shlex
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ray
 import torch
 
+from kpo_core.config import KalmanEstimator
 from services.pipeline.actors import connect_ray
 from services.pipeline.specs import load_run_spec
 from services.spec import RunSpec
@@ -43,11 +46,15 @@ from stability_study.grid import (
     ARMS,
     GENTLE,
     GRPO,
+    IN_FLIGHT,
+    IN_FLIGHT_ARMS,
     PHASES,
     STRESSES,
     Cell,
     Setting,
     arm_cells,
+    cell_spec,
+    in_flight_cells,
     pilot_cells,
 )
 from stability_study.runner import RunResult, load_result, run_one
@@ -56,7 +63,7 @@ from stability_study.summary import COLLAPSED, CellSummary, setting_kl_median, s
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "examples" / "study.yaml"
 # Seeds per phase, shared by every arm (seed n of one arm and of another start alike).
-PHASE_SEEDS = {"pilot": 3, "main": 6, "gentle": 3}
+PHASE_SEEDS = {"pilot": 3, "main": 6, "gentle": 3, "in-flight": 6}
 # The pilot's bar: GRPO collapses in at least this share of its seeds.
 PILOT_COLLAPSE_SHARE = 2 / 3
 
@@ -210,12 +217,14 @@ def write_report(
     pilot: Mapping[Cell, CellSummary],
     choice: StressChoice | None,
     phases: Mapping[Setting, Mapping[Cell, CellSummary]],
+    in_flight: Mapping[Cell, CellSummary],
     seconds: float,
 ) -> Path:
     """The study's block of docs/results.md from every finished run, with figures and CSVs.
 
     `pilot`: GRPO's summaries under each stress; `phases`: the arms' summaries under the
-    chosen stress and the gentle setting (either may be empty).
+    chosen stress and the gentle setting (either may be empty); `in_flight`: the
+    `version_switch` arms' summaries under in-flight weight updates (may be empty).
     """
     args = study.args
     docs = args.docs
@@ -223,8 +232,8 @@ def write_report(
     link = f"results/{args.name}"
     assets = docs / link
     results = study.results
-    settings = [s for s in (*STRESSES, GENTLE) if any(c.setting is s for c in results)]
-    methods = [m for m in ARMS if any(c.method is m for c in results)]
+    settings = [s for s in (*STRESSES, GENTLE, IN_FLIGHT) if any(c.setting is s for c in results)]
+    methods = [m for m in (*ARMS, *IN_FLIGHT_ARMS) if any(c.method is m for c in results)]
     runs = [r for rs in results.values() for r in rs]
     block = [
         f"## Study `{args.name}`: {_relative(args.config)}",
@@ -289,6 +298,29 @@ def write_report(
             "",
             f"![training curves]({link}/curves-{name}.png)",
             "",
+            f"Ratio diagnostics per arm under {setting.label}: raw -> the estimator's ratio "
+            "(the learner's per-step `raw_*` and `filtered_*` metrics, averaged over steps "
+            "and then over seeds), beside the paper's raw -> KPO-filtered figures.",
+            "",
+            *report.arm_dynamics_table(list(summaries.values())),
+            "",
+        ]
+    if in_flight:
+        tracking = {
+            cell: dynamics.switch_tracking_error(sample, _resolved_estimator(base, cell))
+            for cell, sample in _ratio_samples(results, in_flight).items()
+        }
+        block += [
+            f"### In-flight weight updates: `version_switch` under {IN_FLIGHT.label}",
+            "",
+            "Gains paired on shared seeds against the same filter with `version_switch: off`; "
+            f"tracking error: mean |filtered - segment-mean raw log-ratio| over the first "
+            f"{dynamics.SWITCH_HORIZON} tokens from each switch, on the recorded log-ratios.",
+            "",
+            *report.in_flight_table(in_flight, tracking),
+            "",
+            *report.arm_dynamics_table(list(in_flight.values())),
+            "",
         ]
     if sum(bool(s) for s in phases.values()) > 1:
         by_setting = {s: list(v.values()) for s, v in phases.items() if v}
@@ -298,7 +330,7 @@ def write_report(
             *report.pooled_table(by_setting, methods, GRPO),
             "",
         ]
-    in_phases = [s for v in phases.values() for s in v.values()]
+    in_phases = [*(s for v in phases.values() for s in v.values()), *in_flight.values()]
     # GRPO's pilot runs under the chosen stress are listed with the main phase's.
     every = [*(s for c, s in pilot.items() if not any(c in v for v in phases.values())), *in_phases]
     block += ["### Runs that did not learn or collapsed", "", *report.outcome_notes(every), ""]
@@ -308,6 +340,28 @@ def write_report(
     report.replace_block(document, args.name, block, "Stability study")
     print(f"report: {document}; figures: {', '.join(str(f) for f in figures)}")
     return Path(document)
+
+
+def _ratio_samples(
+    results: Mapping[Cell, Sequence[RunResult]], cells: Iterable[Cell]
+) -> dict[Cell, dynamics.RatioSample]:
+    """The recorded log-ratios of each cell's runs (cells with none are left out)."""
+    samples = {}
+    for cell in cells:
+        try:
+            samples[cell] = dynamics.load_ratios([r.path for r in results.get(cell, [])])
+        except ValueError:
+            continue
+    return samples
+
+
+def _resolved_estimator(base: RunSpec, cell: Cell) -> KalmanEstimator:
+    """The cell's KPO config as its learner ran it (`reference_length: auto` resolved)."""
+    spec = cell_spec(base, cell, 0)
+    estimator = spec.algorithm.with_response_length(spec.generation.max_new_tokens).estimator
+    if not isinstance(estimator, KalmanEstimator):
+        raise ValueError(f"{cell.key}: the tracking error is KPO's; this arm is {estimator.name}")
+    return estimator
 
 
 def _dynamics_section(
@@ -389,7 +443,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         pattern = re.compile(args.only)
     except re.error as error:
         raise SystemExit(f"error: --only {args.only!r}: {error}") from None
-    every_cell = [*pilot_cells(), *(c for s in (*STRESSES, GENTLE) for c in arm_cells(s))]
+    every_cell = [
+        *pilot_cells(),
+        *(c for s in (*STRESSES, GENTLE) for c in arm_cells(s)),
+        *in_flight_cells(),
+    ]
     if not any(pattern.search(c.key) for c in every_cell):
         raise SystemExit(f"error: no cell key matches {args.only!r}")
     args.name = args.name or args.config.stem
@@ -419,11 +477,16 @@ def main(argv: Sequence[str] | None = None) -> None:
             found = study.run(arm_cells(setting), seeds, start and phase in wanted)
             # GRPO's pilot runs under the chosen stress are its first seeds here.
             phases[setting] = summaries_of({c: study.results[c] for c in found}, seeds)
+        seeds = seeds_of("in-flight", args)
+        cells = in_flight_cells()
+        print(f"in-flight: {len(cells)} arms under {IN_FLIGHT.label} x {seeds} seeds", flush=True)
+        found = study.run(cells, seeds, start and "in-flight" in wanted)
+        in_flight = summaries_of({c: study.results[c] for c in found}, seeds)
     finally:
         study.close()
     if not study.results:
         raise SystemExit(f"no finished runs under {args.out}")
-    write_report(base, study, pilot, choice, phases, time.perf_counter() - started)
+    write_report(base, study, pilot, choice, phases, in_flight, time.perf_counter() - started)
 
 
 if __name__ == "__main__":

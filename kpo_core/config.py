@@ -129,6 +129,19 @@ class KalmanEstimator(_ClippedEstimator):
         description="[low, high]: a token whose raw ratio leaves [1 - low, 1 + high] in the "
         "direction of its advantage also gets no gradient (PPO's token trust region as a backstop)",
     )
+    version_switch: Literal["off", "reset", "inflate"] = Field(
+        "off",
+        description="at a model token sampled by another policy version than the previous model "
+        "token of its response (in-flight weight updates): off: nothing; reset: the covariance "
+        "restarts at the prior (needs p0 at least the steady-state covariance, e.g. `diffuse`); "
+        "inflate: switch_q is added to the process noise at that token. x carries over in both",
+    )
+    switch_q: float = Field(
+        1.0,
+        ge=0.0,
+        description="process noise added at a version switch with `version_switch: inflate` "
+        "(in r's units: 1.0 = r takes the next gain to about 1/2)",
+    )
     default_loss_agg_mode: ClassVar[LossAggMode] = "seq-mean-token-mean"
 
     @model_validator(mode="after")
@@ -147,13 +160,29 @@ class KalmanEstimator(_ClippedEstimator):
                 raise ValueError(
                     f"token_clip [low, high] needs 0 <= low < 1 and high >= 0, got [{low}, {high}]"
                 )
+        if self.version_switch == "reset":
+            self._check_reset_prior()
         return self
 
+    def _check_reset_prior(self) -> None:
+        # Only here does the config need the filter's steady state (and torch with it).
+        from kpo_core.kalman import steady_state_covariance
+
+        floor = steady_state_covariance(self.effective_q, self.r)
+        if self.effective_p0 < floor:
+            raise ValueError(
+                f"version_switch 'reset' restarts the covariance at p0, which must be at least "
+                f"the steady-state covariance {floor:.3g} (p0 is {self.p0}: a reset would trust "
+                "the old estimate more, not less); set p0: diffuse, or use version_switch "
+                "'inflate' with switch_q"
+            )
+
     def with_response_length(self, max_new_tokens: int) -> KalmanEstimator:
-        """This config with `reference_length: auto` resolved to the run's response limit."""
+        """This config with `reference_length: auto` resolved to the run's response limit
+        (validated again: q, and so the checks that read it, follow the length)."""
         if self.reference_length != "auto":
             return self
-        return self.model_copy(update={"reference_length": max_new_tokens})
+        return type(self).model_validate({**self.model_dump(), "reference_length": max_new_tokens})
 
     @property
     def length_factor(self) -> float:
@@ -208,6 +237,12 @@ class OffPolicyCorrection(StrictModel):
     """
 
     level: Literal["token", "sequence", "sequence-mean"] = "token"
+    truncated_sampling: Literal["refuse", "allow"] = Field(
+        "refuse",
+        description="training rollouts sampled with top-p < 1 or top-k > 0: refuse (the "
+        "learner's log-probs are of the full softmax, so every ratio would be biased) or allow "
+        "(a declared choice, recorded with the run)",
+    )
     tis_cap: float | None = Field(None, gt=0.0)
     mis_low: float | None = Field(None, ge=0.0)
     mis_high: float | None = Field(None, gt=0.0)
@@ -249,13 +284,38 @@ class AlgorithmConfig(StrictModel):
     def resolved_loss_agg_mode(self) -> LossAggMode:
         return self.loss_agg_mode or self.estimator.default_loss_agg_mode
 
-    def with_response_length(self, max_new_tokens: int) -> AlgorithmConfig:
+    def with_response_length(
+        self, max_new_tokens: int | None, setting: str = "generation.max_new_tokens"
+    ) -> AlgorithmConfig:
         """This config with settings that follow the response length (KPO's
-        `reference_length: auto`) resolved to `max_new_tokens`."""
-        if not isinstance(self.estimator, KalmanEstimator):
+        `reference_length: auto`) resolved to `max_new_tokens` (`resolve_reference_length`)."""
+        estimator = resolve_reference_length(self.estimator, max_new_tokens, setting)
+        if estimator is self.estimator:
             return self
-        estimator = self.estimator.with_response_length(max_new_tokens)
         return self.model_copy(update={"estimator": estimator})
+
+
+def resolve_reference_length(
+    estimator: EstimatorConfig, max_response_tokens: int | None, setting: str
+) -> EstimatorConfig:
+    """The estimator with KPO's `reference_length: auto` resolved to the run's response limit:
+    the one resolver of it, for the pipeline, `LearnerCore` and the framework integrations.
+
+    `setting` names where the limit comes from (`generation.max_new_tokens`, verl's
+    `response_length`, TRL's `max_completion_length`), for the error when it is not known: an
+    unresolved `auto` would fall back to the paper's 4,096-token constants, which barely filter
+    short responses, so it is refused rather than guessed (never from a batch's padded width,
+    which would make the loss depend on padding).
+    """
+    if not isinstance(estimator, KalmanEstimator) or estimator.reference_length != "auto":
+        return estimator
+    if max_response_tokens is None:
+        raise ValueError(
+            f"reference_length: auto matches KPO's constants to the response limit, but "
+            f"{setting} is not set: set it, or give reference_length a length (or null for "
+            "the paper's 4,096-token constants)"
+        )
+    return estimator.with_response_length(max_response_tokens)
 
 
 def describe_validation_error(

@@ -646,6 +646,86 @@ def _filter_closed_form(
     return prefix * (x0 + (b / prefix).cumsum(-1))
 
 
+VersionSwitch = Literal["off", "reset", "inflate"]
+
+
+def version_switches(versions: Tensor, mask: Tensor) -> Tensor:
+    """[..., T] bool: the valid tokens whose version differs from the previous valid token's
+    in the same row (SPEC.md, `version_switch`). Masked tokens (padding, observations) carry
+    no version and are skipped over, and a row's first valid token is never a switch."""
+    if versions.shape != mask.shape:
+        raise ValueError(
+            f"versions shape {tuple(versions.shape)} must equal mask shape {tuple(mask.shape)}"
+        )
+    valid = mask.to(torch.bool)
+    n = valid.shape[-1]
+    positions = torch.arange(n, device=valid.device).expand_as(valid)
+    # The position of the last valid token at or before t (-1 before the first), then shifted
+    # one step: the previous valid token of each position.
+    last = torch.where(valid, positions, -1).cummax(-1).values
+    previous = torch.nn.functional.pad(last[..., :-1], (1, 0), value=-1)
+    previous_version = versions.gather(-1, previous.clamp_min(0))
+    return valid & (previous >= 0) & (versions != previous_version)
+
+
+def steady_state_covariance(q: float, r: float) -> float:
+    """P_inf = K_inf R: the posterior variance the covariance recursion converges to."""
+    return steady_state_gain(q, r) * r
+
+
+def switch_process_noise(
+    switches: Tensor,
+    mask: Tensor,
+    q: float,
+    r: float,
+    p0: float,
+    mode: VersionSwitch,
+    switch_q: float = 0.0,
+) -> Tensor:
+    """Per-token process noise Q_t [..., T] float64 of the version-aware filter (SPEC.md).
+
+    Q_t = Q except at a switch, where `inflate` gives Q + switch_q and `reset` gives
+    P0 + Q - P_{t-1}, so that the predicted covariance P_{t-1} + Q_t is the first token's,
+    P0 + Q: the filter restarts its covariance there while x carries over. P never reads z, so
+    P_{t-1} is known: after c valid tokens since the row's start or its last reset it is the
+    posterior K[c] R of the gain table. `reset` needs P0 >= P_{t-1}, which holds for every t
+    only when P0 is at least the steady-state covariance (otherwise it would trust the old
+    estimate more, not less): refused below it.
+    """
+    _check_noise(q, r, p0)
+    if not (math.isfinite(switch_q) and switch_q >= 0.0):
+        raise ValueError(f"switch_q must be finite and >= 0, got {switch_q}")
+    if switches.shape != mask.shape:
+        raise ValueError(
+            f"switches shape {tuple(switches.shape)} must equal mask shape {tuple(mask.shape)}"
+        )
+    valid = mask.to(torch.bool)
+    at_switch = switches.to(torch.bool) & valid
+    base = torch.full(mask.shape, float(q), dtype=torch.float64, device=mask.device)
+    if mode == "off":
+        return base
+    if mode == "inflate":
+        return torch.where(at_switch, q + switch_q, base)
+    if mode != "reset":
+        raise ValueError(f"unknown version_switch {mode!r}; valid: off, reset, inflate")
+    if p0 < steady_state_covariance(q, r):
+        raise ValueError(
+            f"version_switch 'reset' needs p0 >= the steady-state covariance "
+            f"{steady_state_covariance(q, r):.3g} (p0 is {p0}: a reset to it would trust the "
+            "old estimate more, not less); use p0: diffuse, or version_switch 'inflate'"
+        )
+    count = valid.to(torch.int64).cumsum(-1)
+    # The valid-token count at the last switch at or before t, less one: the count at which
+    # the current segment began (0 for the first segment).
+    start = torch.where(at_switch, count - 1, 0).cummax(-1).values
+    previous_start = torch.nn.functional.pad(start[..., :-1], (1, 0))
+    # At a switch the previous segment holds count - 1 - previous_start >= 1 valid tokens.
+    segment = (count - 1 - previous_start).clamp_min(1)
+    table = kalman_gains(max(mask.shape[-1], 1), q, r, p0).to(mask.device)
+    covariance_before = table[segment - 1] * r
+    return torch.where(at_switch, p0 + q - covariance_before, base)
+
+
 _METHODS = {
     "parallel": _filter_parallel,
     "sequential": _filter_sequential,

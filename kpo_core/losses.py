@@ -36,6 +36,7 @@ from torch import Tensor
 from kpo_core.config import (
     LOSS_AGG_MODES,
     EstimatorConfig,
+    KalmanEstimator,
     LossAggMode,
     OffPolicyCorrection,
     describe_validation_error,
@@ -45,13 +46,18 @@ from kpo_core.ratios import (
     behaviour_weight_tensors,
     extreme_token_count,
     get_estimator,
+    kalman_ratio,
     masked_log_ratio,
     masked_mean_or,
     metric_floats,
 )
 
 NonFinitePolicy = Literal["raise", "mask"]
-_CORRECTION_OPTIONS = frozenset(OffPolicyCorrection.model_fields) - {"level"} | {"tis_level"}
+# truncated_sampling is a rule of the run's sampling, not an option of the loss.
+_CORRECTION_OPTIONS = frozenset(OffPolicyCorrection.model_fields) - {
+    "level",
+    "truncated_sampling",
+} | {"tis_level"}
 
 
 class NonFiniteInputError(ValueError):
@@ -305,11 +311,12 @@ def compute_policy_loss(
     norm_length: int | None = None,
     nonfinite: NonFinitePolicy = "raise",
     normaliser: LossNormaliser | None = None,
+    token_versions: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """`policy_loss` for an already-validated estimator config.
 
     `normaliser`: the counts of the whole minibatch when this is a micro-batch of it
-    (`aggregate_loss`).
+    (`aggregate_loss`). `token_versions`: as `token_policy_loss`.
     """
     token_loss = token_policy_loss(
         config,
@@ -320,6 +327,7 @@ def compute_policy_loss(
         behaviour_logp=behaviour_logp,
         correction=correction,
         nonfinite=nonfinite,
+        token_versions=token_versions,
     )
     mode = loss_agg_mode or config.default_loss_agg_mode
     loss = aggregate_loss(token_loss.per_token, token_loss.mask, mode, norm_length, normaliser)
@@ -359,11 +367,14 @@ def token_policy_loss(
     behaviour_logp: Tensor | None = None,
     correction: OffPolicyCorrection | None = None,
     nonfinite: NonFinitePolicy = "raise",
+    token_versions: Tensor | None = None,
 ) -> TokenPolicyLoss:
     """Per-token clipped surrogate of the estimator `config` (times the behaviour weights).
 
     What `compute_policy_loss` aggregates; the framework integrations (kpo_core.integrations)
-    aggregate it with the framework's own normalisers instead.
+    aggregate it with the framework's own normalisers instead. `token_versions` [B, T]: the
+    policy version that sampled each token, read by KPO's `version_switch` (None: each row
+    was sampled by one version); the other estimators do not depend on it.
     """
     if nonfinite not in get_args(NonFinitePolicy):
         raise ValueError(f"nonfinite must be one of {get_args(NonFinitePolicy)}, got {nonfinite!r}")
@@ -380,7 +391,10 @@ def token_policy_loss(
     if behaviour_logp is not None:
         behaviour_logp = torch.where(mask, behaviour_logp, 0.0).detach()
     adv = torch.where(mask, adv, 0.0).detach()
-    estimate = get_estimator(config.name).estimate(logp, ref_logp, adv, mask, config)
+    if isinstance(config, KalmanEstimator):
+        estimate = kalman_ratio(logp, ref_logp, adv, mask, config, token_versions)
+    else:
+        estimate = get_estimator(config.name).estimate(logp, ref_logp, adv, mask, config)
     per_token, clipped = clipped_surrogate(estimate, adv, mask)
     metrics = _loss_metrics(logp, ref_logp, estimate, clipped, mask)
     if behaviour_logp is not None:

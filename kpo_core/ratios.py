@@ -52,7 +52,12 @@ from kpo_core.config import (
     SequenceEstimator,
     TokenEstimator,
 )
-from kpo_core.kalman import filter_gains, kalman_filter
+from kpo_core.kalman import (
+    filter_gains,
+    kalman_filter,
+    switch_process_noise,
+    version_switches,
+)
 
 Bound = Tensor | float | None
 
@@ -221,9 +226,33 @@ def geometric_ratio(
     return RatioEstimate(rho, None, None, clipped=clipped)
 
 
-@register_estimator("kalman", KalmanEstimator)
+def _version_aware_filter(
+    z: Tensor, mask: Tensor, cfg: KalmanEstimator, token_versions: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """The filtered log-ratios and the gains, [B, T] each, with `cfg.version_switch` applied
+    at the tokens where the sampling version changed (SPEC.md)."""
+    q, r, p0 = cfg.effective_q, cfg.r, cfg.effective_p0
+    x = kalman_filter(z, mask, q, r, p0, cfg.x0)
+    gains = filter_gains(mask, q, r, p0)
+    if token_versions is None or cfg.version_switch == "off":
+        return x, gains
+    switches = version_switches(token_versions, mask)
+    noise = switch_process_noise(switches, mask, q, r, p0, cfg.version_switch, cfg.switch_q)
+    # Rows sampled by one version keep the scalar-noise values bit for bit; the per-token
+    # noise path runs for all rows, so that no value is read back to choose them.
+    switched = switches.any(-1, keepdim=True)
+    x_switched = kalman_filter(z, mask, noise, r, p0, cfg.x0)
+    gains_switched = filter_gains(mask, noise, r, p0)
+    return torch.where(switched, x_switched, x), torch.where(switched, gains_switched, gains)
+
+
 def kalman_ratio(
-    logp: Tensor, ref_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: KalmanEstimator
+    logp: Tensor,
+    ref_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: KalmanEstimator,
+    token_versions: Tensor | None = None,
 ) -> RatioEstimate:
     """KPO: the Kalman-filtered log-ratio x_t (`kpo_core.kalman`) as the ratio's log.
 
@@ -231,18 +260,20 @@ def kalman_ratio(
     masked token: no update, x and P carry over to the next model token, and the gain table's
     count t (hence the gains, the posterior-width clip window and `reference_length`'s
     matching) counts model tokens only.
+
+    token_versions: [B, T] the policy version that sampled each token (read on valid tokens
+    only), for `cfg.version_switch`; None: every row sampled by one version.
     """
     z = masked_log_ratio(logp, ref_logp, mask)
-    q, p0 = cfg.effective_q, cfg.effective_p0
+    q = cfg.effective_q
     if cfg.gradient == "straight_through":
         # The paper's code: observations detached, filtered value as a straight-through weight.
-        x = kalman_filter(z.detach(), mask, q, cfg.r, p0, cfg.x0)
+        x, gains = _version_aware_filter(z.detach(), mask, cfg, token_versions)
         log_rho = straight_through(x, logp)
     else:
-        x = kalman_filter(z, mask, q, cfg.r, p0, cfg.x0)
+        x, gains = _version_aware_filter(z, mask, cfg, token_versions)
         log_rho = x
     rho = log_rho.clamp(max=cfg.max_log_ratio).exp()
-    gains = filter_gains(mask, q, cfg.r, p0)
     metrics = _kalman_metrics(x.detach(), gains, mask, cfg.max_log_ratio)
     backstop = None
     if cfg.token_clip is not None:
@@ -260,6 +291,11 @@ def kalman_ratio(
     return RatioEstimate(
         rho, torch.exp(-low * spread), torch.exp(high * spread), metrics=metrics, backstop=backstop
     )
+
+
+# Registered by a call, not as a decorator: the registry's signature has no token_versions,
+# which `kpo_core.losses` passes to this function directly.
+register_estimator("kalman", KalmanEstimator)(kalman_ratio)
 
 
 def token_backstop(

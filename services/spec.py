@@ -825,6 +825,13 @@ class EvalConfig(StrictModel):
         le=MAX_RESPONSE_TOKENS,
         description="response length limit (default: generation.max_new_tokens)",
     )
+    # Evaluation trains nothing, so its sampling may be truncated whatever training's is.
+    top_p: float | None = Field(
+        None, gt=0.0, le=1.0, description="nucleus sampling of evaluation (default: generation's)"
+    )
+    top_k: int | None = Field(
+        None, ge=0, le=2**20, description="top-k of evaluation, 0 = off (default: generation's)"
+    )
 
 
 # Tool calls of one response, and model turns: verl's multi-turn agent loop and CTPO's
@@ -972,6 +979,38 @@ class RunSpec(StrictModel):
         description="experiment trackers (W&B, MLflow, TensorBoard) that mirror every metrics "
         "record; none by default",
     )
+
+    @model_validator(mode="after")
+    def _truncated_sampling_declared(self) -> RunSpec:
+        # The learner's log-probs are of the full softmax (services/learner/logprobs.py): with
+        # top-p/top-k the behaviour log-probs are of a renormalised subset, every on-policy
+        # ratio falls below 1, and the loss is biased without a word. So it is a choice.
+        if self.algorithm.off_policy.truncated_sampling == "allow":
+            return self
+        truncated = {
+            "top_p": (self.generation.top_p, self.generation.top_p < 1.0, "< 1"),
+            "top_k": (self.generation.top_k, self.generation.top_k > 0, "> 0"),
+        }
+        errors = [
+            InitErrorDetails(
+                type=PydanticCustomError(
+                    "truncated_sampling",
+                    "{value} {bound} truncates training sampling, but the learner's log-probs "
+                    "are of the full softmax, so every importance ratio is biased (below 1 even "
+                    "on-policy); sample training rollouts untruncated (top_p 1, top_k 0; "
+                    "eval.top_p / eval.top_k truncate evaluation only), or declare it with "
+                    "algorithm.off_policy.truncated_sampling: allow",
+                    {"value": value, "bound": bound},
+                ),
+                loc=("generation", name),
+                input=value,
+            )
+            for name, (value, is_truncated, bound) in truncated.items()
+            if is_truncated
+        ]
+        if errors:
+            raise ValidationError.from_exception_data("RunSpec", errors)
+        return self
 
     @model_validator(mode="after")
     def _minibatches_fit(self) -> RunSpec:

@@ -8,6 +8,7 @@ the filter at several Q/R, with the paper's token-type band (up above 1 + 4e-4, 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,8 +16,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from kpo_core.config import KalmanEstimator
 from kpo_core.diagnostics import DIAGNOSTIC_SCALARS, ratio_diagnostics
-from kpo_core.kalman import kalman_filter
+from kpo_core.kalman import kalman_filter, switch_process_noise, version_switches
 from services.pipeline.driver import RATIO_DIR
 
 Q_OVER_R = (1e-6, 1e-4, 1e-2)
@@ -29,6 +31,9 @@ class RatioSample:
 
     log_ratio: Tensor
     mask: Tensor
+    # [N, T] the policy version that sampled each token (files written before the learner
+    # recorded them: none, as if every response had one version).
+    versions: Tensor | None = None
 
     @property
     def responses(self) -> int:
@@ -54,7 +59,65 @@ def load_ratios(run_dirs: Sequence[Path]) -> RatioSample:
 
     log_ratio = torch.cat([padded(p["log_ratio"].float()) for p in parts])
     mask = torch.cat([padded(p["mask"].bool()) for p in parts])
-    return RatioSample(torch.where(mask, log_ratio, 0.0), mask)
+    versions = None
+    if all("token_versions" in p for p in parts):
+        versions = torch.cat([padded(p["token_versions"].long()) for p in parts])
+    return RatioSample(torch.where(mask, log_ratio, 0.0), mask, versions)
+
+
+SWITCH_HORIZON = 16
+
+
+@dataclass(frozen=True)
+class TrackingError:
+    """How closely the filter follows the log-ratio's new level after a version switch."""
+
+    error: float  # mean over switches of the per-switch mean |x_t - zbar_seg| (nan: none)
+    switches: int
+
+
+def switch_tracking_error(
+    sample: RatioSample, estimator: KalmanEstimator, horizon: int = SWITCH_HORIZON
+) -> TrackingError:
+    """The filter's tracking error after a switch (SPEC.md, `version_switch`): for each switch,
+    the mean of |x_t - zbar_seg| over the switch token and the model tokens after it in its
+    segment, at most `horizon` of them, where zbar_seg is the mean raw log-ratio of the
+    segment (the tokens of one version); then the mean over switches.
+
+    x is `estimator`'s filter (reference length resolved) with its `version_switch`, on the
+    recorded log-ratios and versions.
+    """
+    if sample.versions is None:
+        return TrackingError(math.nan, 0)
+    if estimator.reference_length == "auto":
+        raise ValueError("resolve reference_length (with_response_length) before filtering")
+    z, mask, versions = sample.log_ratio.double(), sample.mask, sample.versions
+    switches = version_switches(versions, mask)
+    q, r, p0 = estimator.effective_q, estimator.r, estimator.effective_p0
+    noise = switch_process_noise(
+        switches, mask, q, r, p0, estimator.version_switch, estimator.switch_q
+    )
+    x = kalman_filter(z, mask, noise, r, p0, estimator.x0)
+    # Segment s of a row: its tokens after s switches; a (row, segment) pair is one index.
+    segment = switches.long().cumsum(-1)
+    width = int(segment.max()) + 1
+    flat = (torch.arange(z.shape[0])[:, None] * width + segment)[mask]
+    totals = torch.zeros(z.shape[0] * width, dtype=torch.float64)
+    totals.index_add_(0, flat, z[mask])
+    counts = torch.zeros_like(totals).index_add_(0, flat, torch.ones_like(z[mask]))
+    level = (totals / counts.clamp_min(1))[flat]
+    # Position of each valid token within its segment, from 1 at the segment's first token.
+    count = mask.long().cumsum(-1)
+    start = torch.where(switches, count, 0).cummax(-1).values
+    position = (count - start + 1)[mask]
+    after = (segment[mask] > 0) & (position <= horizon)
+    if not bool(after.any()):
+        return TrackingError(math.nan, 0)
+    error = (x[mask] - level).abs()
+    per_switch = torch.zeros_like(totals).index_add_(0, flat[after], error[after])
+    tokens = torch.zeros_like(totals).index_add_(0, flat[after], torch.ones_like(error[after]))
+    seen = tokens > 0
+    return TrackingError(float((per_switch[seen] / tokens[seen]).mean()), int(seen.sum()))
 
 
 def diagnostics_table(sample: RatioSample) -> dict[str, dict[str, float | list[float]]]:

@@ -2,7 +2,9 @@
 
 - pilot: GRPO under each stress setting, to find one where GRPO collapses;
 - main: every arm at the stress setting the pilot picked (`stress_setting`);
-- gentle: every arm at a gentle synchronous setting, to show that each one learns.
+- gentle: every arm at a gentle synchronous setting, to show that each one learns;
+- in-flight: KPO length-matched with each `version_switch`, with in-flight weight updates over
+  the collective transport, where responses are sampled by two or more policy versions.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ ARMS = (
     GRPO,
     Method("gspo", "GSPO (sequence)", {"name": "sequence"}),
     Method("ctpo", "CTPO (cumulative)", {"name": "cumulative"}),
+    Method("gmpo", "GMPO (geometric)", {"name": "geometric"}),
     Method("kpo-paper", "KPO, paper constants", _KPO_PAPER),
     Method(
         "kpo-matched",
@@ -102,8 +105,49 @@ GENTLE = Setting(
     "lr 5e-5, synchronous",
     {"learner": {"lr": 5e-5}, "pipeline": {"mode": "sync", "max_staleness": 0}},
 )
-SETTINGS = (*STRESSES, GENTLE)
-PHASES = ("pilot", "main", "gentle")
+# New weights reach generation between decoding steps: responses in flight go on under the new
+# version, so one response is sampled by several (SPEC.md, `version_switch`).
+IN_FLIGHT = Setting(
+    "in-flight",
+    "lr 1.5e-4, max_staleness 2, in-flight updates over the collective transport",
+    {
+        "pipeline": {
+            "mode": "async",
+            "max_staleness": 2,
+            "weight_transport": "collective",
+            "in_flight_updates": True,
+        }
+    },
+)
+_KPO_MATCHED = {**_KPO_PAPER, "reference_length": "auto"}
+SWITCH_OFF = Method("kpo-switch-off", "KPO length-matched, version_switch off", _KPO_MATCHED)
+# `reset` restarts the covariance at P0, which must be at least the steady state: the diffuse
+# prior. Its own `off` twin isolates what the reset adds to that prior.
+IN_FLIGHT_ARMS = (
+    SWITCH_OFF,
+    Method(
+        "kpo-switch-inflate",
+        "KPO length-matched, version_switch inflate (switch_q 1)",
+        {**_KPO_MATCHED, "version_switch": "inflate", "switch_q": 1.0},
+    ),
+    Method(
+        "kpo-diffuse-switch-off",
+        "KPO length-matched, diffuse prior, version_switch off",
+        {**_KPO_MATCHED, "p0": "diffuse"},
+    ),
+    Method(
+        "kpo-diffuse-switch-reset",
+        "KPO length-matched, diffuse prior, version_switch reset",
+        {**_KPO_MATCHED, "p0": "diffuse", "version_switch": "reset"},
+    ),
+)
+# Each arm's paired baseline in the in-flight phase: the same filter with the switch off.
+SWITCH_BASELINES = {
+    "kpo-switch-inflate": "kpo-switch-off",
+    "kpo-diffuse-switch-reset": "kpo-diffuse-switch-off",
+}
+SETTINGS = (*STRESSES, GENTLE, IN_FLIGHT)
+PHASES = ("pilot", "main", "gentle", "in-flight")
 
 
 def pilot_cells() -> list[Cell]:
@@ -112,6 +156,10 @@ def pilot_cells() -> list[Cell]:
 
 def arm_cells(setting: Setting) -> list[Cell]:
     return [Cell(method, setting) for method in ARMS]
+
+
+def in_flight_cells() -> list[Cell]:
+    return [Cell(method, IN_FLIGHT) for method in IN_FLIGHT_ARMS]
 
 
 def setting_named(key: str) -> Setting:

@@ -13,8 +13,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from stability_study.dynamics import SWITCH_HORIZON, TrackingError
 from stability_study.filter_accuracy import FilterComparison
-from stability_study.grid import Cell, Method, Setting
+from stability_study.grid import SWITCH_BASELINES, Cell, Method, Setting
 from stability_study.runner import RunResult
 from stability_study.stats import fisher_exact
 from stability_study.summary import (
@@ -194,6 +195,90 @@ def arms_table(summaries: Sequence[CellSummary], baseline: CellSummary | None) -
                 s.kl_from_start.format(),
                 s.truncated.format(),
                 s.entropy_tail.format(),
+            ]
+        )
+    return _table(headers, rows)
+
+
+def _change(summary: CellSummary, name: str) -> str:
+    raw, filtered = summary.dynamics[f"raw_{name}"], summary.dynamics[f"filtered_{name}"]
+    if math.isnan(raw.mean):
+        return "n/a"
+    return f"{raw.mean:.3g} -> {filtered.mean:.3g}"
+
+
+def _run_lengths(summary: CellSummary) -> str:
+    def side(prefix: str) -> str:
+        return "/".join(
+            f"{summary.dynamics[f'{prefix}_run_length_{kind}'].mean:.3g}"
+            for kind in ("up", "down", "on")
+        )
+
+    if math.isnan(summary.dynamics["raw_run_length_up"].mean):
+        return "n/a"
+    return f"{side('raw')} -> {side('filtered')}"
+
+
+def arm_dynamics_table(summaries: Sequence[CellSummary]) -> list[str]:
+    """The paper's ratio diagnostics per arm, raw -> the estimator's ratio, averaged over the
+    steps of each seed and then over seeds, beside the paper's figures (its Figure 1 /
+    Appendix C: raw -> KPO-filtered)."""
+    headers = [
+        "arm",
+        "switch frequency",
+        "low-frequency ratio (LFR)",
+        "mean run length up/down/on",
+    ]
+    rows = [
+        [
+            s.cell.method.label,
+            _change(s, "switch_frequency"),
+            _change(s, "low_frequency_ratio"),
+            _run_lengths(s),
+        ]
+        for s in summaries
+    ]
+    paper = PAPER_DYNAMICS
+    lengths = [paper[f"run_length_{kind}"] for kind in ("up", "down", "on")]
+    rows.append(
+        [
+            "paper (raw -> KPO)",
+            f"{paper['switch_frequency'][0]:g} -> {paper['switch_frequency'][1]:g}",
+            f"{paper['low_frequency_ratio'][0]:g} -> {paper['low_frequency_ratio'][1]:g}",
+            f"{'/'.join(f'{v[0]:g}' for v in lengths)} -> {'/'.join(f'{v[1]:g}' for v in lengths)}",
+        ]
+    )
+    return _table(headers, rows)
+
+
+def in_flight_table(
+    summaries: Mapping[Cell, CellSummary], tracking: Mapping[Cell, TrackingError]
+) -> list[str]:
+    """The in-flight phase: each arm's held-out gain, the gain minus that of the same filter
+    with `version_switch: off` on the shared seeds (paired, bootstrap 95% interval), and the
+    filter's tracking error after a switch (dynamics.switch_tracking_error)."""
+    by_key = {cell.method.key: summary for cell, summary in summaries.items()}
+    headers = [
+        "arm",
+        "accuracy gain [95% CI]",
+        "minus the switch-off twin's, paired [95% CI]",
+        "collapsed / learned / did not learn",
+        f"tracking error, first {SWITCH_HORIZON} tokens after a switch",
+    ]
+    rows = []
+    for cell, summary in summaries.items():
+        twin = by_key.get(SWITCH_BASELINES.get(cell.method.key, ""))
+        difference = None if twin is None else paired_difference(summary, twin)
+        error = tracking.get(cell)
+        rows.append(
+            [
+                cell.method.label,
+                summary.gain.format(),
+                difference.format() if difference is not None else "",
+                _outcomes(summary),
+                "n/a"
+                if error is None or math.isnan(error.error)
+                else f"{error.error:.3f} ({error.switches} switches)",
             ]
         )
     return _table(headers, rows)

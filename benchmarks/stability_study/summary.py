@@ -36,6 +36,15 @@ KL_FACTOR = 4.0
 LEARNED_GAIN = 0.03
 
 COLLAPSED, LEARNED, DID_NOT_LEARN = "collapsed", "learned", "did not learn"
+# The paper's ratio diagnostics the learner logs every step, of the raw ratios (`raw_`) and of
+# the estimator's (`filtered_`: KPO's filtered ratio, the others' own).
+DYNAMICS = (
+    "switch_frequency",
+    "low_frequency_ratio",
+    "run_length_up",
+    "run_length_down",
+    "run_length_on",
+)
 
 
 @dataclass(frozen=True)
@@ -160,6 +169,8 @@ class CellSummary:
     staleness: Spread  # measured staleness_mean averaged over steps
     step_seconds: Spread
     outcomes: dict[int, Outcome]  # by seed
+    # `raw_<name>` and `filtered_<name>` of DYNAMICS, each averaged over steps, over seeds.
+    dynamics: dict[str, Spread]
 
     def count(self, kind: str) -> int:
         return sum(o.kind == kind for o in self.outcomes.values())
@@ -188,6 +199,11 @@ def summarize(results: Sequence[RunResult], kl_median: float) -> CellSummary:
         staleness=Spread.of([_mean(values_of(r, "staleness_mean")) for r in results]),
         step_seconds=Spread.of([_mean(values_of(r, "step_seconds")) for r in results]),
         outcomes={r.seed: outcome(r, kl_median) for r in results},
+        dynamics={
+            key: Spread.of([_mean(values_of(r, key)) for r in results])
+            for name in DYNAMICS
+            for key in (f"raw_{name}", f"filtered_{name}")
+        },
     )
 
 

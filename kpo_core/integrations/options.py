@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kpo_core.config import EstimatorConfig, describe_validation_error
+from kpo_core.config import EstimatorConfig, describe_validation_error, resolve_reference_length
 from kpo_core.ratios import get_estimator
 
 
@@ -16,8 +16,12 @@ def framework_estimator_config(
     options: Mapping[str, Any],
     framework_values: Mapping[str, tuple[str, Any]],
     options_name: str,
+    response_length: tuple[str, int | None],
 ) -> EstimatorConfig:
     """The config of `estimator` from `options` and the framework's own settings.
+
+    response_length: (the framework setting of its response limit, its value), to which
+    KPO's `reference_length: auto` resolves (`resolve_reference_length`), as in a run.
 
     framework_values: estimator option -> (the framework setting it comes from, its value), e.g.
     clip_low -> ("epsilon", 0.2). The framework owns these: one in `options` is refused. Every
@@ -30,8 +34,10 @@ def framework_estimator_config(
                 f"{options_name}.{option}: the framework's config sets this; use {setting} instead"
             )
     values = {**options, **{option: value for option, (_, value) in framework_values.items()}}
+    setting, length = response_length
     try:
-        return get_estimator(estimator).make_config(**values)
+        config = get_estimator(estimator).make_config(**values)
+        return resolve_reference_length(config, length, setting)
     except ValidationError as error:
         settings = {option: setting for option, (setting, _) in framework_values.items()}
         raise ValueError(describe_validation_error(error, options_name, settings)) from None

@@ -117,15 +117,18 @@ class KpoGRPOConfig(GRPOConfig):  # type: ignore[misc]
             )
 
     def estimator_config(self) -> EstimatorConfig:
-        """The kpo_core config: estimator_options, with the clip window from epsilon(_high)."""
+        """The kpo_core config: estimator_options, with the clip window from epsilon(_high) and
+        KPO's `reference_length: auto` resolved to max_completion_length."""
         options = _parse_options(self.estimator_options)
         if self.ratio_estimator == "token":
             # TRL's PPO clip has no dual clip; it stays off unless asked for.
             options.setdefault("dual_clip_c", None)
         high = self.epsilon if self.epsilon_high is None else self.epsilon_high
         from_trl = {"clip_low": ("epsilon", self.epsilon), "clip_high": ("epsilon_high", high)}
+        # TRL's response limit: KPO's `reference_length: auto` matches its constants to it.
+        length = ("max_completion_length", self.max_completion_length)
         return framework_estimator_config(
-            self.ratio_estimator, options, from_trl, "estimator_options"
+            self.ratio_estimator, options, from_trl, "estimator_options", length
         )
 
 

@@ -49,6 +49,10 @@ VERL_LOSSES: dict[str, str] = {
 }
 _ACTOR_PATH = "actor_rollout_ref.actor"
 _OPTIONS_PATH = f"{_ACTOR_PATH}.policy_loss.estimator_options"
+_RESPONSE_LENGTH_PATH = (
+    f"{_ACTOR_PATH}.policy_loss.response_length "
+    "(=${actor_rollout_ref.rollout.response_length}, verl's response limit)"
+)
 
 PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Any]]]
 
@@ -65,6 +69,9 @@ class KpoPolicyLossConfig(PolicyLossConfig):  # type: ignore[misc]
 
     estimator_options: dict[str, Any] = field(default_factory=dict)
     nonfinite: str = "raise"
+    # verl's response limit, which KPO's `reference_length: auto` resolves to. The actor config
+    # does not hold it (the rollout's does): `${actor_rollout_ref.rollout.response_length}`.
+    response_length: int | None = None
 
 
 def estimator_config(estimator: str, actor_config: Any) -> EstimatorConfig:
@@ -83,8 +90,10 @@ def estimator_config(estimator: str, actor_config: Any) -> EstimatorConfig:
     if estimator == "token":
         dual_clip = actor_config.get("clip_ratio_c", 3.0)
         from_actor["dual_clip_c"] = (f"{_ACTOR_PATH}.clip_ratio_c", dual_clip)
-    options = _policy_loss_section(actor_config).get("estimator_options") or {}
-    return framework_estimator_config(estimator, options, from_actor, _OPTIONS_PATH)
+    section = _policy_loss_section(actor_config)
+    options = section.get("estimator_options") or {}
+    length = (_RESPONSE_LENGTH_PATH, section.get("response_length"))
+    return framework_estimator_config(estimator, options, from_actor, _OPTIONS_PATH, length)
 
 
 def _policy_loss_section(actor_config: Any) -> Mapping[str, Any]:

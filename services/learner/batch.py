@@ -42,8 +42,11 @@ class TrainingBatch:
     behaviour_logp: [B, T] float32, the generation log-probs (0 off the mask).
     rewards: [B] float32 (as scored: may hold NaN/inf, which the step drops); group_ids: [B]
     int64, index of the row's group in the input list; correct: [B] bool (verified correct,
-    with a finite reward); versions: [B] int64, policy version that sampled the row;
-    staleness: [B] int64, learner version minus that version; truncated: [B] bool
+    with a finite reward); versions: [B] int64, policy version that sampled the row (its
+    first token); token_versions: [B, T] int64, the version that sampled each response token
+    (with in-flight weight updates a response may span several; read on the mask only, for
+    KPO's `version_switch`); staleness: [B] int64, learner version minus `versions`;
+    truncated: [B] bool
     (ended by a limit: any finish reason but "stop", the token, context, turn and call limits
     of a multi-turn response alike).
 
@@ -63,6 +66,7 @@ class TrainingBatch:
     group_ids: Tensor
     correct: Tensor
     versions: Tensor
+    token_versions: Tensor
     staleness: Tensor
     truncated: Tensor
     prompt_lengths: tuple[int, ...]
@@ -108,6 +112,7 @@ class TrainingBatch:
             response_ids=self.response_ids[:, :response],
             response_mask=self.response_mask[:, :response],
             behaviour_logp=self.behaviour_logp[:, :response],
+            token_versions=self.token_versions[:, :response],
         )
 
     def select(self, rows: Sequence[int]) -> TrainingBatch:
@@ -158,6 +163,12 @@ def _check_response(response: Response, row: int) -> None:
             f"{len(response.response_token_ids)} response tokens but an observation mask of "
             f"{len(observed)}"
         )
+    versions = response.token_versions
+    if versions and len(versions) != len(response.response_token_ids):
+        raise ValueError(
+            f"row {row} (prompt {response.prompt_id!r}) has "
+            f"{len(response.response_token_ids)} response tokens but {len(versions)} token versions"
+        )
 
 
 def collate(groups: Sequence[ScoredGroup], pad_id: int, learner_version: int) -> TrainingBatch:
@@ -182,6 +193,7 @@ def collate(groups: Sequence[ScoredGroup], pad_id: int, learner_version: int) ->
     attention_mask = torch.zeros((batch, width_p + width_t), dtype=torch.long)
     behaviour_logp = torch.zeros((batch, width_t), dtype=torch.float32)
     model_tokens = torch.zeros((batch, width_t), dtype=torch.bool)
+    token_versions = torch.zeros((batch, width_t), dtype=torch.long)
     for row, response in enumerate(responses):
         prompt, tokens = response.prompt_token_ids, response.response_token_ids
         start, end = width_p - len(prompt), width_p + len(tokens)
@@ -195,6 +207,7 @@ def collate(groups: Sequence[ScoredGroup], pad_id: int, learner_version: int) ->
             # everywhere off the mask.
             logprobs = torch.tensor(response.behaviour_logprobs, dtype=torch.float32)
             behaviour_logp[row, : len(tokens)] = torch.where(sampled, logprobs, 0.0)
+            token_versions[row, : len(tokens)] = torch.tensor(response.versions())
     versions = torch.tensor([r.policy_version for r in responses], dtype=torch.long)
     return TrainingBatch(
         input_ids=input_ids,
@@ -209,6 +222,7 @@ def collate(groups: Sequence[ScoredGroup], pad_id: int, learner_version: int) ->
             [is_correct(s) and math.isfinite(s.reward) for _, s in rows], dtype=torch.bool
         ),
         versions=versions,
+        token_versions=token_versions,
         staleness=learner_version - versions,
         truncated=torch.tensor([r.finish_reason != "stop" for r in responses]),
         prompt_lengths=tuple(len(r.prompt_token_ids) for r in responses),

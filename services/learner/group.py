@@ -87,7 +87,7 @@ class LearnerGroup:
             self.placement = placement_group([dict(bundle)] * learner.world_size, "PACK")
         self.ranks: list[Any] = []
         self.resume_timeout_s = learner.resume_timeout_s
-        # KPO's `reference_length: auto` is the run's response limit.
+        # KPO's `reference_length: auto` is the run's response limit (`LearnerCore` checks).
         algorithm = spec.algorithm.with_response_length(spec.generation.max_new_tokens)
         for rank in range(learner.world_size):
             options: dict[str, Any] = {

@@ -203,6 +203,7 @@ class RatioLog:
                     "mask": mask,
                     "row": part.rows,
                     "staleness": part.batch.staleness,
+                    "token_versions": self._pad(part.batch.token_versions, 0),
                     "advantage": part.advantages.detach().float(),
                     "minibatch": torch.full((part.batch.num_rows,), minibatch, device=mask.device),
                 }
@@ -256,7 +257,7 @@ class RatioLog:
         partial.replace(path)
 
 
-RATIO_FILE_ROWS = ("log_ratio", "mask", "row", "staleness", "advantage")
+RATIO_FILE_ROWS = ("log_ratio", "mask", "row", "staleness", "advantage", "token_versions")
 
 
 def ratio_file(ratio_dir: Path, version: int) -> Path:
@@ -265,8 +266,9 @@ def ratio_file(ratio_dir: Path, version: int) -> Path:
     The file (named after the step, version + 1) is a torch dict of the first epoch's rows in
     minibatch order, rows ascending within a minibatch: log_ratio [N, T] float32 (log of the raw
     ratio, z clamped to +-20, 0 off the mask), mask [N, T] bool, row [N] (the row's index in the
-    step's batch), staleness [N], advantage [N], minibatch [N]; and version (the weights the step
-    started from).
+    step's batch), staleness [N], advantage [N], minibatch [N], token_versions [N, T] int64 (the
+    policy version that sampled each token, 0 off the mask: where in-flight updates switched
+    the sampler); and version (the weights the step started from).
     """
     return ratio_dir / f"step-{version + 1:06d}.pt"
 
@@ -294,6 +296,8 @@ class LearnerCore:
         num_threads: int | None = None,
         ratio_dir: str | Path | None = None,
         group: RankGroup | None = None,
+        *,
+        response_length: int | None = None,
     ) -> None:
         """Load the model and tokenizer from `model_path`; version 0 is those weights.
 
@@ -302,6 +306,9 @@ class LearnerCore:
         torch.set_num_threads (a process-wide setting); `ratio_dir` receives the log-ratio
         files of `learner.record_ratios_every` (`ratio_file`). `group`: this rank's place in a
         learner group whose process group is joined already (default: a group of one).
+        `response_length`: the run's response limit (generation.max_new_tokens), which KPO's
+        `reference_length: auto` resolves to; it may be None only when `algorithm` needs no
+        length (resolved already, as the learner group hands it, or another setting).
         """
         if not temperature > 0:
             raise ValueError(
@@ -309,6 +316,7 @@ class LearnerCore:
             )
         if num_threads is not None:
             torch.set_num_threads(num_threads)
+        algorithm = algorithm.with_response_length(response_length)
         self.learner, self.algorithm, self.temperature = learner, algorithm, temperature
         self.group = group or RankGroup()
         self.model_path = str(model_path)
@@ -617,6 +625,7 @@ class LearnerCore:
             behaviour_logp=part.behaviour_logp,
             correction=algorithm.off_policy,
             nonfinite=self.learner.nonfinite,
+            token_versions=part.batch.token_versions,
         )
         mode = algorithm.resolved_loss_agg_mode
         loss = aggregate_loss(

@@ -50,7 +50,7 @@ def test_the_grid_has_the_pilot_and_every_arm_under_each_setting() -> None:
     keys = [c.key for s in SETTINGS for c in arm_cells(s)]
     assert len(set(keys)) == len(keys) == len(ARMS) * len(SETTINGS)
     names = {m.estimator["name"] for m in ARMS}
-    assert names == {"token", "sequence", "cumulative", "kalman"}
+    assert names == {"token", "sequence", "cumulative", "geometric", "kalman"}
     # The KPO arms pin the paper's constants, so that a change of defaults cannot move them.
     for method in ARMS:
         if method.estimator["name"] == "kalman":
@@ -62,7 +62,8 @@ def test_the_grid_has_the_pilot_and_every_arm_under_each_setting() -> None:
 
 def test_cell_specs_apply_the_arm_and_the_settings_overrides() -> None:
     base = load_run_spec(STUDY_CONFIG)
-    stressed = cell_spec(base, Cell(ARMS[4], STRESSES[0]), seed=2)  # kpo-matched, lr 3e-4
+    matched = next(m for m in ARMS if m.key == "kpo-matched")
+    stressed = cell_spec(base, Cell(matched, STRESSES[0]), seed=2)  # lr 3e-4
     assert stressed.seed == 2 and stressed.learner.lr == 3e-4
     assert (stressed.pipeline.mode, stressed.pipeline.max_staleness) == ("async", 8)
     assert stressed.pipeline.lead_batches == 8
@@ -253,22 +254,34 @@ def test_filter_comparison_shows_the_closed_form_drifting(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
+def run_tiny_study(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, phase: str, only: str, ratios_every: int
+) -> tuple[Path, Path, list[str]]:
+    """benchmarks/study.py on one seed of the cells matching `only`, 4 steps each, evaluated
+    on 16 prompts: (runs folder, docs folder, the arguments it ran with)."""
+    import study  # benchmarks/study.py
+
+    out, docs = tmp_path / "out", tmp_path / "docs"
+    argv = [
+        "--phase", phase, "--only", only, "--seeds", "1", "--eval-prompts", "16",
+        "--name", "tiny", "--set", "pipeline.steps=4", "--set", "pipeline.checkpoint_every=2",
+        "--set", f"learner.record_ratios_every={ratios_every}",
+        "--out", str(out), "--docs", str(docs), "--filter-lengths", "1024",
+    ]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", ["study.py", *argv])
+    study.main(argv)
+    return out, docs, argv
+
+
 @pytest.mark.timeout(900)
 def test_the_study_runs_two_arms_end_to_end_and_reports_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import study  # benchmarks/study.py
 
-    out, docs = tmp_path / "out", tmp_path / "docs"
-    argv = [
-        "--phase", "gentle", "--only", "^(grpo|kpo-matched)__gentle-sync$", "--seeds", "1",
-        "--eval-prompts", "16", "--name", "tiny",
-        "--set", "pipeline.steps=4", "--set", "pipeline.checkpoint_every=2",
-        "--set", "learner.record_ratios_every=2",
-        "--out", str(out), "--docs", str(docs), "--filter-lengths", "1024",
-    ]  # fmt: skip
-    monkeypatch.setattr(sys, "argv", ["study.py", *argv])
-    study.main(argv)
+    out, docs, argv = run_tiny_study(
+        tmp_path, monkeypatch, "gentle", "^(grpo|kpo-matched)__gentle-sync$", ratios_every=2
+    )
     run = out / "runs" / "kpo-matched__gentle-sync" / "seed-0"
     evals = json.loads((run / EVALS_FILE).read_text())
     assert sorted(int(s) for s in evals["evaluations"]) == [0, 2, 4]

@@ -99,6 +99,7 @@ def random_batch(rows: int, prompt: int, response: int, vocab: int) -> TrainingB
         group_ids=torch.zeros(rows, dtype=torch.long, device="cuda"),
         correct=torch.zeros(rows, dtype=torch.bool, device="cuda"),
         versions=torch.zeros(rows, dtype=torch.long, device="cuda"),
+        token_versions=torch.zeros((rows, response), dtype=torch.long, device="cuda"),
         staleness=torch.zeros(rows, dtype=torch.long, device="cuda"),
         truncated=torch.zeros(rows, dtype=torch.bool, device="cuda"),
         prompt_lengths=(prompt,) * rows,

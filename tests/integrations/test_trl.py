@@ -18,6 +18,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from trl import GRPOConfig, GRPOTrainer, TrlParser
 
+from kpo_core.config import KalmanEstimator
 from kpo_core.integrations.trl import KpoGRPOConfig, KpoGRPOTrainer
 from kpo_core.losses import NonFiniteInputError, token_policy_loss
 
@@ -413,3 +414,25 @@ def test_the_documented_example_trains(
     assert trainer.kpo_estimator.name == "kalman"
     assert (trainer.kpo_estimator.clip_low, trainer.kpo_estimator.clip_high) == (3e-4, 4e-4)
     assert any("kpo/clip_fraction" in entry for entry in trainer.state.log_history)
+
+
+def test_kpos_auto_length_resolves_to_trls_max_completion_length(tmp_path: Path) -> None:
+    # TRL's own GRPOConfig field is the response limit KPO's `reference_length: auto` uses.
+    config = trainer_args(KpoGRPOConfig, tmp_path, max_completion_length=96)
+    estimator = config.estimator_config()
+    assert isinstance(estimator, KalmanEstimator) and estimator.reference_length == 96
+    assert estimator.effective_q == pytest.approx(1e-6 * (4096 / 96) ** 2)
+    # TRL's default limit, when the run does not set one.
+    default = KpoGRPOConfig(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True)
+    assert default.max_completion_length is not None
+    assert default.estimator_config().reference_length == default.max_completion_length
+    # Unset, `auto` is refused at configuration naming the field; a length needs none.
+    with pytest.raises(ValueError, match="max_completion_length is not set"):
+        trainer_args(KpoGRPOConfig, tmp_path, max_completion_length=None)
+    explicit = trainer_args(
+        KpoGRPOConfig,
+        tmp_path,
+        max_completion_length=None,
+        estimator_options={"reference_length": 512},
+    )
+    assert explicit.estimator_config().reference_length == 512

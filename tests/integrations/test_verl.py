@@ -27,7 +27,13 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import ActorConfig
 from verl.workers.utils.losses import ppo_loss
 
-from kpo_core.integrations.verl import VERL_LOSSES, KpoPolicyLossConfig, register_verl_losses
+from kpo_core.config import KalmanEstimator
+from kpo_core.integrations.verl import (
+    VERL_LOSSES,
+    KpoPolicyLossConfig,
+    estimator_config,
+    register_verl_losses,
+)
 from kpo_core.losses import policy_loss
 
 AGG_MODES = (
@@ -194,13 +200,24 @@ def test_global_batch_info_normalises_like_verl(mode: str) -> None:
     assert abs(float(loss) - float(local)) > 1e-4
 
 
+# verl's response limit in these configs: KPO's `reference_length: auto` resolves to it.
+RESPONSE_LENGTH = 12
+
+
 def kpo_actor_config(loss_mode: str, mode: str, options: dict[str, Any]) -> ActorConfig:
     return actor_config(
         3e-4,
         4e-4,
         loss_agg_mode=mode,
-        policy_loss=KpoPolicyLossConfig(loss_mode=loss_mode, estimator_options=options),
+        policy_loss=KpoPolicyLossConfig(
+            loss_mode=loss_mode, estimator_options=options, response_length=RESPONSE_LENGTH
+        ),
     )
+
+
+def resolved(estimator: str, options: dict[str, Any], length: int = RESPONSE_LENGTH) -> dict:
+    """kpo_core's options for `estimator` with KPO's `auto` length resolved as verl's is."""
+    return {"reference_length": length, **options} if estimator == "kalman" else options
 
 
 @pytest.mark.parametrize(
@@ -221,7 +238,7 @@ def test_kpo_and_ctpo_in_verl_equal_kpo_core(
     config = kpo_actor_config(loss_mode, mode, options)
     loss, gradient, metrics = batch.loss(POLICY_LOSS_REGISTRY[loss_mode], config, mode)
     expected, expected_gradient, expected_metrics = batch.kpo_core_loss(
-        estimator, mode, clip_low=3e-4, clip_high=4e-4, **options
+        estimator, mode, clip_low=3e-4, clip_high=4e-4, **resolved(estimator, options)
     )
     torch.testing.assert_close(loss, expected, **TOLERANCE)
     torch.testing.assert_close(gradient, expected_gradient, **TOLERANCE)
@@ -291,6 +308,7 @@ def test_hydra_config_and_verls_ppo_loss_run_kpo_with_its_options() -> None:
                 "_target_": "kpo_core.integrations.verl.KpoPolicyLossConfig",
                 "loss_mode": "kpo",
                 "estimator_options": {"q": 1e-3, "r": 0.1},
+                "response_length": RESPONSE_LENGTH,
             },
         }
     )
@@ -300,7 +318,11 @@ def test_hydra_config_and_verls_ppo_loss_run_kpo_with_its_options() -> None:
     model_log_probs, data = micro_batch_tensordict(batch)
     loss, metrics = ppo_loss(config, {"log_probs": model_log_probs}, data)
     expected, _, _ = batch.kpo_core_loss(
-        "kalman", "seq-mean-token-mean", clip_low=0.2, clip_high=0.28, q=1e-3, r=0.1
+        "kalman",
+        "seq-mean-token-mean",
+        clip_low=0.2,
+        clip_high=0.28,
+        **resolved("kalman", {"q": 1e-3, "r": 0.1}),
     )
     torch.testing.assert_close(loss.detach(), expected, **TOLERANCE)
     assert "actor/kpo/kalman_gain_mean" in metrics
@@ -341,7 +363,11 @@ def test_nonfinite_inputs_raise_by_default_and_are_counted_when_masked() -> None
             POLICY_LOSS_REGISTRY["kpo"], kpo_actor_config("kpo", "token-mean", {}), "token-mean"
         )
     config = actor_config(
-        3e-4, 4e-4, policy_loss=KpoPolicyLossConfig(loss_mode="kpo", nonfinite="mask")
+        3e-4,
+        4e-4,
+        policy_loss=KpoPolicyLossConfig(
+            loss_mode="kpo", nonfinite="mask", response_length=RESPONSE_LENGTH
+        ),
     )
     loss, gradient, metrics = batch.loss(POLICY_LOSS_REGISTRY["kpo"], config, "token-mean")
     assert torch.isfinite(loss) and bool(torch.isfinite(gradient).all())
@@ -411,13 +437,48 @@ def test_the_documented_command_composes_with_verls_config_and_runs_kpo(
     assert actor.policy_loss.loss_mode == "kpo"
     batch = Batch(seed=5)
     loss, gradient, _ = batch.loss(POLICY_LOSS_REGISTRY["kpo"], actor, actor.loss_agg_mode)
+    # KPO's `auto` length is verl's own response limit: the rollout's, from data's.
+    length = composed.actor_rollout_ref.rollout.response_length
+    assert length == composed.data.max_response_length == 1024
+    assert actor.policy_loss.response_length == length
     expected, expected_gradient, _ = batch.kpo_core_loss(
         "kalman",
         "seq-mean-token-mean",
         clip_low=3e-4,
         clip_high=4e-4,
-        **actor.policy_loss.estimator_options,
+        **resolved("kalman", actor.policy_loss.estimator_options, length),
     )
     torch.testing.assert_close(loss, expected, **TOLERANCE)
     torch.testing.assert_close(gradient, expected_gradient, **TOLERANCE)
     assert actor.policy_loss.estimator_options == {"q": 1e-6, "r": 1.0}
+
+
+def test_kpos_auto_length_resolves_to_verls_response_length_from_its_real_config() -> None:
+    # verl's own ppo_trainer config, composed by Hydra: the response limit is the rollout's
+    # response_length (from data.max_response_length), handed to the policy loss section.
+    config_dir = Path(verl.__file__).parent / "trainer" / "config"
+    overrides = [
+        "data.max_response_length=256",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=kpo",
+        "actor_rollout_ref.actor.policy_loss._target_="
+        "kpo_core.integrations.verl.KpoPolicyLossConfig",
+        "+actor_rollout_ref.actor.policy_loss.response_length="
+        "${actor_rollout_ref.rollout.response_length}",
+    ]
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        composed = compose(config_name="ppo_trainer", overrides=overrides)
+    actor = omega_conf_to_dataclass(composed.actor_rollout_ref.actor)
+    config = estimator_config("kalman", actor)
+    assert isinstance(config, KalmanEstimator)
+    assert config.reference_length == 256
+    assert config.effective_q == pytest.approx(1e-6 * (4096 / 256) ** 2)
+    # Without it, `auto` is refused naming the setting to add, not left at 4,096 tokens.
+    unset = actor_config(3e-4, 4e-4, policy_loss=KpoPolicyLossConfig(loss_mode="kpo"))
+    with pytest.raises(ValueError, match=r"policy_loss\.response_length .* is not set"):
+        estimator_config("kalman", unset)
+    # An explicit length or the paper's constants need none.
+    paper = KpoPolicyLossConfig(loss_mode="kpo", estimator_options={"reference_length": None})
+    explicit = actor_config(3e-4, 4e-4, policy_loss=paper)
+    assert estimator_config("kalman", explicit).reference_length is None

@@ -37,7 +37,7 @@ from services.pipeline.outputs import RunDirectory
 from services.spec import LearnerConfig
 from services.tasks.models import resolve_model
 from services.tools.metrics import tool_metrics
-from tests.services.learner.conftest import sample_groups
+from tests.services.learner.conftest import MAX_NEW_TOKENS, sample_groups
 from tests.services.pipeline.conftest import tiny_spec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -104,7 +104,14 @@ def learner_record() -> dict[str, float]:
             "off_policy": {"tis_cap": 2.0, "mis_low": 0.5, "mis_high": 4.0},
         }
     )
-    core = LearnerCore(model_dir, LearnerConfig(lr=1e-3), algorithm, temperature=1.0, seed=0)
+    core = LearnerCore(
+        model_dir,
+        LearnerConfig(lr=1e-3),
+        algorithm,
+        temperature=1.0,
+        seed=0,
+        response_length=MAX_NEW_TOKENS,
+    )
     return core.train_step(sample_groups(model_dir))
 
 

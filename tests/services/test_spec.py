@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from kpo_core.config import describe_validation_error
 from services.generation.registry import backend_class, backend_names, backend_options
+from services.pipeline.evaluation import eval_sampling
 from services.spec import PipelineConfig, RunSpec
 
 # A run spec, or part of one, as plain data.
@@ -135,6 +136,7 @@ BIG_BATCH: Data = {"pipeline": {"batch_groups": 16_384}}
 STALE: Data = {"pipeline": {"max_staleness": 256}}
 LORA: Data = {"learner": {"lora": {}}}
 EVAL: Data = {"eval": {}}
+TRUNCATED: Data = {"algorithm": {"off_policy": {"truncated_sampling": "allow"}}}
 
 # (field, the largest value it takes, the rest of a spec in which that value is valid). The
 # numbers are written out rather than read from services.spec, so a changed bound shows here.
@@ -145,7 +147,7 @@ NUMERIC_BOUNDS: list[tuple[str, int | float, Data]] = [
     ("generation.num_gpus", 64, {}),
     ("generation.prompts_per_batch", 4096, {}),
     ("generation.group_size", 1024, {}),
-    ("generation.top_k", 2**20, {}),
+    ("generation.top_k", 2**20, TRUNCATED),
     ("generation.max_new_tokens", 131_072, {}),
     ("generation.options.max_batch_rows", 4096 * 1024, {}),
     ("generation.options.tensor_parallel_size", 64, VLLM),
@@ -179,6 +181,7 @@ NUMERIC_BOUNDS: list[tuple[str, int | float, Data]] = [
     ("eval.samples", 256, EVAL),
     ("eval.max_prompts", 16_384, EVAL),
     ("eval.max_new_tokens", 131_072, EVAL),
+    ("eval.top_k", 2**20, EVAL),
 ]
 
 
@@ -531,3 +534,30 @@ def test_tools_run_on_both_backends() -> None:
     )
     assert spec.tools.sandbox_url == "http://sandbox:8000"
     assert "tools" in RunSpec.model_json_schema()["properties"]
+
+
+@pytest.mark.parametrize(("field", "value"), [("top_p", 0.95), ("top_k", 40)])
+def test_truncated_training_sampling_is_refused_naming_the_field_and_the_option(
+    field: str, value: float
+) -> None:
+    with pytest.raises(ValidationError) as error:
+        RunSpec.model_validate({"generation": {field: value}})
+    (problem,) = error.value.errors()
+    assert problem["loc"] == ("generation", field)
+    assert "algorithm.off_policy.truncated_sampling: allow" in problem["msg"]
+    declared = RunSpec.model_validate({"generation": {field: value}, **TRUNCATED})
+    assert getattr(declared.generation, field) == value
+    assert declared.model_dump()["algorithm"]["off_policy"]["truncated_sampling"] == "allow"
+
+
+def test_evaluation_may_truncate_its_sampling_while_training_does_not() -> None:
+    spec = RunSpec.model_validate({"eval": {"top_p": 0.9, "top_k": 20}})
+    assert spec.generation.top_p == 1.0 and spec.generation.top_k == 0
+    assert spec.eval is not None
+    sampling = eval_sampling(spec.eval, spec.generation, seed=0, step=1)
+    assert (sampling.top_p, sampling.top_k) == (0.9, 20)
+    # Unset, evaluation samples as training does.
+    plain = RunSpec.model_validate({"eval": {}})
+    assert plain.eval is not None
+    sampling = eval_sampling(plain.eval, plain.generation, seed=0, step=1)
+    assert (sampling.top_p, sampling.top_k) == (1.0, 0)

@@ -352,6 +352,15 @@
       ["mode", modeOf(run) || "–"],
       ["max staleness", spec.pipeline ? fmt(spec.pipeline.max_staleness) : "–"],
     ];
+    // Truncated training sampling biases every ratio: a run that declared it says so here.
+    const offPolicy = (spec.algorithm && spec.algorithm.off_policy) || {};
+    if (offPolicy.truncated_sampling === "allow") {
+      const generation = spec.generation || {};
+      facts.push([
+        "truncated sampling",
+        `allowed (top_p ${fmt(generation.top_p)}, top_k ${fmt(generation.top_k)})`,
+      ]);
+    }
     $("run-name").textContent = runTitle(run);
     $("run-status").textContent = run.status;
     $("run-status").className = `badge ${run.status}`;

@@ -220,6 +220,28 @@ def test_text_from_the_store_is_shown_as_text(api: Api, page: WebDriver) -> None
     assert page.execute_script("return window.injected") is None
 
 
+def test_a_run_that_declared_truncated_sampling_shows_it(api: Api, page: WebDriver) -> None:
+    plain = add_run(api.store, "untruncated", 3)
+    spec = {
+        "name": "nucleus",
+        "generation": {"top_p": 0.9, "top_k": 0},
+        "algorithm": {
+            "estimator": {"name": "kalman"},
+            "off_policy": {"truncated_sampling": "allow"},
+        },
+    }
+    run_id = api.store.create_run(spec).id
+
+    page.get(f"{api.url}/#{run_id}")
+
+    wait_for(page, lambda d: text_of(d, "run-name") == "nucleus", "the run's facts")
+    facts = text_of(page, "run-facts")
+    assert "truncated sampling" in facts and "allowed (top_p 0.9, top_k 0)" in facts
+    page.get(f"{api.url}/#{plain}")
+    wait_for(page, lambda d: text_of(d, "run-name") == "untruncated", "the other run's facts")
+    assert "truncated sampling" not in text_of(page, "run-facts")
+
+
 def test_an_unknown_run_says_so(api: Api, page: WebDriver) -> None:
     page.get(f"{api.url}/#run-000000000000")
 

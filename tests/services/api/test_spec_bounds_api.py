@@ -36,3 +36,24 @@ def test_bounds_options_and_attention_are_a_422_naming_each_field(api: Api) -> N
     assert accepted.status_code == 201, accepted.text
     assert accepted.json()["spec"]["generation"]["options"] == {"max_batch_rows": 8}
     assert api.launcher.submitted == [accepted.json()["id"]]
+
+
+def test_truncated_training_sampling_is_a_422_until_declared_and_then_recorded(api: Api) -> None:
+    body: dict[str, Any] = {**TINY, "generation": {"group_size": 4, "top_p": 0.9}}
+    response = api.client.post("/v1/runs", json=body)
+    assert response.status_code == 422, response.text
+    fields = {f["field"]: f["message"] for f in response.json()["error"]["fields"]}
+    assert list(fields) == ["generation.top_p"]
+    message = fields["generation.top_p"]
+    assert "full softmax" in message and "biased" in message
+    assert "algorithm.off_policy.truncated_sampling: allow" in message
+    assert api.launcher.submitted == []
+    # Declared, the run is accepted and launched, and its stored spec says so.
+    body["algorithm"] = {"off_policy": {"truncated_sampling": "allow"}}
+    accepted = api.client.post("/v1/runs", json=body)
+    assert accepted.status_code == 201, accepted.text
+    run_id = accepted.json()["id"]
+    assert api.launcher.submitted == [run_id]
+    stored = api.client.get(f"/v1/runs/{run_id}").json()["spec"]
+    assert stored["algorithm"]["off_policy"]["truncated_sampling"] == "allow"
+    assert stored["generation"]["top_p"] == 0.9

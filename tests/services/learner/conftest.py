@@ -19,6 +19,9 @@ from services.spec import LearnerConfig
 
 PROMPTS = [Prompt("a", "1+2=", "3"), Prompt("b", "40-13=", "27"), Prompt("c", "7", "7")]
 GROUP_SIZE = 4
+# The response limit the groups are sampled with, and so the learner's `response_length`: the
+# shipped `reference_length: auto` resolves to it, as in a run.
+MAX_NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -33,7 +36,7 @@ def one_torch_thread() -> Iterator[None]:
 
 
 def sample_groups(
-    model_dir: Path, temperature: float = 1.0, seed: int = 3, max_new_tokens: int = 12
+    model_dir: Path, temperature: float = 1.0, seed: int = 3, max_new_tokens: int = MAX_NEW_TOKENS
 ) -> list[ScoredGroup]:
     """Groups sampled by an HF backend with the weights on disk (version 0), scored by hand.
 
@@ -71,7 +74,15 @@ def make_core(
         learner = {"strategy": "fsdp2", "world_size": group.world_size, **learner}
     config = LearnerConfig(**{"lr": 1e-3, **learner})
     algorithm_config = AlgorithmConfig.model_validate(settings)
-    return LearnerCore(model_dir, config, algorithm_config, temperature=1.0, seed=seed, group=group)
+    return LearnerCore(
+        model_dir,
+        config,
+        algorithm_config,
+        temperature=1.0,
+        seed=seed,
+        group=group,
+        response_length=MAX_NEW_TOKENS,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ from services.learner.batch import TrainingBatch, collate
 from services.learner.step import LearnerCore
 from services.messages import ScoredGroup
 from services.spec import LearnerConfig
-from tests.services.learner.conftest import make_core
+from tests.services.learner.conftest import MAX_NEW_TOKENS, make_core
 from tests.services.learner.test_group_equivalence import assert_same_parameters
 from tests.services.learner.test_step import (
     METRICS,
@@ -112,7 +112,11 @@ def with_behaviour(
 def core_with(model_dir: Path, algorithm: dict[str, Any], **learner: Any) -> LearnerCore:
     config = LearnerConfig(**{"lr": 1e-3, **learner})
     return LearnerCore(
-        model_dir, config, AlgorithmConfig.model_validate(algorithm), temperature=1.0
+        model_dir,
+        config,
+        AlgorithmConfig.model_validate(algorithm),
+        temperature=1.0,
+        response_length=MAX_NEW_TOKENS,
     )
 
 

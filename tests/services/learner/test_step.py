@@ -17,7 +17,7 @@ from services.learner.logprobs import response_logprobs
 from services.learner.step import LearnerCore, ratio_file
 from services.messages import ScoredGroup, ScoredResponse
 from services.spec import LearnerConfig
-from tests.services.learner.conftest import make_core
+from tests.services.learner.conftest import MAX_NEW_TOKENS, make_core
 
 DIAGNOSTICS = (
     "switch_frequency",
@@ -282,13 +282,29 @@ def test_a_zero_temperature_is_refused(tiny_model_dir: Path) -> None:
         LearnerCore(tiny_model_dir, LearnerConfig(), AlgorithmConfig(), temperature=0.0)
 
 
-RATIO_KEYS = {"log_ratio", "mask", "row", "staleness", "advantage", "minibatch", "version"}
+RATIO_KEYS = {
+    "log_ratio",
+    "mask",
+    "row",
+    "staleness",
+    "advantage",
+    "minibatch",
+    "version",
+    "token_versions",
+}
 
 
 def recording_core(model_dir: Path, ratio_dir: Path, **learner: object) -> LearnerCore:
     """The default (KPO) learner, lr 1e-3, saving log-ratios under `ratio_dir`."""
     config = LearnerConfig.model_validate({"lr": 1e-3, **learner})
-    return LearnerCore(model_dir, config, AlgorithmConfig(), temperature=1.0, ratio_dir=ratio_dir)
+    return LearnerCore(
+        model_dir,
+        config,
+        AlgorithmConfig(),
+        temperature=1.0,
+        ratio_dir=ratio_dir,
+        response_length=MAX_NEW_TOKENS,
+    )
 
 
 def check_ratio_record(record: dict[str, torch.Tensor], groups: list[ScoredGroup]) -> None:
@@ -306,6 +322,8 @@ def check_ratio_record(record: dict[str, torch.Tensor], groups: list[ScoredGroup
     # Every row once (first epoch), in minibatch order, traceable to the batch by its index.
     assert sorted(record["row"].tolist()) == list(range(rows))
     assert torch.equal(mask, batch.response_mask[record["row"]])
+    versions = batch.token_versions[record["row"]]
+    assert torch.equal(record["token_versions"][mask], versions[mask])
     # The first response of each group is the rewarded one: a positive advantage.
     first = record["row"] % 4 == 0
     assert bool((record["advantage"][first] > 0).all())
@@ -370,3 +388,17 @@ def test_record_ratios_every_zero_writes_nothing(
     for _ in range(2):
         core.train_step(groups)
     assert not ratio_dir.exists()
+
+
+def test_the_shipped_reference_length_resolves_to_the_response_limit(tiny_model_dir: Path) -> None:
+    # `reference_length: auto`, the default, is the run's response limit; a learner built
+    # without one is refused rather than left on the paper's 4,096-token constants.
+    with pytest.raises(ValueError, match=r"reference_length: auto .* generation\.max_new_tokens"):
+        LearnerCore(tiny_model_dir, LearnerConfig(), AlgorithmConfig(), temperature=1.0)
+    core = make_core(tiny_model_dir)
+    estimator = core.algorithm.estimator
+    assert estimator.name == "kalman" and estimator.reference_length == MAX_NEW_TOKENS
+    assert estimator.effective_q == pytest.approx(1e-6 * (4096 / MAX_NEW_TOKENS) ** 2)
+    # Another estimator, or an explicit length, needs none.
+    token = AlgorithmConfig.model_validate({"estimator": {"name": "token"}})
+    assert LearnerCore(tiny_model_dir, LearnerConfig(), token, 1.0).algorithm == token

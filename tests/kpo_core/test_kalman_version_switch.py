@@ -1,0 +1,192 @@
+"""KPO's `version_switch`: the filter at the tokens where the sampling policy changed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from kpo_core.config import DIFFUSE_P0_PER_R, KalmanEstimator
+from kpo_core.kalman import (
+    kalman_filter,
+    steady_state_covariance,
+    switch_process_noise,
+    version_switches,
+)
+from kpo_core.ratios import kalman_ratio
+
+
+def switching_reference(z, valid, versions, q, r, p0, x0, mode, switch_q):
+    """The textbook recursion in Python floats, with the switch rule written out: at a valid
+    token whose version differs from the previous valid token's, `reset` puts P back to p0
+    before the predict step and `inflate` adds switch_q to the predicted covariance."""
+    x, p, previous, out = x0, p0, None, []
+    for zt, mt, vt in zip(z, valid, versions, strict=True):
+        if mt:
+            switch = previous is not None and vt != previous
+            if switch and mode == "reset":
+                p = p0
+            p_prior = p + q + (switch_q if switch and mode == "inflate" else 0.0)
+            k = p_prior / (p_prior + r)
+            x = x + k * (zt - x)
+            p = (1.0 - k) * p_prior
+            previous = vt
+        out.append(x)
+    return out
+
+
+def two_version_row(length: int = 64, switch_at: int = 20) -> torch.Tensor:
+    versions = torch.zeros(1, length, dtype=torch.long)
+    versions[:, switch_at:] = 1
+    return versions
+
+
+def test_switches_skip_masked_tokens_and_the_first_token() -> None:
+    versions = torch.tensor([[3, 3, 9, 4, 4, 5, 5, 5]])
+    mask = torch.tensor([[0, 1, 0, 1, 1, 0, 1, 1]], dtype=torch.bool)
+    # Token 2 is masked (an observation: its version is no model token's); token 3 differs
+    # from token 1, the previous valid one; token 6 differs from token 4 across a masked 5.
+    expected = [[False, False, False, True, False, False, True, False]]
+    assert version_switches(versions, mask).tolist() == expected
+
+
+def test_inflate_noise_by_hand() -> None:
+    mask = torch.ones(1, 5, dtype=torch.bool)
+    switches = torch.tensor([[False, False, True, False, False]])
+    noise = switch_process_noise(switches, mask, 1e-4, 1.0, 0.0, "inflate", 0.5)
+    assert noise.tolist() == [[1e-4, 1e-4, 1e-4 + 0.5, 1e-4, 1e-4]]
+
+
+# (mode, q, r, p0, switch_q): reset needs a prior at least the steady state (here diffuse and
+# a finite one above it); inflate works from the paper's P0 = 0.
+CASES = [
+    ("reset", 1e-3, 1.0, DIFFUSE_P0_PER_R, 0.0),
+    ("reset", 1e-2, 2.0, 0.5, 0.0),
+    ("inflate", 1e-4, 1.0, 0.0, 1.0),
+    ("inflate", 3.4e-3, 0.5, 0.0, 0.05),
+]
+
+
+@pytest.mark.parametrize(("mode", "q", "r", "p0", "switch_q"), CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_switch_at_token_20_equals_the_hand_recursion(mode, q, r, p0, switch_q, dtype) -> None:
+    g = torch.Generator().manual_seed(3)
+    z = (torch.randn(1, 64, generator=g, dtype=torch.float64) * 0.1).to(dtype)
+    z[:, 20:] += 0.3  # the log-ratio jumps where the sampling policy changed
+    mask = torch.ones(1, 64, dtype=torch.bool)
+    versions = two_version_row()
+    switches = version_switches(versions, mask)
+    assert switches.nonzero().tolist() == [[0, 20]]
+    noise = switch_process_noise(switches, mask, q, r, p0, mode, switch_q)
+    expected = torch.tensor(
+        switching_reference(
+            z[0].double().tolist(), [True] * 64, versions[0].tolist(), q, r, p0, 0.0, mode, switch_q
+        ),
+        dtype=torch.float64,
+    )
+    parallel = kalman_filter(z, mask, noise, r, p0)
+    sequential = kalman_filter(z, mask, noise, r, p0, method="sequential")
+    torch.testing.assert_close(parallel[0].double(), expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(sequential[0].double(), expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(parallel, sequential, atol=1e-6, rtol=0)
+    # Before the switch the values are the plain filter's; after it they are not.
+    plain = kalman_filter(z, mask, q, r, p0)
+    torch.testing.assert_close(parallel[:, :20], plain[:, :20], atol=1e-6, rtol=0)
+    assert (parallel[:, 20:] - plain[:, 20:]).abs().max() > 1e-4
+
+
+def test_three_versions_across_observations_equal_the_hand_recursion() -> None:
+    g = torch.Generator().manual_seed(4)
+    z = torch.randn(1, 120, generator=g, dtype=torch.float64) * 0.2
+    mask = torch.ones(1, 120, dtype=torch.bool)
+    mask[:, 30:37] = False  # an observation: no version of its own, no measurement
+    mask[:, 110:] = False  # right padding
+    versions = torch.zeros(1, 120, dtype=torch.long)
+    versions[:, 33:] = 1  # the switch lands on the observation: token 37 is the first of v1
+    versions[:, 80:] = 2
+    switches = version_switches(versions, mask)
+    assert switches.nonzero()[:, 1].tolist() == [37, 80]
+    for mode, p0, switch_q in [("reset", DIFFUSE_P0_PER_R, 0.0), ("inflate", 0.0, 0.3)]:
+        noise = switch_process_noise(switches, mask, 1e-3, 1.0, p0, mode, switch_q)
+        expected = switching_reference(
+            z[0].tolist(), mask[0].tolist(), versions[0].tolist(), 1e-3, 1.0, p0, 0.0, mode,
+            switch_q,
+        )  # fmt: skip
+        x = kalman_filter(z, mask, noise, 1.0, p0)
+        torch.testing.assert_close(
+            x[0], torch.tensor(expected, dtype=torch.float64), atol=1e-9, rtol=0
+        )
+
+
+def _estimate(cfg: KalmanEstimator, z: torch.Tensor, mask, versions):
+    logp = z.clone()
+    ref = torch.zeros_like(z)
+    advantages = torch.ones_like(z)
+    return kalman_ratio(logp, ref, advantages, mask, cfg, versions)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        KalmanEstimator(version_switch="reset", p0="diffuse", q=1e-3, reference_length=None),
+        KalmanEstimator(version_switch="inflate", switch_q=1.0, reference_length=None),
+        KalmanEstimator(version_switch="inflate", gradient="through_filter", reference_length=64),
+    ],
+)
+def test_rows_of_one_version_are_unchanged_bit_for_bit(cfg: KalmanEstimator) -> None:
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(4, 64, generator=g) * 0.1
+    mask = torch.ones(4, 64, dtype=torch.bool)
+    mask[1, 50:] = False
+    mask[2, 10:15] = False
+    versions = torch.zeros(4, 64, dtype=torch.long)
+    versions[0, 20:] = 1  # the only row with a switch
+    versions[2, 10:15] = 7  # an observation's "version" is no switch
+    versions[3] = 5  # one version throughout, not the others'
+    today = _estimate(cfg.model_copy(update={"version_switch": "off"}), z, mask, None)
+    aware = _estimate(cfg, z, mask, versions)
+    assert torch.equal(aware.ratio[1:], today.ratio[1:])
+    if isinstance(aware.clip_low, torch.Tensor):
+        assert torch.equal(aware.clip_low[1:], today.clip_low[1:])
+    assert not torch.equal(aware.ratio[0, 20:], today.ratio[0, 20:])
+    torch.testing.assert_close(aware.ratio[0, :20], today.ratio[0, :20], atol=1e-6, rtol=0)
+    # `off` ignores the versions entirely.
+    off = _estimate(cfg.model_copy(update={"version_switch": "off"}), z, mask, versions)
+    assert torch.equal(off.ratio, today.ratio)
+
+
+def test_the_estimators_filtered_ratio_is_the_hand_recursions() -> None:
+    cfg = KalmanEstimator(version_switch="reset", p0="diffuse", q=1e-3, reference_length=None)
+    g = torch.Generator().manual_seed(6)
+    z = torch.randn(1, 64, generator=g, dtype=torch.float64) * 0.1
+    z[:, 20:] -= 0.5
+    mask = torch.ones(1, 64, dtype=torch.bool)
+    versions = two_version_row()
+    estimate = _estimate(cfg, z, mask, versions)
+    expected = switching_reference(
+        z[0].tolist(), [True] * 64, versions[0].tolist(), 1e-3, 1.0, cfg.effective_p0, 0.0,
+        "reset", 0.0,
+    )  # fmt: skip
+    torch.testing.assert_close(
+        estimate.ratio[0].log(), torch.tensor(expected, dtype=torch.float64), atol=1e-6, rtol=0
+    )
+    # Just after the reset the filter follows the new level (gain ~ 1); without it, it lags.
+    today = _estimate(cfg.model_copy(update={"version_switch": "off"}), z, mask, versions)
+    level = z[0, 20:36].mean()
+    lag_reset = (estimate.ratio[0, 20:36].log() - level).abs().mean()
+    lag_off = (today.ratio[0, 20:36].log() - level).abs().mean()
+    assert lag_reset < 0.5 * lag_off
+
+
+def test_reset_below_the_steady_state_covariance_is_refused_pointing_to_inflate() -> None:
+    with pytest.raises(ValidationError, match="p0: diffuse, or use version_switch 'inflate'"):
+        KalmanEstimator(version_switch="reset")  # the paper's P0 = 0
+    floor = steady_state_covariance(1e-2, 1.0)
+    KalmanEstimator(version_switch="reset", q=1e-2, p0=floor * 1.01, reference_length=None)
+    # The floor follows the length-matched q: resolving `auto` checks again.
+    cfg = KalmanEstimator(version_switch="reset", q=1e-6, p0=2e-3)
+    with pytest.raises(ValidationError, match="steady-state covariance"):
+        cfg.with_response_length(64)
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match="version_switch 'inflate'"):
+        switch_process_noise(mask, mask, 1e-2, 1.0, 0.0, "reset")

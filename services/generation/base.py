@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -40,6 +40,45 @@ class GroupRequest:
     prompt: Prompt
     group_size: int
     sampling: SamplingSettings
+
+
+RefusalReason = Literal["prompt_too_long", "refused"]
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A streamed request the worker did not generate: its prompt is dropped, not retried
+    (docs/reliability.md, fault policy). `reason` is what the driver counts it under."""
+
+    prompt_id: str
+    reason: RefusalReason
+    message: str
+
+
+@dataclass(frozen=True)
+class StreamedGroups:
+    """What one `next_groups` call of a generation worker returns: the groups that ended since
+    the last call, and the requests it refused meanwhile."""
+
+    groups: list[list[Response]]
+    refused: list[Refusal] = field(default_factory=list)
+
+
+class PromptTooLongError(ValueError):
+    """A prompt that leaves no room for a response token in the engine's context."""
+
+
+def check_prompt_lengths(
+    requests: Sequence[GroupRequest], prompt_ids: Sequence[Sequence[int]], context_limit: int
+) -> None:
+    """Refuse (PromptTooLongError naming the prompt) a prompt of `context_limit` tokens or more:
+    the engine could not sample a single token after it. Checked before anything is queued."""
+    for request, ids in zip(requests, prompt_ids, strict=True):
+        if len(ids) >= context_limit:
+            raise PromptTooLongError(
+                f"prompt {request.prompt.prompt_id!r} has {len(ids)} tokens; the engine takes "
+                f"{context_limit} tokens of prompt and response together"
+            )
 
 
 class GenerationBackend(ABC):

@@ -72,6 +72,7 @@ from services.generation.base import (
     GroupRequest,
     SamplingSettings,
     StateDictMismatchError,
+    check_prompt_lengths,
     encode_prompts,
     validate_requests,
 )
@@ -295,6 +296,7 @@ class VLLMBackend(GenerationBackend):
         from vllm import TokensPrompt
 
         prompt_ids = self.encode([request.prompt for request in requests])
+        check_prompt_lengths(requests, prompt_ids, self.max_model_len)
         if self._multi is not None:
             self._submit_multi_turn(self._multi, requests, prompt_ids)
             return

@@ -22,9 +22,14 @@ its responses in flight. At the end of a run (or a cancel) the final checkpoint 
 Hugging Face model to `RUN_DIR/model/`. Checkpoints are written beside the loop
 (`CheckpointWriter`): generation and scoring go on meanwhile.
 
-Faults (docs/reliability.md), handled by the `ActorSupervisor`: a generation actor that dies,
-raises, or returns nothing past its stall deadline is replaced and its prompts are issued again
-(a prompt whose generation failed twice fails the run, naming the actor and the error); a
+Faults (docs/reliability.md's fault policy). What a generation worker absorbs: a request its
+backend refuses (a prompt too long for the engine's context, one that encodes to nothing) comes
+back as a refusal, and its prompt is dropped and counted (`groups_dropped_invalid`); a failed
+weight load is retried once by the worker, and only a second failure reaches the driver, which
+replaces the worker (its prompts issued again, without counting against them). What the driver
+handles, by the `ActorSupervisor`: a generation actor that dies, raises, or returns nothing past
+its stall deadline is replaced and its prompts are issued again (a prompt whose generation
+raised on two actors fails the run, naming the actor and the error); a
 verifier actor that dies, raises or hangs past `reward.call_timeout_s` is replaced and its groups
 are scored again (twice failed: its responses are marked unverified, reward 0). Both draw on
 `pipeline.actor_replacements`. A learner rank that dies takes the attempt with it: every actor
@@ -47,7 +52,8 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from services.generation.base import GroupRequest, SamplingSettings
+from services.generation.base import GroupRequest, Refusal, SamplingSettings, StreamedGroups
+from services.generation.worker import WeightSwapError
 from services.messages import Prompt, Response, ScoredGroup, ScoredResponse
 from services.metrics import FAULT_COUNTERS, LEARNER_TOTALS
 from services.pipeline.actors import RunActors, check_cluster_resources, start_actors
@@ -105,6 +111,11 @@ class Counters:
     tokens_trained_total: int = 0
     rollouts_dropped_stale: int = 0  # responses
     groups_dropped_stale: int = 0
+    # Prompts a generation worker refused (too long for its context, or its backend refused
+    # them): dropped, never retried. Groups, and the responses they would have had.
+    groups_dropped_invalid: int = 0
+    rollouts_dropped_invalid: int = 0
+    prompts_too_long: int = 0  # of groups_dropped_invalid: the prompt did not fit the context
     elapsed_seconds: float = 0.0  # wall time of earlier attempts of this run
     # Faults survived (docs/reliability.md); also in every metrics record.
     learner_restarts: int = 0
@@ -480,7 +491,8 @@ class RunDriver:
         # trained after the groups admitted before it, so with the total admitted kept within
         # (version + max_staleness + 1) batches, none ages past the bound on the way.
         budget = (self.counters.step + pipe.max_staleness + 1) * pipe.batch_groups
-        admitted = self.counters.groups_issued - self.buffer.dropped_groups
+        dropped = self.buffer.dropped_groups + self.counters.groups_dropped_invalid
+        admitted = self.counters.groups_issued - dropped
         return min(self.buffer.free(), budget - admitted)
 
     def _sampling(self) -> SamplingSettings:
@@ -551,13 +563,14 @@ class RunDriver:
         elif isinstance(call, LearnerCall):
             self._on_trained(actors, call, result)
 
-    def _on_generated(
-        self, actors: RunActors, call: PollCall, groups: list[list[Response]]
-    ) -> None:
+    def _on_generated(self, actors: RunActors, call: PollCall, result: StreamedGroups) -> None:
         stream = self._streams[call.worker]
         if stream.actor is not call.actor:
             return  # the answer of an actor replaced meanwhile
         self._poll(actors, call.worker)
+        for refusal in result.refused:
+            self._drop_refused(stream, refusal)
+        groups = result.groups
         if not groups:
             return
         submitted = {pid: at for pid, (_, at) in stream.outstanding.items()}
@@ -572,6 +585,20 @@ class RunDriver:
         verifier = self._next_verifier % len(actors.verifiers)
         self._next_verifier += 1
         self._score(actors, verifier, prompts, groups)
+
+    def _drop_refused(self, stream: WorkerStream, refusal: Refusal) -> None:
+        """The worker did not generate this prompt and never will (docs/reliability.md): it is
+        dropped and counted, not retried, and the worker goes on."""
+        prompt = stream.dropped(refusal.prompt_id)
+        if prompt is None:
+            return
+        log.warning("prompt %r dropped (%s): %s", prompt.prompt_id, refusal.reason, refusal.message)
+        self.buffer.release(1)
+        self._failed_generations.pop(prompt.prompt_id, None)
+        self.counters.groups_dropped_invalid += 1
+        self.counters.rollouts_dropped_invalid += self.spec.generation.group_size
+        if refusal.reason == "prompt_too_long":
+            self.counters.prompts_too_long += 1
 
     def _score(
         self,
@@ -597,9 +624,10 @@ class RunDriver:
         if stream.actor is not actor:
             return  # this actor was replaced at an earlier failed call
         prompts = stream.take_all()
-        if isinstance(error, RayTaskError):
+        if isinstance(error, RayTaskError) and not isinstance(error, WeightSwapError):
             # The worker raised (its engine failed), which may be the prompts' doing: retried
-            # once on another actor, then the run fails naming the actor and the error.
+            # once on another actor, then the run fails naming the actor and the error. A weight
+            # load it gave up on is the worker's fault, not its prompts'.
             for prompt in prompts:
                 failed = self._failed_generations.get(prompt.prompt_id, 0) + 1
                 self._failed_generations[prompt.prompt_id] = failed
@@ -701,6 +729,9 @@ class RunDriver:
             "tokens_trained_total": self.counters.tokens_trained_total,
             "rollouts_dropped_stale": self.counters.rollouts_dropped_stale,
             "groups_dropped_stale": self.counters.groups_dropped_stale,
+            "rollouts_dropped_invalid": self.counters.rollouts_dropped_invalid,
+            "groups_dropped_invalid": self.counters.groups_dropped_invalid,
+            "prompts_too_long": self.counters.prompts_too_long,
             "buffer_groups": len(self.buffer),
             **totals,
             **self.counters.faults(),

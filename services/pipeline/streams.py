@@ -61,6 +61,14 @@ class WorkerStream:
             self.last_progress = now
         return prompts
 
+    def dropped(self, prompt_id: str) -> Prompt | None:
+        """Forget a prompt the worker refused (None if it no longer holds it)."""
+        held = self.outstanding.pop(prompt_id, None)
+        if held is None:
+            return None
+        self.last_progress = time.perf_counter()  # an answer, if not a group
+        return held[0]
+
     def take_all(self) -> list[Prompt]:
         """Every prompt the worker held (it died or was taken for hung), oldest first."""
         prompts = [prompt for prompt, _ in self.outstanding.values()]

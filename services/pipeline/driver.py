@@ -643,7 +643,7 @@ class RunDriver:
         self.counters.groups_issued -= len(prompts)
         if replacement is None:
             return
-        self._streams[index] = WorkerStream(replacement, ready=False)
+        self._streams[index] = WorkerStream(replacement, joined=False)
         self.weights.on_replaced(actors, index, self._streams[index])
         self._poll(actors, index)
 

@@ -106,11 +106,19 @@ class GenerationBackend(ABC):
     _weight_group: WeightGroup | None = None
     _weight_channel: Channel | None = None
     _staged: tuple[WeightsManifest, list[dict[str, torch.Tensor]]] | None = None
+    # A version whose load stopped part-way (a failed fetch or receive): the model is a mix of
+    # two versions, and `step` refuses to run until a complete version is loaded.
+    _torn_version: int | None = None
 
     @property
     @abstractmethod
     def policy_version(self) -> int:
         """Version of the weights currently loaded."""
+
+    @property
+    def torn_version(self) -> int | None:
+        """The version only partly loaded, if the last load stopped part-way."""
+        return self._torn_version
 
     # --- streaming ------------------------------------------------------------------------------
 

@@ -377,7 +377,10 @@ class GenerationWorkerImpl:
                 self._cv.notify_all()
 
     def _halted(self) -> bool:
-        return self._offer is not None and self._offer.error is not None
+        """No step now: the newest offer could not be loaded, or a receive stopped part-way
+        (a peer of the weight group died mid-broadcast) and the version is sent again."""
+        failed_offer = self._offer is not None and self._offer.error is not None
+        return failed_offer or self._backend.torn_version is not None
 
     def _swap_due(self) -> bool:
         """New weights wait for the engine: admission stops until they are loaded."""

@@ -95,6 +95,8 @@ FINAL_EVAL_TIMEOUT_S = 1800.0  # a final evaluation call longer than this is giv
 POLL_SECONDS = 5.0  # longest a worker's next_groups waits before answering with nothing
 SCORING_ATTEMPTS = 2  # a batch whose verifier actor failed this often is marked unverified
 GENERATION_ATTEMPTS = 2  # a prompt whose generation failed this often fails the run
+# A worker that does not answer a ping (PingCall) in this long is taken for hung.
+PING_TIMEOUT_S = 10.0
 VERIFIER_LOST = "verifier actor lost"  # the `failure` of a response no actor could score
 
 __all__ = ["FaultBudgetExhausted", "RunDriver"]
@@ -172,7 +174,17 @@ class LearnerPeerCall:
     """A learner call's result on a rank other than 0: watched so that its death is noticed."""
 
 
-PendingCall = SubmitCall | PollCall | ScoringCall | LearnerCall | LearnerPeerCall
+@dataclass(frozen=True)
+class PingCall:
+    """A worker overdue with a weight delivery is asked whether it still answers: one blocked in
+    a collective receive by a peer that hangs does (its clock starts again), the hung one not."""
+
+    worker: int
+    actor: Any
+    started: float
+
+
+PendingCall = SubmitCall | PollCall | ScoringCall | LearnerCall | LearnerPeerCall | PingCall
 
 
 @dataclass
@@ -436,11 +448,13 @@ class RunDriver:
     # --- the loop ---------------------------------------------------------------------------
 
     def _learner_busy(self) -> bool:
-        """The learner is stepping, sending weights, or its checkpoint is being written."""
-        return (
-            self._checkpoints.busy
-            or self.weights.sending
-            or any(isinstance(call, LearnerCall) for call in self._pending.values())
+        """The learner is stepping, its checkpoint is being written, or it is taken by weight
+        delivery (a collective group being formed, a send in flight or owed)."""
+        return self._learner_stepping() or self.weights.sending
+
+    def _learner_stepping(self) -> bool:
+        return self._checkpoints.busy or any(
+            isinstance(call, LearnerCall) for call in self._pending.values()
         )
 
     def _loop(self, actors: RunActors) -> None:
@@ -454,7 +468,7 @@ class RunDriver:
                 if not self._learner_busy():
                     return
             elif self.counters.step < total:
-                self.weights.regroup_if_needed(actors, self._learner_busy(), self._streams)
+                self.weights.regroup_if_needed(actors, self._learner_stepping())
                 self._dispatch_generation(actors)
                 self._dispatch_learner(actors)
             refs = list(self._pending) + self.weights.pending_refs()
@@ -547,7 +561,7 @@ class RunDriver:
         try:
             result = ray.get(ref)
         except (RayActorError, RayTaskError) as error:
-            if isinstance(call, SubmitCall | PollCall):
+            if isinstance(call, SubmitCall | PollCall | PingCall):
                 self._on_worker_failed(actors, call.worker, call.actor, error)
             elif isinstance(call, ScoringCall) and isinstance(error, RayTaskError):
                 self._on_scoring_raised(actors, call, error)
@@ -562,6 +576,9 @@ class RunDriver:
             self.buffer.add(result, reserved=len(call.prompts))
         elif isinstance(call, LearnerCall):
             self._on_trained(actors, call, result)
+        elif isinstance(call, PingCall) and self._streams[call.worker].actor is call.actor:
+            # It answers: its delivery waits on the weight group, not on it.
+            self._streams[call.worker].last_progress = time.perf_counter()
 
     def _on_generated(self, actors: RunActors, call: PollCall, result: StreamedGroups) -> None:
         stream = self._streams[call.worker]
@@ -687,14 +704,31 @@ class RunDriver:
         self.supervisor.stop_hung_verifiers(scoring)
         gen = self.spec.generation
         now = time.perf_counter()
+        pinged = {
+            call.worker: call for call in self._pending.values() if isinstance(call, PingCall)
+        }
         for index, stream in enumerate(self._streams):
-            if stream.stalled(now, gen.max_new_tokens, gen.first_group_timeout_s):
-                deadline = stream.stall_deadline(gen.max_new_tokens, gen.first_group_timeout_s)
-                self.supervisor.kill_as_hung(
-                    stream.actor,
-                    f"generation worker {index} returned no group in {deadline:.0f} s "
-                    f"holding {len(stream.outstanding)}",
-                )
+            ping = pinged.get(index)
+            if ping is not None and ping.actor is stream.actor:
+                if now - ping.started > PING_TIMEOUT_S:
+                    self.supervisor.kill_as_hung(
+                        stream.actor,
+                        f"generation worker {index} acknowledged no weights and did not answer "
+                        f"a ping in {PING_TIMEOUT_S:.0f} s",
+                    )
+                continue
+            if not stream.stalled(now, gen.max_new_tokens, gen.first_group_timeout_s):
+                continue
+            if stream.unacknowledged:  # a delivery is overdue: a peer of the group may block it
+                ref = stream.actor.policy_version.remote()
+                self._pending[ref] = PingCall(index, stream.actor, now)
+                continue
+            deadline = stream.stall_deadline(gen.max_new_tokens, gen.first_group_timeout_s)
+            self.supervisor.kill_as_hung(
+                stream.actor,
+                f"generation worker {index} returned no group in {deadline:.0f} s holding "
+                f"{len(stream.outstanding)} prompts",
+            )
 
     # --- learner steps, weights, checkpoints ---------------------------------------------------
 

@@ -46,11 +46,14 @@ class WorkerStream:
 
     def delivering(self, version: int) -> None:
         """A delivery of `version` is on its way: no prompt until it is acknowledged."""
+        if not self.outstanding and not self.unacknowledged:
+            self.last_progress = time.perf_counter()  # an idle worker is not late
         self.joined = True
         self.newest_delivered = max(self.newest_delivered, version)
         self.unacknowledged[version] += 1
 
     def acknowledged(self, version: int) -> None:
+        self.last_progress = time.perf_counter()
         self.unacknowledged[version] -= 1
         if self.unacknowledged[version] <= 0:
             del self.unacknowledged[version]
@@ -104,7 +107,9 @@ class WorkerStream:
         return STALL_FACTOR * max_new_tokens / tokens_per_row_second + STALL_MARGIN_S
 
     def stalled(self, now: float, max_new_tokens: int, first_group_timeout_s: float) -> bool:
-        if not self.outstanding:
+        """Holding prompts or a delivery of weights (a collective receive happens between two
+        decoding steps), it answered neither within its deadline."""
+        if not self.outstanding and not self.unacknowledged:
             return False
         deadline = self.stall_deadline(max_new_tokens, first_group_timeout_s)
         return now - self.last_progress > deadline

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from services.messages import Prompt, Response
-from services.weights.base import Channel, WeightGroup, WeightsManifest
+from services.weights.base import Channel, StateDictMismatchError, WeightGroup, WeightsManifest
 
 if TYPE_CHECKING:
     from services.tools.rollout import ToolSettings
@@ -286,10 +286,6 @@ class GenerationBackend(ABC):
         without loading override it, so a collective receive fails before staging.
         """
         return None
-
-
-class StateDictMismatchError(ValueError):
-    """A state dict whose keys or shapes do not match the live model's parameters."""
 
 
 def validate_sampling(sampling: SamplingSettings, group_size: int) -> None:

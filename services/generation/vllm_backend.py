@@ -71,7 +71,6 @@ from services.generation.base import (
     GenerationBackend,
     GroupRequest,
     SamplingSettings,
-    StateDictMismatchError,
     check_prompt_lengths,
     encode_prompts,
     validate_requests,
@@ -93,7 +92,7 @@ from services.generation.vllm_worker_extension import WeightLoadingExtension
 from services.messages import FinishReason, Prompt, Response
 from services.tools.rollout import ToolRollout, ToolSettings
 from services.tools.sandbox import ToolRunner
-from services.weights.base import WeightGroup, WeightsManifest
+from services.weights.base import StateDictMismatchError, WeightGroup, WeightsManifest
 from services.weights.buckets import bucket_tensors
 from services.weights.loading import check_manifest
 from services.weights.shared_memory import shared_bucket

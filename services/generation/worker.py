@@ -32,9 +32,6 @@ engine thread, which runs it between two steps.
   driver replaces the worker. Any other exception of the engine thread is fatal: every later
   call raises it (`EngineFailedError`), so the caller sees the worker's error instead of
   waiting on a dead engine.
-
-Legacy offers still accepted: a one-element list holding an ObjectRef of a state dict, a bare
-ref (Ray resolves it on arrival), or a state dict.
 """
 
 from __future__ import annotations
@@ -71,8 +68,6 @@ from services.weights.buckets import plan_buckets
 from services.weights.object_store import fetch_buckets, put_buckets
 
 StateDict: TypeAlias = Mapping[str, torch.Tensor]
-# What one offer can hold: see the module docstring.
-OfferSource: TypeAlias = "WeightsOffer | ray.ObjectRef[StateDict] | StateDict"
 
 # Loads of one offer before the worker gives up on it (the first may fail on a transient fetch).
 LOAD_ATTEMPTS = 2
@@ -121,7 +116,7 @@ class WeightSwapError(RuntimeError):
 @dataclass(eq=False)
 class _Offer:
     version: int
-    source: OfferSource
+    source: WeightsOffer
     error: BaseException | None = None  # why its last load failed, once it is given up
     attempts: int = 0  # loads tried
 
@@ -141,17 +136,15 @@ class _Task:
     done: Future[None]
 
 
-def _unwrap_offer(offer: Any) -> OfferSource:
-    """The WeightsOffer, ref or state dict inside an offer (a one-element list holds a
-    WeightsOffer or ref without Ray resolving anything)."""
-    if isinstance(offer, Sequence) and not isinstance(offer, str | bytes):
-        inner = offer[0] if len(offer) == 1 else None
-        if not isinstance(inner, WeightsOffer | ray.ObjectRef):
-            raise TypeError("a weights offer list must hold exactly one WeightsOffer or ObjectRef")
-        return inner
-    if not isinstance(offer, WeightsOffer | ray.ObjectRef | Mapping):
-        raise TypeError(f"unknown weights offer {type(offer).__name__}")
-    return offer
+def _unwrap_offer(offer: Any) -> WeightsOffer:
+    """The WeightsOffer inside an offer: a one-element list, so that Ray hands its bucket refs
+    over without fetching them (the one offer format)."""
+    inner = offer[0] if isinstance(offer, list) and len(offer) == 1 else None
+    if not isinstance(inner, WeightsOffer):
+        raise TypeError(
+            f"a weights offer is a one-element list holding a WeightsOffer, got {offer!r:.80}"
+        )
+    return inner
 
 
 class GenerationWorkerImpl:
@@ -302,17 +295,16 @@ class GenerationWorkerImpl:
         """Record weights of `version` for the engine to load (see the module docstring);
         False if not newer than what is loaded, staged or already offered."""
         source = _unwrap_offer(offer)
-        if isinstance(source, WeightsOffer):
-            if source.transport != "object_store":
-                raise ValueError(
-                    f"offer_weights takes object_store offers; a {source.transport!r} offer is "
-                    "received with receive_weights"
-                )
-            if source.manifest.version != version:
-                raise ValueError(
-                    f"offer of version {version} carries a manifest of version "
-                    f"{source.manifest.version}"
-                )
+        if source.transport != "object_store":
+            raise ValueError(
+                f"offer_weights takes object_store offers; a {source.transport!r} offer is "
+                "received with receive_weights"
+            )
+        if source.manifest.version != version:
+            raise ValueError(
+                f"offer of version {version} carries a manifest of version "
+                f"{source.manifest.version}"
+            )
         with self._cv:
             if version <= self._newest_version():
                 return False
@@ -486,12 +478,7 @@ class GenerationWorkerImpl:
 
     def _load(self, offer: _Offer) -> None:
         source = offer.source
-        if isinstance(source, WeightsOffer):
-            self._backend.load_weight_buckets(fetch_buckets(source), source.manifest)
-        elif isinstance(source, ray.ObjectRef):
-            self._backend.load_weights(ray.get(source), offer.version)
-        else:
-            self._backend.load_weights(source, offer.version)
+        self._backend.load_weight_buckets(fetch_buckets(source), source.manifest)
 
     def _swapped(self, start: float) -> None:
         seconds = time.perf_counter() - start

@@ -88,13 +88,15 @@ def test_batches_pick_up_the_newest_offered_weights(
     assert ray.get(worker.policy_version.remote()) == 2
     assert ray.get(worker.stats.remote()).weight_swaps == 1
 
-    # A stale offer is refused; legacy forms (a bare ref, resolved by Ray on arrival) work.
+    # A stale offer is refused; an offer in any other form than a WeightsOffer in a list too.
     _, acks = offer_weights_to([worker], 2, perturbed(weights, 0.1))
     assert ray.get(acks) == [False]
     bare = ray.put(perturbed(weights, 0.3))
-    assert ray.get(worker.offer_weights.remote(5, bare)) is True
-    third = flat(ray.get(worker.generate.remote(PROMPTS, 3, SAMPLING)))
-    assert {r.policy_version for r in third} == {5}
+    with pytest.raises(
+        ray.exceptions.RayTaskError, match="one-element list holding a WeightsOffer"
+    ):
+        ray.get(worker.offer_weights.remote(5, [bare]))
+    assert ray.get(worker.policy_version.remote()) == 2
 
 
 def test_stats_report_throughput(worker: Any) -> None:

@@ -13,13 +13,15 @@ only asked for while the learner is idle and only for the one batch it will trai
 on-policy baseline every async figure is compared with.
 
 The learner is a group of ranks (`services.learner.group`) that answers as one learner. After a
-step, its weights reach generation through `pipeline.weight_transport`: `object_store` (rank 0
-puts them into the object store bucket by bucket, every worker is offered the buckets and loads
-them when its swap policy allows) or `collective` (rank 0 broadcasts them bucket by bucket over
-a torch.distributed group that every worker's receiving processes joined). With
-`pipeline.in_flight_updates` a worker loads them between decoding steps, without waiting for
-its responses in flight. At the end of a run (or a cancel) the final checkpoint is exported as a
-Hugging Face model to `RUN_DIR/model/`. Checkpoints are written beside the loop
+step, the loop publishes the new version in a learner call of its own (`LearnerGroup.publish`,
+apart from `train_step`; its offer is awaited with the other calls, and the learner takes no
+step meanwhile), and the weights reach generation through `pipeline.weight_transport`:
+`object_store` (rank 0 puts them into the object store bucket by bucket, every worker is offered
+the buckets and loads them when its swap policy allows) or `collective` (rank 0 broadcasts them
+bucket by bucket over a torch.distributed group that every worker's receiving processes joined).
+With `pipeline.in_flight_updates` a worker loads them between decoding steps, without waiting
+for its responses in flight. At the end of a run (or a cancel) the final checkpoint is exported
+as a Hugging Face model to `RUN_DIR/model/`. Checkpoints are written beside the loop
 (`CheckpointWriter`): generation and scoring go on meanwhile.
 
 Faults (docs/reliability.md's fault policy). What a generation worker absorbs: a request its
@@ -163,7 +165,6 @@ class ScoringCall:
 
 @dataclass(frozen=True)
 class LearnerCall:
-    offer_ref: Any  # the ref of the step's WeightsOffer (None in tests that drive no learner)
     started: float
     version_spans: list[int] = field(default_factory=list)  # of the batch's responses
     tool_metrics: dict[str, float] = field(default_factory=dict)  # with tools: the batch's
@@ -246,6 +247,7 @@ class RunDriver:
         self._checkpoints = CheckpointWriter()
         self._curves = CurveDrawer(run_dir.path, spec.name)
         self._held_record: MetricsRecord | None = None  # waits for its step's checkpoint
+        self._publish_due = False  # a step finished: its version is published next
         self.supervisor = ActorSupervisor(
             spec,
             lambda: self.counters,
@@ -376,7 +378,7 @@ class RunDriver:
                     f"expected {resumed_step}"
                 )
             # Every worker holds the weights on disk: none takes a prompt until it acknowledged.
-            self.weights.publish(actors, version, actors.learner.initial_weights())
+            self.weights.publish(version, actors.learner.publish(version))
         for index in range(len(self._streams)):
             self._poll(actors, index)
         self._throughput = _Throughput()
@@ -403,6 +405,7 @@ class RunDriver:
         actors.kill()
         self._pending.clear()
         self._held_record = None
+        self._publish_due = False
         self.weights.reset()
         if self.evals is not None:
             self.evals.reset()
@@ -448,9 +451,16 @@ class RunDriver:
     # --- the loop ---------------------------------------------------------------------------
 
     def _learner_busy(self) -> bool:
-        """The learner is stepping, its checkpoint is being written, or it is taken by weight
-        delivery (a collective group being formed, a send in flight or owed)."""
-        return self._learner_stepping() or self.weights.sending
+        """The learner is stepping, its checkpoint is being written, its new version waits to
+        be published, or it is taken by weight delivery (publishing, a collective group being
+        formed, a send in flight or owed)."""
+        return self._learner_stepping() or self._publish_due or self.weights.sending
+
+    def _dispatch_publish(self, actors: RunActors) -> None:
+        """Publish the version the learner just trained (the learner takes no step before)."""
+        if self._publish_due:
+            self._publish_due = False
+            self.weights.publish(self.counters.step, actors.learner.publish(self.counters.step))
 
     def _learner_stepping(self) -> bool:
         return self._checkpoints.busy or any(
@@ -464,11 +474,12 @@ class RunDriver:
                 self._on_checkpointed()
                 continue
             self._curves.poll()
+            self._dispatch_publish(actors)
+            self.weights.regroup_if_needed(actors, self._learner_stepping())
             if self._cancel:
                 if not self._learner_busy():
                     return
             elif self.counters.step < total:
-                self.weights.regroup_if_needed(actors, self._learner_stepping())
                 self._dispatch_generation(actors)
                 self._dispatch_learner(actors)
             refs = list(self._pending) + self.weights.pending_refs()
@@ -501,10 +512,13 @@ class RunDriver:
             return pipe.batch_groups - len(self.buffer) - self.buffer.reserved
         if pipe.admission == "capacity":
             return self.buffer.free()
-        # A group admitted now is generated with version >= the learner's current one and is
-        # trained after the groups admitted before it, so with the total admitted kept within
-        # (version + max_staleness + 1) batches, none ages past the bound on the way.
-        budget = (self.counters.step + pipe.max_staleness + 1) * pipe.batch_groups
+        # A group admitted now is generated with version >= the one last delivered (a worker
+        # takes no prompt before it acknowledged it) and is trained after the groups admitted
+        # before it, so with the total admitted kept within (version + max_staleness + 1)
+        # batches, none ages past the bound on the way. The learner's step may be ahead of it
+        # while its publish is gathered.
+        version = self.weights.delivered_version
+        budget = (version + pipe.max_staleness + 1) * pipe.batch_groups
         dropped = self.buffer.dropped_groups + self.counters.groups_dropped_invalid
         admitted = self.counters.groups_issued - dropped
         return min(self.buffer.free(), budget - admitted)
@@ -552,8 +566,8 @@ class RunDriver:
         responses = [r.response for group in batch for r in group.responses]
         spans = [response.version_span for response in responses]
         tools = tool_metrics(responses) if self.spec.tools.enabled else {}
-        refs = actors.learner.step(batch)
-        self._pending[refs.metrics] = LearnerCall(refs.weights, time.perf_counter(), spans, tools)
+        refs = actors.learner.train_step(batch)
+        self._pending[refs.metrics] = LearnerCall(time.perf_counter(), spans, tools)
         for ref in refs.peers:
             self._pending[ref] = LearnerPeerCall()
 
@@ -737,8 +751,7 @@ class RunDriver:
     ) -> None:
         step_seconds = time.perf_counter() - call.started
         self.counters.step += 1
-        if call.offer_ref is not None:
-            self.weights.publish(actors, self.counters.step, call.offer_ref)
+        self._publish_due = True  # by the loop, in a learner call of its own
         self.buffer.evict_stale(self.counters.step)
         self.counters.rollouts_dropped_stale = self.buffer.dropped_responses
         self.counters.groups_dropped_stale = self.buffer.dropped_groups

@@ -33,6 +33,7 @@ from typing import Any, Literal
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from services.learner.group import PublishRefs
 from services.pipeline.actors import RunActors
 from services.pipeline.streams import WorkerStream
 from services.weights.base import WeightGroup, WeightsOffer, WeightTransportName
@@ -58,6 +59,15 @@ class _WorkerAck:
 @dataclass(frozen=True)
 class _LearnerSend:
     """One learner rank's part of a collective send."""
+
+
+@dataclass(frozen=True)
+class _Publishing:
+    """A rank's part of publishing `version`: gathering it (rank 0: and putting it into the
+    object store), rank 0's answering with the offer."""
+
+    version: int
+    rank_zero: bool
 
 
 @dataclass(frozen=True)
@@ -91,7 +101,11 @@ class WeightSync:
         """Forget everything of an attempt whose actors are gone."""
         self._offer: WeightsOffer | None = None
         self._version = 0
-        self._calls: dict[Any, _WorkerAck | _LearnerSend | _Rendezvous] = {}
+        # The newest version on its way to every worker (no worker takes a prompt before it
+        # acknowledged it): what the staleness admission counts from. It lags the learner's
+        # step while a publish is gathered, or a collective send waits for its group.
+        self.delivered_version = 0
+        self._calls: dict[Any, _WorkerAck | _LearnerSend | _Rendezvous | _Publishing] = {}
         self._streams: list[WorkerStream] = []
         self._group_generation = 0
         self._forming: _Forming | None = None
@@ -106,7 +120,7 @@ class WeightSync:
         return (
             self._owed
             or self._forming is not None
-            or any(isinstance(call, _LearnerSend) for call in self._calls.values())
+            or any(isinstance(call, _LearnerSend | _Publishing) for call in self._calls.values())
         )
 
     def pending_refs(self) -> list[Any]:
@@ -177,14 +191,19 @@ class WeightSync:
 
     # --- publishing ---------------------------------------------------------------------------
 
-    def publish(self, actors: RunActors, version: int, offer_ref: Any) -> None:
-        """Deliver the weights of `version`, whose offer `offer_ref` the learner returned (a
-        ready ref: the driver hands it over once the step's result is in)."""
-        offer: WeightsOffer = ray.get(offer_ref)  # small: names, shapes and bucket refs
+    def publish(self, version: int, refs: PublishRefs) -> None:
+        """Deliver the weights of `version` once the learner's publish (`refs`) has its offer:
+        awaited with the loop's other calls, never blocking it."""
+        self._calls[refs.offer] = _Publishing(version, rank_zero=True)
+        for ref in refs.peers:
+            self._calls[ref] = _Publishing(version, rank_zero=False)
+
+    def _deliver(self, actors: RunActors, version: int, offer: WeightsOffer) -> None:
         self._offer, self._version = offer, version
         if self.transport == "object_store":
             for index, stream in enumerate(self._streams):
                 self._offer_to(index, stream)
+            self.delivered_version = version
         elif self._regroup or self._forming is not None:
             self._owed = True  # sent once the re-formed group stands
         else:
@@ -205,6 +224,7 @@ class WeightSync:
             stream.delivering(self._version)
             ref = stream.actor.receive_weights.remote(self._offer.manifest)
             self._calls[ref] = _WorkerAck(index, stream.actor, self._version)
+        self.delivered_version = self._version
 
     def complete(self, actors: RunActors, ref: Any, on_worker_failed: WorkerFailed) -> None:
         """React to one finished delivery call."""
@@ -216,6 +236,9 @@ class WeightSync:
             return
         if isinstance(call, _Rendezvous):
             self._on_rendezvous(actors, call, result, None)
+        elif isinstance(call, _Publishing):
+            if call.rank_zero:
+                self._deliver(actors, call.version, result)
         elif isinstance(call, _WorkerAck):
             stream = self._streams[call.worker]
             if stream.actor is call.actor:
@@ -225,7 +248,7 @@ class WeightSync:
     def _on_failed(
         self,
         actors: RunActors,
-        call: _WorkerAck | _LearnerSend | _Rendezvous,
+        call: _WorkerAck | _LearnerSend | _Rendezvous | _Publishing,
         error: RayActorError | RayTaskError,
         on_worker_failed: WorkerFailed,
     ) -> None:
@@ -237,6 +260,8 @@ class WeightSync:
                 on_worker_failed(actors, call.worker, call.actor, error)
             self._on_rendezvous(actors, call, None, error)
             return
+        if isinstance(call, _Publishing):
+            raise error  # the learner's: its death ends the attempt, its error the run
         if isinstance(call, _LearnerSend):
             if isinstance(error, RayActorError):
                 raise error  # a learner rank died: the attempt ends

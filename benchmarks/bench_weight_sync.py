@@ -167,7 +167,8 @@ def measure_transport(
         ray.get(learner.new_version.remote(), timeout=timeout)
         ray.get([actor.start_measure.remote() for actor in everyone], timeout=timeout)
         start = time.perf_counter()
-        offer: WeightsOffer = ray.get(learner.initial_weights.remote(), timeout=timeout)
+        # new_version changes the weights, not the version number (still 0).
+        offer: WeightsOffer = ray.get(learner.publish.remote(0), timeout=timeout)
         if transport == "object_store":
             # In a list, as the driver does: each worker gets the refs, not the buckets.
             ray.get([r.fetch.remote([offer]) for r in receivers], timeout=timeout)

@@ -133,8 +133,8 @@ def _gauge(
     return MetricKey(key, Kind.GAUGE, unit, help, source, name, plot=plot, note=note)
 
 
-def _counter(key: str, name: str, unit: str, help: str) -> MetricKey:
-    return MetricKey(key, Kind.COUNTER, unit, help, _D, name)
+def _counter(key: str, name: str, unit: str, help: str, note: str = "") -> MetricKey:
+    return MetricKey(key, Kind.COUNTER, unit, help, _D, name, note=note)
 
 
 def _record(key: str, unit: str, help: str, source: Source = _L, note: str = "") -> MetricKey:
@@ -461,6 +461,27 @@ STALENESS = Group(
             "kpo_groups_dropped_stale_total",
             "groups",
             "Response groups dropped for exceeding the staleness bound.",
+        ),
+        _counter(
+            "rollouts_dropped_invalid",
+            "kpo_rollouts_dropped_invalid_total",
+            "responses",
+            "Responses never generated because their prompt was refused by a generation worker.",
+            note="group_size per prompt counted in groups_dropped_invalid.",
+        ),
+        _counter(
+            "groups_dropped_invalid",
+            "kpo_groups_dropped_invalid_total",
+            "groups",
+            "Prompts a generation worker refused (dropped, not retried; reliability.md).",
+            note="Prompts too long for the engine's context, and requests its backend refused.",
+        ),
+        _counter(
+            "prompts_too_long",
+            "kpo_prompts_too_long_total",
+            "groups",
+            "Prompts dropped because they leave no room for a response in the engine's context.",
+            note="Counted in groups_dropped_invalid too.",
         ),
         _gauge(
             "buffer_groups",

@@ -5,13 +5,13 @@ from __future__ import annotations
 import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from services.messages import Prompt, Response
-from services.weights.base import Channel, WeightGroup, WeightsManifest
+from services.weights.base import Channel, StateDictMismatchError, WeightGroup, WeightsManifest
 
 if TYPE_CHECKING:
     from services.tools.rollout import ToolSettings
@@ -42,6 +42,45 @@ class GroupRequest:
     sampling: SamplingSettings
 
 
+RefusalReason = Literal["prompt_too_long", "refused"]
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A streamed request the worker did not generate: its prompt is dropped, not retried
+    (docs/reliability.md, fault policy). `reason` is what the driver counts it under."""
+
+    prompt_id: str
+    reason: RefusalReason
+    message: str
+
+
+@dataclass(frozen=True)
+class StreamedGroups:
+    """What one `next_groups` call of a generation worker returns: the groups that ended since
+    the last call, and the requests it refused meanwhile."""
+
+    groups: list[list[Response]]
+    refused: list[Refusal] = field(default_factory=list)
+
+
+class PromptTooLongError(ValueError):
+    """A prompt that leaves no room for a response token in the engine's context."""
+
+
+def check_prompt_lengths(
+    requests: Sequence[GroupRequest], prompt_ids: Sequence[Sequence[int]], context_limit: int
+) -> None:
+    """Refuse (PromptTooLongError naming the prompt) a prompt of `context_limit` tokens or more:
+    the engine could not sample a single token after it. Checked before anything is queued."""
+    for request, ids in zip(requests, prompt_ids, strict=True):
+        if len(ids) >= context_limit:
+            raise PromptTooLongError(
+                f"prompt {request.prompt.prompt_id!r} has {len(ids)} tokens; the engine takes "
+                f"{context_limit} tokens of prompt and response together"
+            )
+
+
 class GenerationBackend(ABC):
     """Samples groups of responses with behaviour log-probs and swaps weights in place.
 
@@ -67,11 +106,19 @@ class GenerationBackend(ABC):
     _weight_group: WeightGroup | None = None
     _weight_channel: Channel | None = None
     _staged: tuple[WeightsManifest, list[dict[str, torch.Tensor]]] | None = None
+    # A version whose load stopped part-way (a failed fetch or receive): the model is a mix of
+    # two versions, and `step` refuses to run until a complete version is loaded.
+    _torn_version: int | None = None
 
     @property
     @abstractmethod
     def policy_version(self) -> int:
         """Version of the weights currently loaded."""
+
+    @property
+    def torn_version(self) -> int | None:
+        """The version only partly loaded, if the last load stopped part-way."""
+        return self._torn_version
 
     # --- streaming ------------------------------------------------------------------------------
 
@@ -239,10 +286,6 @@ class GenerationBackend(ABC):
         without loading override it, so a collective receive fails before staging.
         """
         return None
-
-
-class StateDictMismatchError(ValueError):
-    """A state dict whose keys or shapes do not match the live model's parameters."""
 
 
 def validate_sampling(sampling: SamplingSettings, group_size: int) -> None:

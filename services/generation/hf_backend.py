@@ -24,7 +24,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 from services.generation.base import (
     GenerationBackend,
     GroupRequest,
-    StateDictMismatchError,
     encode_prompts,
     validate_sampling,
 )
@@ -34,7 +33,7 @@ from services.generation.hf_sampling import processed_logprobs
 from services.messages import Prompt, Response
 from services.tools.rollout import ToolRollout, ToolSettings
 from services.tools.sandbox import ToolRunner
-from services.weights.base import WeightsManifest
+from services.weights.base import StateDictMismatchError, WeightsManifest
 from services.weights.loading import check_manifest, load_buckets_into, module_shapes
 
 

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from services.generation.base import GroupRequest, validate_requests
+from services.generation.base import GroupRequest, check_prompt_lengths, validate_requests
 from services.generation.hf_batch import RunningBatch, left_pad
 from services.generation.hf_sampling import sample_rows
 from services.messages import Response
@@ -172,6 +172,8 @@ class ContinuousBatcher:
         if not requests:
             return
         prompt_ids = self._encode(requests)
+        if self._context_limit:
+            check_prompt_lengths(requests, prompt_ids, self._context_limit)
         for request, ids in zip(requests, prompt_ids, strict=True):
             size = request.group_size
             noise = GroupNoise(size, request.sampling.seed, self._device)
@@ -369,6 +371,8 @@ class ContinuousBatcher:
                 return "stop"
             if len(row.tokens) >= row.group.request.sampling.max_new_tokens:
                 return "length"
+            if self._context_limit and row.context_length >= self._context_limit:
+                return "length"  # the model's positions end here (vLLM ends it the same way)
             return "continue"
         assert row.text is not None
         piece = row.text.push(row.tokens)

@@ -72,7 +72,7 @@ from services.generation.base import (
     GenerationBackend,
     GroupRequest,
     SamplingSettings,
-    StateDictMismatchError,
+    check_prompt_lengths,
     encode_prompts,
     validate_requests,
 )
@@ -93,7 +93,7 @@ from services.generation.vllm_worker_extension import WeightLoadingExtension
 from services.messages import FinishReason, Prompt, Response
 from services.tools.rollout import ToolRollout, ToolSettings
 from services.tools.sandbox import ToolRunner
-from services.weights.base import WeightGroup, WeightsManifest
+from services.weights.base import StateDictMismatchError, WeightGroup, WeightsManifest
 from services.weights.buckets import bucket_tensors
 from services.weights.loading import check_manifest
 from services.weights.shared_memory import shared_bucket
@@ -296,6 +296,7 @@ class VLLMBackend(GenerationBackend):
         from vllm import TokensPrompt
 
         prompt_ids = self.encode([request.prompt for request in requests])
+        check_prompt_lengths(requests, prompt_ids, self.max_model_len)
         if self._multi is not None:
             multi_turn = [i for i, r in enumerate(requests) if r.prompt.takes_tools]
             self._submit_multi_turn(

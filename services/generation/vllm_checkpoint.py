@@ -14,8 +14,7 @@ from pathlib import Path
 
 import torch
 
-from services.generation.base import StateDictMismatchError
-from services.weights.base import TensorSpec, WeightsManifest
+from services.weights.base import StateDictMismatchError, TensorSpec, WeightsManifest
 from services.weights.buckets import plan_buckets
 
 

@@ -31,22 +31,13 @@ from services.generation.vllm_transfer import (
     open_shared_bucket,
 )
 from services.weights.base import WeightsManifest
+from services.weights.loading import with_aliases
 
 if TYPE_CHECKING:
     from services.weights.base import Channel
 
 # How `kpo_receive_weights` treats what it receives.
 RECEIVE_MODES = ("apply", "stage", "drain")
-
-
-def _with_aliases(bucket: Mapping[str, Tensor], aliases: Mapping[str, str]) -> dict[str, Tensor]:
-    """The bucket plus each tied alias of a tensor in it (vLLM's loaders skip the ones a tied
-    model does not hold, e.g. `lm_head.weight`)."""
-    out = dict(bucket)
-    for alias, name in aliases.items():
-        if name in bucket:
-            out[alias] = bucket[name]
-    return out
 
 
 class WeightLoadingExtension:
@@ -99,7 +90,7 @@ class WeightLoadingExtension:
         from vllm.config import set_current_vllm_config
 
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            self.model_runner.get_model().load_weights(_with_aliases(bucket, aliases).items())
+            self.model_runner.get_model().load_weights(with_aliases(bucket, aliases).items())
 
     def _kpo_load_version(
         self, manifest: WeightsManifest, buckets: Iterable[Mapping[str, Tensor]]

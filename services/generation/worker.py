@@ -7,8 +7,9 @@ hand anything that needs the backend (a collective receive, joining a weight gro
 engine thread, which runs it between two steps.
 
 - `submit(requests)` queues groups; `next_groups(timeout_s)` returns every group that ended
-  since the last call, as soon as one has (or [] after the timeout). `generate` is the blocking
-  form for evaluation and benchmarks; its groups decode in the same running batch.
+  since the last call, as soon as one has (or nothing after the timeout), with the requests
+  the backend refused meanwhile. `generate` is the blocking form for evaluation and
+  benchmarks; its groups decode in the same running batch.
 - Weights: `offer_weights(version, [offer])` records the newest object-store offer (a
   `WeightsOffer`, in a one-element list so Ray hands over its bucket refs unfetched; an older
   offer not yet loaded is dropped unfetched). The engine loads it when there is work to do:
@@ -22,14 +23,15 @@ engine thread, which runs it between two steps.
   updates, or nothing in flight) or staging on the CPU until the groups in flight have ended.
   Decoding pauses while the engine thread receives (or joins a group: at start and when the
   group is re-formed), since the backend's weights are what it would decode with.
-- Errors: a failed weight load keeps the offer and halts the engine (it never samples with
-  weights older than it was offered); `next_groups` and `generate` raise it until a newer offer
-  arrives, and the next `submit` or `generate` tries the load again. Any other exception of the
-  engine thread is fatal: every later call raises it (`EngineFailedError`), so the caller sees
-  the worker's error instead of waiting on a dead engine.
-
-Legacy offers still accepted: a one-element list holding an ObjectRef of a state dict, a bare
-ref (Ray resolves it on arrival), or a state dict.
+- Faults (the policy is docs/reliability.md's table): a request the backend refuses (a prompt
+  longer than its context, one that encodes to nothing) is not generated and not raised: it
+  comes back from `next_groups` as a `Refusal` with its reason, and the other requests go on.
+  A failed weight load is retried once from the same offer; a second failure keeps the offer
+  and halts the engine (it never samples with weights older than it was offered):
+  `next_groups` and `generate` raise `WeightSwapError` until a newer offer arrives, and the
+  driver replaces the worker. Any other exception of the engine thread is fatal: every later
+  call raises it (`EngineFailedError`), so the caller sees the worker's error instead of
+  waiting on a dead engine.
 """
 
 from __future__ import annotations
@@ -49,7 +51,11 @@ from ray.actor import ActorClass
 
 from services.generation.base import (
     GroupRequest,
+    PromptTooLongError,
+    Refusal,
+    RefusalReason,
     SamplingSettings,
+    StreamedGroups,
     group_requests,
     validate_requests,
     validate_sampling,
@@ -62,8 +68,9 @@ from services.weights.buckets import plan_buckets
 from services.weights.object_store import fetch_buckets, put_buckets
 
 StateDict: TypeAlias = Mapping[str, torch.Tensor]
-# What one offer can hold: see the module docstring.
-OfferSource: TypeAlias = "WeightsOffer | ray.ObjectRef[StateDict] | StateDict"
+
+# Loads of one offer before the worker gives up on it (the first may fail on a transient fetch).
+LOAD_ATTEMPTS = 2
 
 # Ray threads of the actor: enough for a blocked next_groups, a blocked generate, a collective
 # receive and the short calls of a driver, all at once.
@@ -83,6 +90,7 @@ class GenerationStats:
     last_batch_tokens_per_s: float
     tokens_per_s: float  # all tokens over the time spent in backend steps
     weight_swaps: int
+    failed_loads: int  # weight loads that raised (each offer is tried LOAD_ATTEMPTS times)
     last_swap_seconds: float  # fetch + load (or receive + load) of the latest swap
     groups_returned: int  # streamed and generated
     groups_in_flight: int  # submitted and not yet returned
@@ -108,8 +116,9 @@ class WeightSwapError(RuntimeError):
 @dataclass(eq=False)
 class _Offer:
     version: int
-    source: OfferSource
-    error: BaseException | None = None  # why the last load of it failed
+    source: WeightsOffer
+    error: BaseException | None = None  # why its last load failed, once it is given up
+    attempts: int = 0  # loads tried
 
 
 @dataclass(frozen=True)
@@ -127,17 +136,15 @@ class _Task:
     done: Future[None]
 
 
-def _unwrap_offer(offer: Any) -> OfferSource:
-    """The WeightsOffer, ref or state dict inside an offer (a one-element list holds a
-    WeightsOffer or ref without Ray resolving anything)."""
-    if isinstance(offer, Sequence) and not isinstance(offer, str | bytes):
-        inner = offer[0] if len(offer) == 1 else None
-        if not isinstance(inner, WeightsOffer | ray.ObjectRef):
-            raise TypeError("a weights offer list must hold exactly one WeightsOffer or ObjectRef")
-        return inner
-    if not isinstance(offer, WeightsOffer | ray.ObjectRef | Mapping):
-        raise TypeError(f"unknown weights offer {type(offer).__name__}")
-    return offer
+def _unwrap_offer(offer: Any) -> WeightsOffer:
+    """The WeightsOffer inside an offer: a one-element list, so that Ray hands its bucket refs
+    over without fetching them (the one offer format)."""
+    inner = offer[0] if isinstance(offer, list) and len(offer) == 1 else None
+    if not isinstance(inner, WeightsOffer):
+        raise TypeError(
+            f"a weights offer is a one-element list holding a WeightsOffer, got {offer!r:.80}"
+        )
+    return inner
 
 
 class GenerationWorkerImpl:
@@ -178,7 +185,7 @@ class GenerationWorkerImpl:
         self._offer: _Offer | None = None
         self._tasks: deque[_Task] = deque()
         self._fatal: BaseException | None = None
-        self._rejected: list[str] = []  # stream requests the backend refused, not yet reported
+        self._refused: list[Refusal] = []  # stream requests the backend refused, not yet reported
         self._ticket_errors: dict[int, ValueError] = {}  # a `generate` call's refused request
         self._closing = False
         self._in_backend = 0  # groups handed to the backend and not yet returned
@@ -188,6 +195,7 @@ class GenerationWorkerImpl:
             "last_batch_tokens": 0,
             "last_batch_seconds": 0.0,
             "weight_swaps": 0,
+            "failed_loads": 0,
             "last_swap_seconds": 0.0,
             "groups_returned": 0,
             "steps": 0,
@@ -205,27 +213,25 @@ class GenerationWorkerImpl:
         validate_requests(requests)
         with self._cv:
             self._raise_if_fatal()
-            self._retry_failed_offer()
             for request in requests:
                 self._enqueue(request, _Route(None, 0, request.prompt.prompt_id))
             self._cv.notify_all()
 
-    def next_groups(self, timeout_s: float) -> list[list[Response]]:
-        """Every group that ended since the last call; blocks until one has or `timeout_s`
-        passed ([] then). Raises the engine's error (fatal, or a failed weight load)."""
+    def next_groups(self, timeout_s: float) -> StreamedGroups:
+        """Every group that ended since the last call, and every request refused meanwhile;
+        blocks until there is one or `timeout_s` passed (nothing then). Raises the engine's
+        error (fatal, or a weight load given up) once nothing is left to hand back."""
         with self._cv:
             self._cv.wait_for(
-                lambda: bool(self._stream_out or self._rejected) or self._error() is not None,
+                lambda: bool(self._stream_out or self._refused) or self._error() is not None,
                 timeout=timeout_s,
             )
-            if self._stream_out:
-                out, self._stream_out = self._stream_out, []
+            if self._stream_out or self._refused:
+                out = StreamedGroups(self._stream_out, self._refused)
+                self._stream_out, self._refused = [], []
                 return out
-            if self._rejected:
-                rejected, self._rejected = self._rejected, []
-                raise ValueError("; ".join(rejected))
             self._raise_error()
-            return []
+            return StreamedGroups([])
 
     def generate(
         self, prompts: list[Prompt], group_size: int, sampling: SamplingSettings
@@ -238,7 +244,6 @@ class GenerationWorkerImpl:
         start = time.perf_counter()
         with self._cv:
             self._raise_if_fatal()
-            self._retry_failed_offer()
             ticket = next(self._tickets)
             done = self._generated[ticket] = {}
             for index, request in enumerate(group_requests(prompts, group_size, sampling)):
@@ -290,17 +295,16 @@ class GenerationWorkerImpl:
         """Record weights of `version` for the engine to load (see the module docstring);
         False if not newer than what is loaded, staged or already offered."""
         source = _unwrap_offer(offer)
-        if isinstance(source, WeightsOffer):
-            if source.transport != "object_store":
-                raise ValueError(
-                    f"offer_weights takes object_store offers; a {source.transport!r} offer is "
-                    "received with receive_weights"
-                )
-            if source.manifest.version != version:
-                raise ValueError(
-                    f"offer of version {version} carries a manifest of version "
-                    f"{source.manifest.version}"
-                )
+        if source.transport != "object_store":
+            raise ValueError(
+                f"offer_weights takes object_store offers; a {source.transport!r} offer is "
+                "received with receive_weights"
+            )
+        if source.manifest.version != version:
+            raise ValueError(
+                f"offer of version {version} carries a manifest of version "
+                f"{source.manifest.version}"
+            )
         with self._cv:
             if version <= self._newest_version():
                 return False
@@ -365,7 +369,10 @@ class GenerationWorkerImpl:
                 self._cv.notify_all()
 
     def _halted(self) -> bool:
-        return self._offer is not None and self._offer.error is not None
+        """No step now: the newest offer could not be loaded, or a receive stopped part-way
+        (a peer of the weight group died mid-broadcast) and the version is sent again."""
+        failed_offer = self._offer is not None and self._offer.error is not None
+        return failed_offer or self._backend.torn_version is not None
 
     def _swap_due(self) -> bool:
         """New weights wait for the engine: admission stops until they are loaded."""
@@ -410,8 +417,8 @@ class GenerationWorkerImpl:
 
     def _hand_to_backend(self) -> None:
         """Submit the waiting requests to the backend (under the lock). One the backend refuses
-        (a prompt that encodes to nothing, say) is answered with its error, not admitted; the
-        others go ahead."""
+        (a prompt too long for its context, one that encodes to nothing) is answered with a
+        refusal, not admitted; the others go ahead."""
         requests = list(self._waiting)
         self._waiting.clear()
         try:
@@ -431,7 +438,10 @@ class GenerationWorkerImpl:
         route = self._routes.pop(request.prompt.prompt_id)
         message = f"request for prompt {route.prompt_id!r} refused by the backend: {error}"
         if route.ticket is None:
-            self._rejected.append(message)
+            reason: RefusalReason = (
+                "prompt_too_long" if isinstance(error, PromptTooLongError) else "refused"
+            )
+            self._refused.append(Refusal(route.prompt_id, reason, message))
         elif route.ticket in self._generated:
             self._ticket_errors[route.ticket] = ValueError(message)
         self._cv.notify_all()
@@ -452,12 +462,15 @@ class GenerationWorkerImpl:
         start = time.perf_counter()
         try:
             if offer.version > self._backend.policy_version:
+                offer.attempts += 1
                 self._load(offer)
                 self._swapped(start)
         except Exception as error:
             with self._cv:
-                offer.error = error
-                self._cv.notify_all()
+                self._stats["failed_loads"] += 1
+                if offer.attempts >= LOAD_ATTEMPTS:  # else the next pass loads it again
+                    offer.error = error
+                    self._cv.notify_all()
             return
         with self._cv:
             if self._offer is offer:
@@ -465,12 +478,7 @@ class GenerationWorkerImpl:
 
     def _load(self, offer: _Offer) -> None:
         source = offer.source
-        if isinstance(source, WeightsOffer):
-            self._backend.load_weight_buckets(fetch_buckets(source), source.manifest)
-        elif isinstance(source, ray.ObjectRef):
-            self._backend.load_weights(ray.get(source), offer.version)
-        else:
-            self._backend.load_weights(source, offer.version)
+        self._backend.load_weight_buckets(fetch_buckets(source), source.manifest)
 
     def _swapped(self, start: float) -> None:
         seconds = time.perf_counter() - start
@@ -500,11 +508,6 @@ class GenerationWorkerImpl:
                 self._cv.notify_all()
 
     # --- errors ---------------------------------------------------------------------------------
-
-    def _retry_failed_offer(self) -> None:
-        """New work retries a failed load of the newest offer (a fetch may have been transient)."""
-        if self._offer is not None and self._offer.error is not None:
-            self._offer.error = None
 
     def _error(self) -> BaseException | None:
         if self._fatal is not None:
@@ -546,6 +549,7 @@ class GenerationWorkerImpl:
             last_batch_tokens_per_s=_rate(s["last_batch_tokens"], s["last_batch_seconds"]),
             tokens_per_s=_rate(s["tokens_generated"], s["busy_seconds"]),
             weight_swaps=s["weight_swaps"],
+            failed_loads=s["failed_loads"],
             last_swap_seconds=s["last_swap_seconds"],
             groups_returned=s["groups_returned"],
             groups_in_flight=in_flight,

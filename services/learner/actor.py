@@ -1,8 +1,9 @@
 """A learner rank: a thin Ray shell around `LearnerCore`.
 
 It joins its group's process group, builds its core, and then receives the same calls as every
-other rank of the group (`services.learner.group.LearnerGroup` fans them out). Call `step` with
-`.options(num_returns=2)`: the metrics and the weights offer then come back as two refs. Ranks
+other rank of the group (`services.learner.group.LearnerGroup` fans them out). `step` trains
+and returns the metrics record; `publish(version)` returns the offer of the version the ranks
+hold, in a call of its own, so that a step never waits on a publish it does not need. Ranks
 other than 0 return an empty record and no offer.
 
 Publishing a version (`pipeline.weight_transport`, services/weights): every rank walks the
@@ -120,20 +121,23 @@ class LearnerImpl:
         """Process id of the actor (for tests and for killing a stuck learner)."""
         return os.getpid()
 
-    def initial_weights(self) -> WeightsOffer | None:
-        """The offer of the weights before any step (version 0, or the version loaded from a
-        checkpoint); rank 0's, None elsewhere. Every rank takes part."""
+    def publish(self, version: int) -> WeightsOffer | None:
+        """The offer of `version`, which must be the version held (a publish of another would
+        hand out weights under a wrong number); rank 0's, None elsewhere. Every rank takes
+        part."""
+        if version != self.core.version:
+            raise RuntimeError(
+                f"publish of version {version}, but the learner holds version {self.core.version}"
+            )
         return self._publish()
 
-    def step(self, groups: list[ScoredGroup]) -> tuple[dict[str, float], WeightsOffer | None]:
-        """One learner step: (metrics record, offer of the new version); rank 0's only."""
+    def step(self, groups: list[ScoredGroup]) -> dict[str, float]:
+        """One learner step: its metrics record (rank 0's; {} elsewhere). Publishing the new
+        version is `publish`'s."""
         metrics = self.core.train_step(groups)
-        offer = self._publish()
         if self.core.version % HEAP_TRIM_EVERY_STEPS == 0:
             release_free_heap()
-        if self._group.rank != 0:
-            return {}, None
-        return metrics, offer
+        return metrics if self._group.rank == 0 else {}
 
     def _publish(self) -> WeightsOffer | None:
         """The current version's offer (module doc). object_store: every rank gathers, rank 0

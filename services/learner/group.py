@@ -64,12 +64,19 @@ def wait_all(refs: list[Any], timeout_s: float | None = None, what: str = "") ->
 
 @dataclass(frozen=True)
 class StepRefs:
-    """Refs of one learner step: rank 0's record and WeightsOffer (an object_store offer
-    carries its bucket refs; a collective one the manifest alone), and the other ranks'
-    results (an empty record and None each)."""
+    """Refs of one learner step: rank 0's record, and the other ranks' results (an empty
+    record each)."""
 
     metrics: Any
-    weights: Any
+    peers: list[Any]
+
+
+@dataclass(frozen=True)
+class PublishRefs:
+    """Refs of one publish: rank 0's WeightsOffer (an object_store offer carries its bucket
+    refs; a collective one the manifest alone), and the other ranks' results (None each)."""
+
+    offer: Any
     peers: list[Any]
 
 
@@ -125,16 +132,16 @@ class LearnerGroup:
         LearnerRanksSilent names the ranks that did not answer), return rank 0's result."""
         return wait_all(self._all(method, *args), timeout_s, method)[0]
 
-    def step(self, batch: list[ScoredGroup]) -> StepRefs:
-        """One step on every rank (the batch is put into the object store once)."""
-        batch_ref = ray.put(batch)
-        pairs = [rank.step.options(num_returns=2).remote(batch_ref) for rank in self.ranks]
-        return StepRefs(pairs[0][0], pairs[0][1], [ref for pair in pairs[1:] for ref in pair])
+    def train_step(self, batch: list[ScoredGroup]) -> StepRefs:
+        """One step on every rank (the batch is put into the object store once); it trains
+        and does not publish (`publish`)."""
+        refs = self._all("step", ray.put(batch))
+        return StepRefs(refs[0], refs[1:])
 
-    def initial_weights(self) -> Any:
-        """Rank 0's ref of the current version's WeightsOffer (every rank takes part in
-        gathering the weights)."""
-        return self._all("initial_weights")[0]
+    def publish(self, version: int) -> PublishRefs:
+        """Publish `version`, the one the ranks hold (every rank takes part in gathering)."""
+        refs = self._all("publish", version)
+        return PublishRefs(refs[0], refs[1:])
 
     def open_weight_group(self, world_size: int, generation: int) -> Any:
         """Ref of the WeightGroup rank 0 serves for `world_size` ranks (itself and every

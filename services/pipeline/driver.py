@@ -13,18 +13,25 @@ only asked for while the learner is idle and only for the one batch it will trai
 on-policy baseline every async figure is compared with.
 
 The learner is a group of ranks (`services.learner.group`) that answers as one learner. After a
-step, its weights reach generation through `pipeline.weight_transport`: `object_store` (rank 0
-puts them into the object store bucket by bucket, every worker is offered the buckets and loads
-them when its swap policy allows) or `collective` (rank 0 broadcasts them bucket by bucket over
-a torch.distributed group that every worker's receiving processes joined). With
-`pipeline.in_flight_updates` a worker loads them between decoding steps, without waiting for
-its responses in flight. At the end of a run (or a cancel) the final checkpoint is exported as a
-Hugging Face model to `RUN_DIR/model/`. Checkpoints are written beside the loop
+step, the loop publishes the new version in a learner call of its own (`LearnerGroup.publish`,
+apart from `train_step`; its offer is awaited with the other calls, and the learner takes no
+step meanwhile), and the weights reach generation through `pipeline.weight_transport`:
+`object_store` (rank 0 puts them into the object store bucket by bucket, every worker is offered
+the buckets and loads them when its swap policy allows) or `collective` (rank 0 broadcasts them
+bucket by bucket over a torch.distributed group that every worker's receiving processes joined).
+With `pipeline.in_flight_updates` a worker loads them between decoding steps, without waiting
+for its responses in flight. At the end of a run (or a cancel) the final checkpoint is exported
+as a Hugging Face model to `RUN_DIR/model/`. Checkpoints are written beside the loop
 (`CheckpointWriter`): generation and scoring go on meanwhile.
 
-Faults (docs/reliability.md), handled by the `ActorSupervisor`: a generation actor that dies,
-raises, or returns nothing past its stall deadline is replaced and its prompts are issued again
-(a prompt whose generation failed twice fails the run, naming the actor and the error); a
+Faults (docs/reliability.md's fault policy). What a generation worker absorbs: a request its
+backend refuses (a prompt too long for the engine's context, one that encodes to nothing) comes
+back as a refusal, and its prompt is dropped and counted (`groups_dropped_invalid`); a failed
+weight load is retried once by the worker, and only a second failure reaches the driver, which
+replaces the worker (its prompts issued again, without counting against them). What the driver
+handles, by the `ActorSupervisor`: a generation actor that dies, raises, or returns nothing past
+its stall deadline is replaced and its prompts are issued again (a prompt whose generation
+raised on two actors fails the run, naming the actor and the error); a
 verifier actor that dies, raises or hangs past `reward.call_timeout_s` is replaced and its groups
 are scored again (twice failed: its responses are marked unverified, reward 0). Both draw on
 `pipeline.actor_replacements`. A learner rank that dies takes the attempt with it: every actor
@@ -47,7 +54,8 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from services.generation.base import GroupRequest, SamplingSettings
+from services.generation.base import GroupRequest, Refusal, SamplingSettings, StreamedGroups
+from services.generation.worker import WeightSwapError
 from services.messages import Prompt, Response, ScoredGroup, ScoredResponse
 from services.metrics import FAULT_COUNTERS, LEARNER_TOTALS
 from services.observers import MetricsRecord, RunObserver, RunState
@@ -88,6 +96,8 @@ FINAL_EVAL_TIMEOUT_S = 1800.0  # a final evaluation call longer than this is giv
 POLL_SECONDS = 5.0  # longest a worker's next_groups waits before answering with nothing
 SCORING_ATTEMPTS = 2  # a batch whose verifier actor failed this often is marked unverified
 GENERATION_ATTEMPTS = 2  # a prompt whose generation failed this often fails the run
+# A worker that does not answer a ping (PingCall) in this long is taken for hung.
+PING_TIMEOUT_S = 10.0
 VERIFIER_LOST = "verifier actor lost"  # the `failure` of a response no actor could score
 
 __all__ = ["FaultBudgetExhausted", "RunDriver"]
@@ -104,6 +114,11 @@ class Counters:
     tokens_trained_total: int = 0
     rollouts_dropped_stale: int = 0  # responses
     groups_dropped_stale: int = 0
+    # Prompts a generation worker refused (too long for its context, or its backend refused
+    # them): dropped, never retried. Groups, and the responses they would have had.
+    groups_dropped_invalid: int = 0
+    rollouts_dropped_invalid: int = 0
+    prompts_too_long: int = 0  # of groups_dropped_invalid: the prompt did not fit the context
     elapsed_seconds: float = 0.0  # wall time of earlier attempts of this run
     # Faults survived (docs/reliability.md); also in every metrics record.
     learner_restarts: int = 0
@@ -149,7 +164,6 @@ class ScoringCall:
 
 @dataclass(frozen=True)
 class LearnerCall:
-    offer_ref: Any  # the ref of the step's WeightsOffer (None in tests that drive no learner)
     started: float
     version_spans: list[int] = field(default_factory=list)  # of the batch's responses
     tool_metrics: dict[str, float] = field(default_factory=dict)  # with tools: the batch's
@@ -160,7 +174,17 @@ class LearnerPeerCall:
     """A learner call's result on a rank other than 0: watched so that its death is noticed."""
 
 
-PendingCall = SubmitCall | PollCall | ScoringCall | LearnerCall | LearnerPeerCall
+@dataclass(frozen=True)
+class PingCall:
+    """A worker overdue with a weight delivery is asked whether it still answers: one blocked in
+    a collective receive by a peer that hangs does (its clock starts again), the hung one not."""
+
+    worker: int
+    actor: Any
+    started: float
+
+
+PendingCall = SubmitCall | PollCall | ScoringCall | LearnerCall | LearnerPeerCall | PingCall
 
 
 @dataclass
@@ -222,7 +246,7 @@ class RunDriver:
         self._checkpoints = CheckpointWriter()
         self._curves = CurveDrawer(run_dir.path, spec.name)
         self._held_record: MetricsRecord | None = None  # waits for its step's checkpoint
-        self._records_after_checkpoint: list[MetricsRecord] = []  # steps taken while it is
+        self._publish_due = False  # a step finished: its version is published next
         self.supervisor = ActorSupervisor(
             spec,
             lambda: self.counters,
@@ -353,7 +377,7 @@ class RunDriver:
                     f"expected {resumed_step}"
                 )
             # Every worker holds the weights on disk: none takes a prompt until it acknowledged.
-            self.weights.publish(actors, version, actors.learner.initial_weights())
+            self.weights.publish(version, actors.learner.publish(version))
         for index in range(len(self._streams)):
             self._poll(actors, index)
         self._throughput = _Throughput()
@@ -380,7 +404,7 @@ class RunDriver:
         actors.kill()
         self._pending.clear()
         self._held_record = None
-        self._records_after_checkpoint.clear()
+        self._publish_due = False
         self.weights.reset()
         if self.evals is not None:
             self.evals.reset()
@@ -426,13 +450,23 @@ class RunDriver:
     # --- the loop ---------------------------------------------------------------------------
 
     def _learner_busy(self) -> bool:
-        """The learner is stepping, sending weights, or writing its part of a checkpoint (a
-        checkpoint still being hashed and flushed holds it only before the next checkpoint)."""
+        """The learner is stepping, writing its part of a checkpoint (a checkpoint still being
+        hashed and flushed holds it only before the next checkpoint), its new version waits to
+        be published, or it is taken by weight delivery (publishing, a collective group being
+        formed, a send in flight or owed)."""
+        return self._learner_stepping() or self._publish_due or self.weights.sending
+
+    def _dispatch_publish(self, actors: RunActors) -> None:
+        """Publish the version the learner just trained (the learner takes no step before)."""
+        if self._publish_due:
+            self._publish_due = False
+            self.weights.publish(self.counters.step, actors.learner.publish(self.counters.step))
+
+    def _learner_stepping(self) -> bool:
         every = self.spec.pipeline.checkpoint_every
         return (
             self._checkpoints.holds_learner
             or (self._checkpoints.busy and bool(every) and (self.counters.step + 1) % every == 0)
-            or self.weights.sending
             or any(isinstance(call, LearnerCall) for call in self._pending.values())
         )
 
@@ -443,11 +477,12 @@ class RunDriver:
                 self._on_checkpointed()
                 continue
             self._curves.poll()
+            self._dispatch_publish(actors)
+            self.weights.regroup_if_needed(actors, self._learner_stepping())
             if self._cancel:
                 if not self._learner_busy():
                     return
             elif self.counters.step < total:
-                self.weights.regroup_if_needed(actors, self._learner_busy(), self._streams)
                 self._dispatch_generation(actors)
                 self._dispatch_learner(actors)
             refs = list(self._pending) + self.weights.pending_refs()
@@ -480,11 +515,15 @@ class RunDriver:
             return pipe.batch_groups - len(self.buffer) - self.buffer.reserved
         if pipe.admission == "capacity":
             return self.buffer.free()
-        # A group admitted now is generated with version >= the learner's current one and is
-        # trained after the groups admitted before it, so with the total admitted kept within
-        # (version + max_staleness + 1) batches, none ages past the bound on the way.
-        budget = (self.counters.step + pipe.max_staleness + 1) * pipe.batch_groups
-        admitted = self.counters.groups_issued - self.buffer.dropped_groups
+        # A group admitted now is generated with version >= the one last delivered (a worker
+        # takes no prompt before it acknowledged it) and is trained after the groups admitted
+        # before it, so with the total admitted kept within (version + max_staleness + 1)
+        # batches, none ages past the bound on the way. The learner's step may be ahead of it
+        # while its publish is gathered.
+        version = self.weights.delivered_version
+        budget = (version + pipe.max_staleness + 1) * pipe.batch_groups
+        dropped = self.buffer.dropped_groups + self.counters.groups_dropped_invalid
+        admitted = self.counters.groups_issued - dropped
         return min(self.buffer.free(), budget - admitted)
 
     def _sampling(self) -> SamplingSettings:
@@ -530,8 +569,8 @@ class RunDriver:
         responses = [r.response for group in batch for r in group.responses]
         spans = [response.version_span for response in responses]
         tools = tool_metrics(responses) if self.spec.tools.enabled else {}
-        refs = actors.learner.step(batch)
-        self._pending[refs.metrics] = LearnerCall(refs.weights, time.perf_counter(), spans, tools)
+        refs = actors.learner.train_step(batch)
+        self._pending[refs.metrics] = LearnerCall(time.perf_counter(), spans, tools)
         for ref in refs.peers:
             self._pending[ref] = LearnerPeerCall()
 
@@ -539,7 +578,7 @@ class RunDriver:
         try:
             result = ray.get(ref)
         except (RayActorError, RayTaskError) as error:
-            if isinstance(call, SubmitCall | PollCall):
+            if isinstance(call, SubmitCall | PollCall | PingCall):
                 self._on_worker_failed(actors, call.worker, call.actor, error)
             elif isinstance(call, ScoringCall) and isinstance(error, RayTaskError):
                 self._on_scoring_raised(actors, call, error)
@@ -554,14 +593,18 @@ class RunDriver:
             self.buffer.add(result, reserved=len(call.prompts))
         elif isinstance(call, LearnerCall):
             self._on_trained(actors, call, result)
+        elif isinstance(call, PingCall) and self._streams[call.worker].actor is call.actor:
+            # It answers: its delivery waits on the weight group, not on it.
+            self._streams[call.worker].last_progress = time.perf_counter()
 
-    def _on_generated(
-        self, actors: RunActors, call: PollCall, groups: list[list[Response]]
-    ) -> None:
+    def _on_generated(self, actors: RunActors, call: PollCall, result: StreamedGroups) -> None:
         stream = self._streams[call.worker]
         if stream.actor is not call.actor:
             return  # the answer of an actor replaced meanwhile
         self._poll(actors, call.worker)
+        for refusal in result.refused:
+            self._drop_refused(stream, refusal)
+        groups = result.groups
         if not groups:
             return
         submitted = {pid: at for pid, (_, at) in stream.outstanding.items()}
@@ -576,6 +619,20 @@ class RunDriver:
         verifier = self._next_verifier % len(actors.verifiers)
         self._next_verifier += 1
         self._score(actors, verifier, prompts, groups)
+
+    def _drop_refused(self, stream: WorkerStream, refusal: Refusal) -> None:
+        """The worker did not generate this prompt and never will (docs/reliability.md): it is
+        dropped and counted, not retried, and the worker goes on."""
+        prompt = stream.dropped(refusal.prompt_id)
+        if prompt is None:
+            return
+        log.warning("prompt %r dropped (%s): %s", prompt.prompt_id, refusal.reason, refusal.message)
+        self.buffer.release(1)
+        self._failed_generations.pop(prompt.prompt_id, None)
+        self.counters.groups_dropped_invalid += 1
+        self.counters.rollouts_dropped_invalid += self.spec.generation.group_size
+        if refusal.reason == "prompt_too_long":
+            self.counters.prompts_too_long += 1
 
     def _score(
         self,
@@ -601,9 +658,10 @@ class RunDriver:
         if stream.actor is not actor:
             return  # this actor was replaced at an earlier failed call
         prompts = stream.take_all()
-        if isinstance(error, RayTaskError):
+        if isinstance(error, RayTaskError) and not isinstance(error, WeightSwapError):
             # The worker raised (its engine failed), which may be the prompts' doing: retried
-            # once on another actor, then the run fails naming the actor and the error.
+            # once on another actor, then the run fails naming the actor and the error. A weight
+            # load it gave up on is the worker's fault, not its prompts'.
             for prompt in prompts:
                 failed = self._failed_generations.get(prompt.prompt_id, 0) + 1
                 self._failed_generations[prompt.prompt_id] = failed
@@ -619,7 +677,7 @@ class RunDriver:
         self.counters.groups_issued -= len(prompts)
         if replacement is None:
             return
-        self._streams[index] = WorkerStream(replacement, ready=False)
+        self._streams[index] = WorkerStream(replacement, joined=False)
         self.weights.on_replaced(actors, index, self._streams[index])
         self._poll(actors, index)
 
@@ -663,14 +721,31 @@ class RunDriver:
         self.supervisor.stop_hung_verifiers(scoring)
         gen = self.spec.generation
         now = time.perf_counter()
+        pinged = {
+            call.worker: call for call in self._pending.values() if isinstance(call, PingCall)
+        }
         for index, stream in enumerate(self._streams):
-            if stream.stalled(now, gen.max_new_tokens, gen.first_group_timeout_s):
-                deadline = stream.stall_deadline(gen.max_new_tokens, gen.first_group_timeout_s)
-                self.supervisor.kill_as_hung(
-                    stream.actor,
-                    f"generation worker {index} returned no group in {deadline:.0f} s "
-                    f"holding {len(stream.outstanding)}",
-                )
+            ping = pinged.get(index)
+            if ping is not None and ping.actor is stream.actor:
+                if now - ping.started > PING_TIMEOUT_S:
+                    self.supervisor.kill_as_hung(
+                        stream.actor,
+                        f"generation worker {index} acknowledged no weights and did not answer "
+                        f"a ping in {PING_TIMEOUT_S:.0f} s",
+                    )
+                continue
+            if not stream.stalled(now, gen.max_new_tokens, gen.first_group_timeout_s):
+                continue
+            if stream.unacknowledged:  # a delivery is overdue: a peer of the group may block it
+                ref = stream.actor.policy_version.remote()
+                self._pending[ref] = PingCall(index, stream.actor, now)
+                continue
+            deadline = stream.stall_deadline(gen.max_new_tokens, gen.first_group_timeout_s)
+            self.supervisor.kill_as_hung(
+                stream.actor,
+                f"generation worker {index} returned no group in {deadline:.0f} s holding "
+                f"{len(stream.outstanding)} prompts",
+            )
 
     # --- learner steps, weights, checkpoints ---------------------------------------------------
 
@@ -679,8 +754,7 @@ class RunDriver:
     ) -> None:
         step_seconds = time.perf_counter() - call.started
         self.counters.step += 1
-        if call.offer_ref is not None:
-            self.weights.publish(actors, self.counters.step, call.offer_ref)
+        self._publish_due = True  # by the loop, in a learner call of its own
         self.buffer.evict_stale(self.counters.step)
         self.counters.rollouts_dropped_stale = self.buffer.dropped_responses
         self.counters.groups_dropped_stale = self.buffer.dropped_groups
@@ -705,6 +779,9 @@ class RunDriver:
             "tokens_trained_total": self.counters.tokens_trained_total,
             "rollouts_dropped_stale": self.counters.rollouts_dropped_stale,
             "groups_dropped_stale": self.counters.groups_dropped_stale,
+            "rollouts_dropped_invalid": self.counters.rollouts_dropped_invalid,
+            "groups_dropped_invalid": self.counters.groups_dropped_invalid,
+            "prompts_too_long": self.counters.prompts_too_long,
             "buffer_groups": len(self.buffer),
             **totals,
             **self.counters.faults(),

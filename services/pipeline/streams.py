@@ -9,6 +9,7 @@ waits for the longest response of a batch.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,12 +28,35 @@ class WorkerStream:
     actor: Any
     # prompt_id -> (prompt, when it was submitted): the groups the worker holds.
     outstanding: dict[str, tuple[Prompt, float]] = field(default_factory=dict)
-    # False from the delivery of a version to the worker until it acknowledged it (and for a
-    # replacement until it holds the current version): no prompt is submitted to it meanwhile.
-    ready: bool = True
+    # Deliveries of each version of the weights not yet acknowledged: a count per version, as
+    # two versions may be outstanding at once and one may be sent again (a re-formed group).
+    unacknowledged: Counter[int] = field(default_factory=Counter)
+    newest_delivered: int = -1
+    # False for a replacement until it is brought to the run's current version.
+    joined: bool = True
     last_progress: float = field(default_factory=time.perf_counter)
     tokens: int = 0  # response tokens returned
     row_seconds: float = 0.0  # seconds each returned response was in flight, summed
+
+    @property
+    def ready(self) -> bool:
+        """Whether it may take prompts: joined, and the newest version delivered to it was
+        acknowledged (an older version's acknowledgement does not reopen admission)."""
+        return self.joined and self.unacknowledged[self.newest_delivered] == 0
+
+    def delivering(self, version: int) -> None:
+        """A delivery of `version` is on its way: no prompt until it is acknowledged."""
+        if not self.outstanding and not self.unacknowledged:
+            self.last_progress = time.perf_counter()  # an idle worker is not late
+        self.joined = True
+        self.newest_delivered = max(self.newest_delivered, version)
+        self.unacknowledged[version] += 1
+
+    def acknowledged(self, version: int) -> None:
+        self.last_progress = time.perf_counter()
+        self.unacknowledged[version] -= 1
+        if self.unacknowledged[version] <= 0:
+            del self.unacknowledged[version]
 
     def room(self, limit: int, streaming: bool = True) -> int:
         """Groups it may be handed now: up to `limit` held at once; without streaming, only
@@ -61,6 +85,14 @@ class WorkerStream:
             self.last_progress = now
         return prompts
 
+    def dropped(self, prompt_id: str) -> Prompt | None:
+        """Forget a prompt the worker refused (None if it no longer holds it)."""
+        held = self.outstanding.pop(prompt_id, None)
+        if held is None:
+            return None
+        self.last_progress = time.perf_counter()  # an answer, if not a group
+        return held[0]
+
     def take_all(self) -> list[Prompt]:
         """Every prompt the worker held (it died or was taken for hung), oldest first."""
         prompts = [prompt for prompt, _ in self.outstanding.values()]
@@ -75,7 +107,9 @@ class WorkerStream:
         return STALL_FACTOR * max_new_tokens / tokens_per_row_second + STALL_MARGIN_S
 
     def stalled(self, now: float, max_new_tokens: int, first_group_timeout_s: float) -> bool:
-        if not self.outstanding:
+        """Holding prompts or a delivery of weights (a collective receive happens between two
+        decoding steps), it answered neither within its deadline."""
+        if not self.outstanding and not self.unacknowledged:
             return False
         deadline = self.stall_deadline(max_new_tokens, first_group_timeout_s)
         return now - self.last_progress > deadline

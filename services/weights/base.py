@@ -82,6 +82,10 @@ class WeightsManifest:
         return sum(spec.nbytes for bucket in self.buckets for spec in bucket)
 
 
+class StateDictMismatchError(ValueError):
+    """Weights whose names or shapes do not match the model they are loaded into."""
+
+
 class WeightGroupError(RuntimeError):
     """A collective of a weight group failed: a peer died, left, or did not answer in time.
     The group is unusable afterwards (its ranks are out of step): close it and form another."""

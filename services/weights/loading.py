@@ -14,8 +14,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import Tensor, nn
 
-from services.generation.base import StateDictMismatchError
-from services.weights.base import WeightsManifest
+from services.weights.base import StateDictMismatchError, WeightsManifest
 
 
 def check_manifest(
@@ -43,10 +42,12 @@ def check_manifest(
         )
 
 
-def with_aliases(bucket: Mapping[str, Tensor], manifest: WeightsManifest) -> dict[str, Tensor]:
-    """`bucket` plus each tied alias of a tensor in it, under the alias's name (same tensor)."""
+def with_aliases(bucket: Mapping[str, Tensor], aliases: Mapping[str, str]) -> dict[str, Tensor]:
+    """`bucket` plus each tied alias of a tensor in it, under the alias's name (same tensor;
+    `aliases`: a manifest's alias -> name). A loader that keeps tied tensors once skips the
+    aliases it does not hold (vLLM's skip `lm_head.weight` of a tied model)."""
     out = dict(bucket)
-    for alias, name in manifest.aliases.items():
+    for alias, name in aliases.items():
         if name in bucket:
             out[alias] = bucket[name]
     return out
@@ -68,7 +69,7 @@ def load_buckets_into(
     loaded = 0
     for bucket in buckets:
         written: set[int] = set()
-        for name, tensor in with_aliases(bucket, manifest).items():
+        for name, tensor in with_aliases(bucket, manifest.aliases).items():
             target = targets[name]
             if target.data_ptr() in written:  # a tied alias of a tensor just copied
                 continue

@@ -57,10 +57,11 @@ def kill(pid: int, signum: int = signal.SIGKILL) -> None:
 class KpoRun:
     """`kpo run` of TINY_RUN with overrides, in its own process group (as a shell job is)."""
 
-    def __init__(self, tmp_path: Path, *overrides: str) -> None:
+    def __init__(self, tmp_path: Path, *overrides: str, base: dict[str, Any] | None = None) -> None:
+        """`base`: the run file before the overrides (TINY_RUN by default)."""
         self.out = tmp_path / "out"
         config = tmp_path / "run.yaml"
-        config.write_text(yaml.safe_dump(apply_overrides(TINY_RUN, overrides)))
+        config.write_text(yaml.safe_dump(apply_overrides(base or TINY_RUN, overrides)))
         self.process = subprocess.Popen(
             kpo("run", str(config), "--out", str(self.out)),
             stdout=subprocess.PIPE,
@@ -90,8 +91,9 @@ class KpoRun:
 
 def assert_ledger_balances(out: Path, batch_groups: int) -> dict[str, Any]:
     """Every prompt drawn is accounted for exactly once by the final checkpoint: trained,
-    buffered, dropped as stale, or handed back to be issued again. A rollout lost on the way
-    leaves a prompt unaccounted for; one trained twice counts a prompt twice."""
+    buffered, dropped as stale, dropped as refused by generation, or handed back to be issued
+    again. A rollout lost on the way leaves a prompt unaccounted for; one trained twice counts a
+    prompt twice."""
     found = latest_checkpoint(out / "checkpoints")
     assert found is not None, "no checkpoint"
     state = read_driver_state(found[1])
@@ -100,6 +102,7 @@ def assert_ledger_balances(out: Path, batch_groups: int) -> dict[str, Any]:
         counters["step"] * batch_groups
         + len(state["buffer"])
         + counters["groups_dropped_stale"]
+        + counters["groups_dropped_invalid"]
         + len(state["handed_back"])
     )
     assert accounted == state["prompt_position"], (accounted, state["prompt_position"])

@@ -6,6 +6,7 @@ gap or a repeat, and every prompt accounted for exactly once (`assert_ledger_bal
 
 from __future__ import annotations
 
+import contextlib
 import signal
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from tests.chaos.runs import (
     kill,
     status_of,
     steps_in,
+    wait_for,
 )
 
 pytestmark = pytest.mark.timeout(600)
@@ -108,3 +110,51 @@ def test_faults_beyond_the_budget_fail_the_run_with_the_reason(tmp_path: Path) -
     assert status["state"] == "failed"
     assert "pipeline.actor_replacements" in status["error"]
     assert "Traceback" not in run.output
+
+
+COLLECTIVE = ("pipeline.weight_transport=collective", "generation.num_workers=2")
+
+
+def test_a_generation_actor_killed_under_the_collective_transport_costs_one_replacement(
+    tmp_path: Path,
+) -> None:
+    """Between two publishes: the replacement joins a re-formed weight group before the next
+    version is sent, so it is not replaced again, the surviving worker keeps its prompts, and
+    the learner is never restarted."""
+    with KpoRun(tmp_path, "pipeline.steps=6", *COLLECTIVE) as run:
+        run.wait_for_steps(2)
+        kill(actor_pid(run.out, "generation", 1))
+        assert run.finish() == 0, run.output
+    assert steps_in(run.out) == [1, 2, 3, 4, 5, 6]
+    record = last_record(run)
+    assert record["generation_replacements"] == 1
+    assert record["learner_restarts"] == 0
+    assert [r["policy_version"] for r in read_metrics(run.out)] == [1, 2, 3, 4, 5, 6]
+    assert "Traceback" not in run.output
+    assert_ledger_balances(run.out, BATCH_GROUPS)
+
+
+def test_a_generation_actor_killed_during_a_collective_publish_costs_one_replacement(
+    tmp_path: Path,
+) -> None:
+    """Stopped at step 2, it acknowledges no receive from then on: by the time two more steps
+    were recorded (or it was taken for hung), a version was sent to it that it never received.
+    Killed then, mid-delivery: one replacement, and no learner restart."""
+    with KpoRun(tmp_path, "pipeline.steps=6", *COLLECTIVE) as run:
+        run.wait_for_steps(2)
+        pid = actor_pid(run.out, "generation", 1)
+        kill(pid, signal.SIGSTOP)
+        wait_for(
+            lambda: len(steps_in(run.out)) >= 4 or actor_pid(run.out, "generation", 1) != pid,
+            240,
+            "a publish to the stopped worker",
+        )
+        with contextlib.suppress(ProcessLookupError):  # taken for hung and killed already
+            kill(pid)
+        assert run.finish() == 0, run.output
+    assert steps_in(run.out) == [1, 2, 3, 4, 5, 6]
+    record = last_record(run)
+    assert record["generation_replacements"] == 1
+    assert record["learner_restarts"] == 0
+    assert "Traceback" not in run.output
+    assert_ledger_balances(run.out, BATCH_GROUPS)

@@ -112,17 +112,6 @@ LAYERS: dict[str, frozenset[str]] = {
     ),
 }
 
-# Imports that break the rule today and that the change giving services/weights the whole of a
-# weight publish removes: weights' loader raises generation's mismatch error, and the weight
-# sync borrows the learner group's `wait_all` (downward while it sits in pipeline, upward once
-# the publish lives in services/weights). Delete this constant with that change.
-WEIGHT_DELIVERY_EXCEPTIONS: frozenset[tuple[str, str]] = frozenset(
-    {
-        ("services/weights/loading.py", "services.generation.base"),
-        ("services/pipeline/weight_sync.py", "services.learner.group"),
-    }
-)
-
 
 @dataclass(frozen=True)
 class Import:
@@ -239,11 +228,7 @@ def first_cycle(imports: Sequence[Import], node: str) -> list[Import]:
 
 
 def checked_imports() -> list[Import]:
-    return [
-        imp
-        for imp in scan(REPO_ROOT, CHECKED)
-        if (imp.file, imp.target) not in WEIGHT_DELIVERY_EXCEPTIONS
-    ]
+    return scan(REPO_ROOT, CHECKED)
 
 
 def test_the_layers_name_only_lower_layers() -> None:
@@ -277,12 +262,6 @@ def test_kpo_core_imports_nothing_of_the_service() -> None:
 def test_no_import_cycle(node: str) -> None:
     cycle = first_cycle(checked_imports(), node)
     assert cycle == [], f"an import cycle between {node}s:\n" + "\n".join(map(str, cycle))
-
-
-def test_every_weight_delivery_exception_still_occurs() -> None:
-    made = {(imp.file, imp.target) for imp in scan(REPO_ROOT, CHECKED)}
-    gone = sorted(WEIGHT_DELIVERY_EXCEPTIONS - made)
-    assert gone == [], f"no longer imported, remove from WEIGHT_DELIVERY_EXCEPTIONS: {gone}"
 
 
 # --- the checker itself, on a tree made for it ----------------------------------------------------

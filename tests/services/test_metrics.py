@@ -72,6 +72,9 @@ EXPORTED = {
     ("counter", "kpo_tokens_trained_total", "tokens_trained_total"),
     ("counter", "kpo_rollouts_dropped_stale_total", "rollouts_dropped_stale"),
     ("counter", "kpo_groups_dropped_stale_total", "groups_dropped_stale"),
+    ("counter", "kpo_rollouts_dropped_invalid_total", "rollouts_dropped_invalid"),
+    ("counter", "kpo_groups_dropped_invalid_total", "groups_dropped_invalid"),
+    ("counter", "kpo_prompts_too_long_total", "prompts_too_long"),
     ("counter", "kpo_nonfinite_rewards_total", "nonfinite_rewards_total"),
     ("counter", "kpo_nonfinite_tokens_total", "nonfinite_tokens_total"),
     ("counter", "kpo_extreme_ratio_tokens_total", "extreme_ratio_tokens_total"),
@@ -135,7 +138,7 @@ def test_the_driver_writes_exactly_the_keys_declared_as_its_own(tmp_path: Path) 
     learner_part = {"tokens_trained": 12.0, "nonfinite_rewards": 1.0, "policy_version": 1.0}
     no_actors: Any = SimpleNamespace(generation=[])
 
-    run._on_trained(no_actors, driver.LearnerCall(None, time.perf_counter()), learner_part)
+    run._on_trained(no_actors, driver.LearnerCall(time.perf_counter()), learner_part)
 
     (record,) = run_dir.read_metrics()
     added = record.keys() - learner_part.keys()
@@ -159,7 +162,7 @@ def test_a_run_with_tools_records_the_tool_keys_of_its_batch(tmp_path: Path) -> 
     )  # fmt: skip
     no_call = Response("p", [1], [5, 6, 7], [0.0] * 3, "stop", 0, "")
     tools = tool_metrics([two_calls, no_call])
-    call = driver.LearnerCall(None, time.perf_counter(), [1, 1], tools)
+    call = driver.LearnerCall(time.perf_counter(), [1, 1], tools)
     run._on_trained(SimpleNamespace(generation=[]), call, {"tokens_trained": 6.0})
 
     (record,) = run_dir.read_metrics()

@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.generation.base import StateDictMismatchError
 from services.generation.hf_backend import HFBackend
-from services.weights.base import Channel, TensorSpec, WeightsManifest
+from services.weights.base import Channel, StateDictMismatchError, TensorSpec, WeightsManifest
 from services.weights.buckets import plan_buckets
 from services.weights.collective import connect, open_weight_group
 

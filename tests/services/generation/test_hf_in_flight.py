@@ -24,10 +24,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from services.generation.base import GroupRequest, SamplingSettings, StateDictMismatchError
+from services.generation.base import GroupRequest, SamplingSettings
 from services.generation.hf_backend import HFBackend
 from services.messages import Prompt, Response
-from services.weights.base import TensorSpec, WeightsManifest
+from services.weights.base import StateDictMismatchError, TensorSpec, WeightsManifest
 from services.weights.buckets import plan_buckets
 from tests.services.generation.offline_logprobs import kept_cache_logprobs, plain_logprobs
 

@@ -10,6 +10,7 @@ import json
 import re
 import shutil
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.generation.base import GroupRequest, SamplingSettings
+from services.generation.base import GroupRequest, Refusal, SamplingSettings, StreamedGroups
 from services.generation.hf_backend import HFBackend
 from services.generation.worker import (
     GenerationStats,
@@ -57,7 +58,7 @@ def collect(worker: Any, groups: int) -> list[list[Response]]:
     """Poll next_groups until `groups` groups came back."""
     out: list[list[Response]] = []
     while len(out) < groups:
-        out.extend(ray.get(worker.next_groups.remote(30.0)))
+        out.extend(ray.get(worker.next_groups.remote(30.0)).groups)
     return out
 
 
@@ -87,13 +88,15 @@ def test_batches_pick_up_the_newest_offered_weights(
     assert ray.get(worker.policy_version.remote()) == 2
     assert ray.get(worker.stats.remote()).weight_swaps == 1
 
-    # A stale offer is refused; legacy forms (a bare ref, resolved by Ray on arrival) work.
+    # A stale offer is refused; an offer in any other form than a WeightsOffer in a list too.
     _, acks = offer_weights_to([worker], 2, perturbed(weights, 0.1))
     assert ray.get(acks) == [False]
     bare = ray.put(perturbed(weights, 0.3))
-    assert ray.get(worker.offer_weights.remote(5, bare)) is True
-    third = flat(ray.get(worker.generate.remote(PROMPTS, 3, SAMPLING)))
-    assert {r.policy_version for r in third} == {5}
+    with pytest.raises(
+        ray.exceptions.RayTaskError, match="one-element list holding a WeightsOffer"
+    ):
+        ray.get(worker.offer_weights.remote(5, [bare]))
+    assert ray.get(worker.policy_version.remote()) == 2
 
 
 def test_stats_report_throughput(worker: Any) -> None:
@@ -112,24 +115,28 @@ def test_stats_report_throughput(worker: Any) -> None:
     assert stats.policy_version == ray.get(worker.policy_version.remote())
 
 
-def test_a_bad_offer_fails_batches_until_a_newer_one_replaces_it(
+def test_a_bad_offer_is_loaded_twice_then_fails_batches_until_a_newer_one_replaces_it(
     worker: Any, weights: dict[str, torch.Tensor]
 ) -> None:
     version = ray.get(worker.policy_version.remote())
+    failed_before = ray.get(worker.stats.remote()).failed_loads
     broken = {k: v for k, v in weights.items() if k != "lm_head.weight"}
     # Acknowledged before the next call: a threaded actor runs one caller's calls concurrently.
     assert ray.get(offer_weights_to([worker], version + 1, broken)[1]) == [True]
     for _ in range(2):  # the offer is kept: never silently generate with older weights
         with pytest.raises(ray.exceptions.RayTaskError, match=r"missing \['lm_head\.weight'\]"):
             ray.get(worker.generate.remote(PROMPTS, 1, SAMPLING))
-    with pytest.raises(ray.exceptions.RayTaskError, match=r"missing \['lm_head\.weight'\]"):
+    with pytest.raises(ray.exceptions.RayTaskError, match=r"WeightSwapError.*lm_head\.weight"):
         ray.get(worker.next_groups.remote(0.0))
     assert ray.get(worker.policy_version.remote()) == version
+    # Loaded once more from the same offer after the first failure, then given up: calls made
+    # after that raise without loading it again.
+    assert ray.get(worker.stats.remote()).failed_loads == failed_before + 2
 
     assert ray.get(offer_weights_to([worker], version + 2, weights)[1]) == [True]
     groups = ray.get(worker.generate.remote(PROMPTS, 1, SAMPLING))
     assert {r.policy_version for r in flat(groups)} == {version + 2}
-    assert ray.get(worker.next_groups.remote(0.0)) == []
+    assert ray.get(worker.next_groups.remote(0.0)).groups == []
 
 
 def test_generate_and_the_stream_share_the_engine_without_mixing_groups(worker: Any) -> None:
@@ -225,24 +232,41 @@ def no_bos_model_dir(tiny_model_dir: Path, tmp_path: Path) -> Path:
 
 
 def test_a_request_the_backend_refuses_is_answered_alone(no_bos_model_dir: Path) -> None:
-    """In process (no actor): the refused request's error comes out of next_groups once, the
-    requests submitted with it are generated, and a blocking call raises it."""
+    """In process (no actor): the refused requests come out of next_groups once each, with
+    their reason, the requests submitted with them are generated, and a blocking call raises."""
     impl = GenerationWorkerImpl("hf", str(no_bos_model_dir))
     try:
         sampling = SamplingSettings(max_new_tokens=3, seed=1)
         empty = Prompt("empty", "", "")
-        impl.submit([GroupRequest(PROMPTS[0], 2, sampling), GroupRequest(empty, 2, sampling)])
+        # 600 characters: 600 tokens, past the tiny model's 512 positions.
+        too_long = Prompt("long", "1+" * 300, "")
+        # 508 tokens: room for 4 response tokens, whatever max_new_tokens says.
+        near_limit = Prompt("near", "1+" * 254, "")
+        impl.submit(
+            [
+                GroupRequest(PROMPTS[0], 2, sampling),
+                GroupRequest(empty, 2, sampling),
+                GroupRequest(too_long, 2, sampling),
+                GroupRequest(near_limit, 2, replace(sampling, max_new_tokens=40)),
+            ]
+        )
         groups: list[list[Response]] = []
-        errors: list[str] = []
-        while not (groups and errors):  # in whichever order they come
-            try:
-                groups.extend(impl.next_groups(30.0))
-            except ValueError as error:
-                errors.append(str(error))
-        assert [(g[0].prompt_id, len(g)) for g in groups] == [("a", 2)]
-        assert len(errors) == 1
-        assert re.search(r"prompt 'empty' refused.*encodes to no tokens", errors[0])
-        assert impl.next_groups(0.0) == []  # reported once
+        refused: list[Refusal] = []
+        while not (len(groups) == 2 and len(refused) == 2):  # in whichever order they come
+            streamed = impl.next_groups(30.0)
+            groups.extend(streamed.groups)
+            refused.extend(streamed.refused)
+        assert sorted((g[0].prompt_id, len(g)) for g in groups) == [("a", 2), ("near", 2)]
+        (near,) = [g for g in groups if g[0].prompt_id == "near"]
+        for response in near:  # ended where the model's positions end
+            assert len(response.prompt_token_ids) + len(response.response_token_ids) <= 512
+            assert response.finish_reason in ("length", "stop")
+        by_id = {refusal.prompt_id: refusal for refusal in refused}
+        assert by_id["empty"].reason == "refused"
+        assert re.search(r"prompt 'empty' refused.*encodes to no tokens", by_id["empty"].message)
+        assert by_id["long"].reason == "prompt_too_long"
+        assert re.search(r"'long\S*' has 600 tokens.*takes 512 tokens", by_id["long"].message)
+        assert impl.next_groups(0.0) == StreamedGroups([])  # reported once
         with pytest.raises(ValueError, match=r"prompt 'empty' refused"):
             impl.generate([PROMPTS[1], empty], 2, sampling)
         assert len(impl.generate([PROMPTS[1]], 2, sampling)) == 1

@@ -67,7 +67,7 @@ def offer(worker: Any, model: PreTrainedModel) -> int:
 def collect(worker: Any, groups: int) -> list[list[Response]]:
     out: list[list[Response]] = []
     while len(out) < groups:
-        out.extend(ray.get(worker.next_groups.remote(60.0)))
+        out.extend(ray.get(worker.next_groups.remote(60.0)).groups)
     return out
 
 
@@ -83,7 +83,7 @@ def test_a_short_group_streams_back_while_a_long_group_of_the_same_submit_decode
 ) -> None:
     offer(worker, models["endless"])
     ray.get(worker.submit.remote(long_and_short("s")))
-    first = ray.get(worker.next_groups.remote(60.0))
+    first = ray.get(worker.next_groups.remote(60.0)).groups
     # The long group cannot have ended: these weights never stop a row before LONG tokens.
     assert [group[0].prompt_id for group in first] == ["short-s"]
     stats: GenerationStats = ray.get(worker.stats.remote())
@@ -102,7 +102,7 @@ def test_an_update_in_flight_splits_responses_between_versions_with_exact_logpro
     kept cache) that sampled it."""
     old = offer(worker, models["endless"])
     ray.get(worker.submit.remote(long_and_short("f")))
-    assert [g[0].prompt_id for g in ray.get(worker.next_groups.remote(60.0))] == ["short-f"]
+    assert [g[0].prompt_id for g in ray.get(worker.next_groups.remote(60.0)).groups] == ["short-f"]
     before: GenerationStats = ray.get(worker.stats.remote())
     new = offer(worker, models["stopping"])
     (group,) = collect(worker, 1)

@@ -33,7 +33,7 @@ def test_a_worker_runs_the_models_call_in_the_sandbox(tool_model_dir: Path) -> N
         worker.submit([GroupRequest(Prompt("p", PLAIN.prompt, OUTPUT), 2, sampling)])
         groups = []
         while not groups:
-            groups = worker.next_groups(timeout_s=60.0)
+            groups = worker.next_groups(timeout_s=60.0).groups
         [group] = groups
         for response in group:
             assert response.finish_reason == "stop" and any(response.observation_mask)

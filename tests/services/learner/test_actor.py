@@ -41,17 +41,19 @@ def test_a_step_returns_metrics_and_weights_a_generation_backend_loads(
     assert learner.call("version") == 0
     initial = learner.call("published_state_dict")
 
-    refs = learner.step(groups)
+    refs = learner.train_step(groups)
     metrics = ray.get(refs.metrics)
     assert metrics["policy_version"] == 1.0 and metrics["grad_norm"] > 0
     assert metrics["learner_world_size"] == len(learner.ranks)
-    assert wait_all(refs.peers) == [{}, None] * (len(learner.ranks) - 1)
+    assert wait_all(refs.peers) == [{}] * (len(learner.ranks) - 1)
     assert learner.call("version") == 1
 
     backend = HFBackend(tiny_model_dir)
     for name, tensor in backend.model.state_dict().items():
         assert torch.equal(tensor, initial[name]), name
-    offer = ray.get(refs.weights)  # names and bucket refs; the buckets are fetched one by one
+    published = learner.publish(1)
+    offer = ray.get(published.offer)  # names and bucket refs; the buckets are fetched one by one
+    assert wait_all(published.peers) == [None] * (len(learner.ranks) - 1)
     assert offer.manifest.version == 1
     backend.load_weight_buckets(fetch_buckets(offer), offer.manifest)
     weights = learner.call("published_state_dict")

@@ -92,14 +92,19 @@ def test_object_store_offers_reach_a_worker_bitwise(
 ) -> None:
     learner = start_learner(tiny_model_dir, "object_store")
     try:
-        initial: WeightsOffer = ray.get(learner.initial_weights())
+        initial: WeightsOffer = ray.get(learner.publish(0).offer)
         assert initial.transport == "object_store" and initial.manifest.version == 0
         assert len(initial.bucket_refs) == len(initial.manifest.buckets)
         before = ray.get(receivers[0].weights.remote())
 
-        refs = learner.step(groups)
+        refs = learner.train_step(groups)
         assert ray.get(refs.metrics)["policy_version"] == 1.0
-        offer: WeightsOffer = ray.get(refs.weights)
+        # A publish is a call of its own, of the version the learner holds.
+        with pytest.raises(
+            RayTaskError, match="publish of version 2, but the learner holds version 1"
+        ):
+            ray.get(learner.publish(2).offer)
+        offer: WeightsOffer = ray.get(learner.publish(1).offer)
         assert offer.manifest.version == 1
         # Wrapped in a list, as the driver does: the worker gets the refs, not the buckets.
         assert ray.get(receivers[0].fetch.remote([offer])) == 1
@@ -121,8 +126,8 @@ def test_collective_publishes_reach_workers_and_survive_a_dead_one(
         joined = [first.join.remote(weights, 1), second.join.remote(weights, 2)]
         wait_all([learner.connect_weight_group(weights), *joined])
 
-        refs = learner.step(groups)
-        offer: WeightsOffer = ray.get(refs.weights)
+        ray.get(learner.train_step(groups).metrics)
+        offer: WeightsOffer = ray.get(learner.publish(1).offer)
         assert offer.transport == "collective" and offer.bucket_refs == ()
         assert offer.manifest.version == 1
         received = [r.receive.remote(offer.manifest) for r in (first, second)]

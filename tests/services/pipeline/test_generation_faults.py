@@ -1,8 +1,9 @@
 """The driver's handling of generation workers that raise or hang, on a real local Ray.
 
-`RaisingWorker` and `HangingWorker` stand in for a worker whose engine fails on the prompts it
-was given and for one whose engine is wedged: real actor processes speaking the worker's
-protocol. Their replacements are real generation workers on the tiny model.
+`RaisingWorker`, `SwapFailingWorker` and `HangingWorker` stand in for a worker whose engine
+fails on the prompts it was given, one that gave up loading the weights it was offered, and one
+whose engine is wedged: real actor processes speaking the worker's protocol. Their replacements
+are real generation workers on the tiny model.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from typing import Any
 import pytest
 import ray
 
-from services.generation.base import GroupRequest
-from services.messages import Response
+from services.generation.base import GroupRequest, StreamedGroups
+from services.generation.worker import WeightSwapError
 from services.pipeline import supervisor as supervisor_module
 from services.pipeline.actors import RunActors, start_generation_worker, start_verifier
 from services.pipeline.driver import GenerationFailed, RunDriver
@@ -34,8 +35,22 @@ class RaisingWorker:
     def submit(self, requests: list[GroupRequest]) -> None:
         return None
 
-    def next_groups(self, timeout_s: float) -> list[list[Response]]:
+    def next_groups(self, timeout_s: float) -> StreamedGroups:
         raise RuntimeError("engine failed on these prompts")
+
+    def offer_weights(self, version: int, offer: Any) -> bool:
+        return True
+
+
+@ray.remote(num_cpus=0, max_concurrency=4)
+class SwapFailingWorker:
+    """Takes prompts; loading its offered weights failed twice, so it halted."""
+
+    def submit(self, requests: list[GroupRequest]) -> None:
+        return None
+
+    def next_groups(self, timeout_s: float) -> StreamedGroups:
+        raise WeightSwapError("loading weights of version 1 failed: fetch failed")
 
     def offer_weights(self, version: int, offer: Any) -> bool:
         return True
@@ -51,9 +66,9 @@ class HangingWorker:
     def submit(self, requests: list[GroupRequest]) -> None:
         return None
 
-    def next_groups(self, timeout_s: float) -> list[list[Response]]:
+    def next_groups(self, timeout_s: float) -> StreamedGroups:
         self._never.wait()
-        return []
+        return StreamedGroups([])
 
     def offer_weights(self, version: int, offer: Any) -> bool:
         return True
@@ -116,6 +131,26 @@ def test_prompts_that_fail_on_two_workers_fail_the_run_naming_actor_and_error(
     ):
         drive_until(driver, actors, 1)
     assert driver.counters.generation_replacements == 1
+
+
+def test_a_weight_load_a_worker_gave_up_on_replaces_it_without_counting_against_its_prompts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two workers in a row fail their weight load holding the same prompts: not the prompts'
+    doing, so the run goes on, and the third worker generates them."""
+    starts = iter([SwapFailingWorker.remote, None])
+
+    def start(spec: Any, model_dir: Path) -> Any:
+        make = next(starts)
+        return make() if make is not None else start_generation_worker(spec, model_dir)
+
+    monkeypatch.setattr(supervisor_module, "start_generation_worker", start)
+    driver, actors, issued = driver_with(tmp_path, SwapFailingWorker.remote())
+    drive_until(driver, actors, len(issued))
+
+    assert driver.counters.generation_replacements == 2
+    assert sorted(group.prompt.prompt_id for group in driver.buffer.groups) == sorted(issued)
+    assert driver.buffer.reserved == 0
 
 
 def test_a_worker_that_returns_nothing_past_its_deadline_is_replaced(

@@ -118,7 +118,7 @@ def receiver_main(rank: int, inbox: Queue[Any], out: str, die: bool, deaths: Que
     try:
         got: dict[str, Tensor] = {}
         for bucket in channel.receive(manifest):
-            got.update(with_aliases({n: t.clone() for n, t in bucket.items()}, manifest))
+            got.update(with_aliases({n: t.clone() for n, t in bucket.items()}, manifest.aliases))
         result = {"weights": got, "messages": channel.messages}
     except WeightGroupError as error:
         result = {"error": str(error)}

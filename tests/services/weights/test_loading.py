@@ -8,10 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.generation.base import StateDictMismatchError
 from services.learner.distributed import RankGroup
 from services.learner.publish import iter_buckets, weights_manifest
-from services.weights.base import TensorSpec, WeightsManifest
+from services.weights.base import StateDictMismatchError, TensorSpec, WeightsManifest
 from services.weights.loading import check_manifest, load_buckets_into, module_shapes
 from tests.services.weights.models import save_tied_model
 

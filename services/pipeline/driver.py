@@ -246,6 +246,7 @@ class RunDriver:
         self._checkpoints = CheckpointWriter()
         self._curves = CurveDrawer(run_dir.path, spec.name)
         self._held_record: MetricsRecord | None = None  # waits for its step's checkpoint
+        self._records_after_checkpoint: list[MetricsRecord] = []  # steps taken while it is
         self._publish_due = False  # a step finished: its version is published next
         self.supervisor = ActorSupervisor(
             spec,
@@ -404,6 +405,7 @@ class RunDriver:
         actors.kill()
         self._pending.clear()
         self._held_record = None
+        self._records_after_checkpoint.clear()
         self._publish_due = False
         self.weights.reset()
         if self.evals is not None:

@@ -76,6 +76,8 @@ TRANSPORTS: tuple[WeightTransportName, ...] = ("object_store", "collective")
 QUICK = ModelShape("quick", 256, 4, 4, 2, 1024, 32000, tied=True)
 QWEN25_15B = SIZING_SHAPES[0]
 QUICK_BUCKET_MB = 4
+# The response limit KPO's `reference_length: auto` resolves to (no step is trained here).
+RESPONSE_LENGTH = 256
 
 
 def fingerprint(state: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -210,7 +212,13 @@ def measure_shape(args: argparse.Namespace, shape: ModelShape) -> dict[str, Any]
         # No CPUs reserved: the processes share the machine's cores, as a run's would.
         learner: Any = ray.remote(SyncLearner).options(num_cpus=0)
         learner = learner.remote(
-            model_dir, learner_config, AlgorithmConfig(), 1.0, 0, weight_bucket_mb=args.bucket_mb
+            model_dir,
+            learner_config,
+            # Nothing is trained here: any response length resolves KPO's `auto` length.
+            AlgorithmConfig().with_response_length(RESPONSE_LENGTH),
+            1.0,
+            0,
+            weight_bucket_mb=args.bucket_mb,
         )
         receiver: Any = ray.remote(SyncReceiver).options(num_cpus=0)
         receivers = [

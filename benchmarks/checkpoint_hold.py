@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 from services.learner.step import LearnerCore
@@ -25,7 +26,11 @@ POLL_SECONDS = 0.001
 def held_seconds(writer: CheckpointWriter, root: Path, step: int, core: LearnerCore) -> float:
     """Seconds from starting checkpoint `step` until the learner may take its next step."""
     started = time.perf_counter()
-    writer.start(root, step, {"step": step}, core.save_checkpoint, keep=2)
+    # A rank writes its part in its own process while the driver goes on: here the writer
+    # thread stands for it.
+    writer.start(
+        root, step, {"step": step}, lambda path: partial(core.save_checkpoint, path), keep=2
+    )
     while writer.holds_learner:
         time.sleep(POLL_SECONDS)
     held = time.perf_counter() - started

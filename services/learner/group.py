@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,8 +161,16 @@ class LearnerGroup:
         group is closed (open a new one)."""
         return self._all("send_weights")
 
-    def save_checkpoint(self, path: str) -> None:
-        self.call("save_checkpoint", path)
+    def save_checkpoint(self, path: str) -> Callable[[], None]:
+        """Start every rank writing its part of a checkpoint into `path`; returns what waits
+        for them (the calls are made now, in order with the caller's other calls to the ranks,
+        whatever thread then waits)."""
+        refs = self._all("save_checkpoint", path)
+
+        def wait() -> None:
+            wait_all(refs, None, "save_checkpoint")
+
+        return wait
 
     def load_checkpoint(self, path: str) -> int:
         version: int = self.call("load_checkpoint", path, timeout_s=self.resume_timeout_s)

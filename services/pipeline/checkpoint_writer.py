@@ -60,17 +60,24 @@ class CheckpointWriter:
         root: Path,
         step: int,
         driver_state: dict[str, Any],
-        write_learner: Callable[[Path], object],
+        write_learner: Callable[[Path], Callable[[], object]],
         keep: int,
     ) -> None:
-        """Write checkpoint `step` under `root` in the background (`driver_state` is final)."""
+        """Write checkpoint `step` under `root` in the background (`driver_state` is final).
+
+        `write_learner(dir)` starts the learner's part, here on the caller's thread, and returns
+        what waits for it (run by the writer thread). The learner's calls must be made by the
+        thread that makes its other calls: its ranks run collectives, each rank runs its calls
+        in the order they were submitted, and two submitting threads could order two ranks'
+        calls differently (a checkpoint and a publish), each rank then waiting on the other."""
         if self._future is not None:
             raise RuntimeError("a checkpoint is being written already")
         self._learner_written.clear()
+        tmp = begin_checkpoint(root, step)
+        wait_for_learner = write_learner(tmp / LEARNER_DIR)
 
         def write() -> int:
-            tmp = begin_checkpoint(root, step)
-            write_learner(tmp / LEARNER_DIR)
+            wait_for_learner()
             self._learner_written.set()
             finish_checkpoint(root, step, tmp, driver_state)
             prune_checkpoints(root, keep)

@@ -44,7 +44,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -835,8 +835,8 @@ class RunDriver:
     def _start_checkpoint(self, actors: RunActors) -> None:
         """Checkpoint the current step beside the loop (the learner is idle between steps)."""
 
-        def write_learner(path: Path) -> None:
-            actors.learner.save_checkpoint(str(path))
+        def write_learner(path: Path) -> Callable[[], None]:
+            return actors.learner.save_checkpoint(str(path))
 
         state = self._driver_state()
         if self._held_record is not None:  # the step's record, for a driver killed before it

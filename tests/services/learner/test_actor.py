@@ -64,5 +64,5 @@ def test_a_step_returns_metrics_and_weights_a_generation_backend_loads(
     responses = backend.generate(PROMPTS[:1], 2, SamplingSettings(max_new_tokens=4, seed=0))
     assert {r.policy_version for r in responses[0]} == {1}
 
-    learner.save_checkpoint(str(tmp_path / "ckpt"))
+    learner.save_checkpoint(str(tmp_path / "ckpt"))()  # start, then wait for every rank
     assert learner.load_checkpoint(str(tmp_path / "ckpt")) == 1

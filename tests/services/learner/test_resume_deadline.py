@@ -28,7 +28,7 @@ def test_a_rank_that_never_answers_on_resume_fails_within_the_deadline_named(
     try:
         wait_all(group.setup())
         checkpoint = str(tmp_path / "learner")
-        group.save_checkpoint(checkpoint)
+        group.save_checkpoint(checkpoint)()  # start, then wait for every rank
         # Rank 1's process is frozen (as by a hung device or filesystem): it is alive to Ray,
         # never answers, and rank 0 waits for it in the load's collectives.
         hung_pid = group.pids()[1]
@@ -55,7 +55,7 @@ def test_ranks_that_answer_in_time_return_rank_0s_result(
     group = LearnerGroup(RunSpec(learner=config), str(tiny_model_dir))
     try:
         wait_all(group.setup())
-        group.save_checkpoint(str(tmp_path / "learner"))
+        group.save_checkpoint(str(tmp_path / "learner"))()
         assert group.load_checkpoint(str(tmp_path / "learner")) == 0
     finally:
         group.kill()

@@ -27,13 +27,19 @@ from tests.services.pipeline.conftest import tiny_spec
 LARGE_BYTES = 64 << 20  # enough to take the writer thread a while to hash and flush
 
 
-def learner_part(size: int) -> Callable[[Path], None]:
-    def write(path: Path) -> None:
-        path.mkdir()
-        (path / "model.safetensors").write_bytes(bytes(range(256)) * (size // 256))
-        (path / "learner.json").write_text('{"version": 3}', encoding="utf-8")
+def learner_part(size: int) -> Callable[[Path], Callable[[], None]]:
+    """A learner's part as the writer starts it: the returned wait writes it (on the writer's
+    thread, as ranks write theirs in their own processes)."""
 
-    return write
+    def start(path: Path) -> Callable[[], None]:
+        def write() -> None:
+            path.mkdir()
+            (path / "model.safetensors").write_bytes(bytes(range(256)) * (size // 256))
+            (path / "learner.json").write_text('{"version": 3}', encoding="utf-8")
+
+        return write
+
+    return start
 
 
 def checkpoint_files(path: Path) -> dict[str, Path]:
@@ -66,11 +72,16 @@ def test_the_learner_is_released_while_the_checkpoint_is_hashed_and_flushed(
 ) -> None:
     writer = CheckpointWriter()
     learner_done = threading.Event()
-    write = learner_part(LARGE_BYTES)
+    start = learner_part(LARGE_BYTES)
 
-    def write_learner(path: Path) -> None:
-        write(path)
-        learner_done.set()
+    def write_learner(path: Path) -> Callable[[], None]:
+        write = start(path)
+
+        def wait() -> None:
+            write()
+            learner_done.set()
+
+        return wait
 
     writer.start(tmp_path, 1, {"step": 1}, write_learner, keep=2)
     assert learner_done.wait(60)
@@ -87,8 +98,13 @@ def test_the_learner_is_released_while_the_checkpoint_is_hashed_and_flushed(
 def test_the_baseline_holds_the_learner_until_the_checkpoint_is_complete(tmp_path: Path) -> None:
     writer = CheckpointWriter(hold_learner_until_written=True)
     writer.start(tmp_path, 1, {"step": 1}, learner_part(LARGE_BYTES), keep=2)
-    while not writer.done:
-        assert writer.holds_learner
+    # Read in this order: a release seen before the end was seen is a release before the end
+    # (the other order would race with the checkpoint ending between the two reads).
+    while True:
+        holds = writer.holds_learner
+        if writer.done:
+            break
+        assert holds
     assert not writer.holds_learner and writer.result() == 1
 
 
@@ -120,3 +136,28 @@ def test_a_run_hashes_each_checkpoint_once_and_resume_still_catches_a_damaged_on
     weights.write_bytes(bytes(damaged))
     assert RunDriver(spec, RunDirectory(tmp_path), []).restore() == 2
     assert "SHA-256" in caplog.text and weights.name in caplog.text
+
+
+def test_the_learners_part_is_started_on_the_callers_thread(tmp_path: Path) -> None:
+    """The learner's ranks run collectives and each runs its calls in submission order: a
+    checkpoint's calls made from the writer's thread could reach two ranks on either side of a
+    publish made meanwhile by the driver's thread, and each rank would wait on the other."""
+    started_on: list[threading.Thread] = []
+    waited_on: list[threading.Thread] = []
+    start = learner_part(1 << 10)
+
+    def write_learner(path: Path) -> Callable[[], None]:
+        started_on.append(threading.current_thread())
+        write = start(path)
+
+        def wait() -> None:
+            waited_on.append(threading.current_thread())
+            write()
+
+        return wait
+
+    writer = CheckpointWriter()
+    writer.start(tmp_path, 1, {"step": 1}, write_learner, keep=2)
+    assert started_on == [threading.current_thread()]  # before `start` returned
+    assert writer.result() == 1
+    assert waited_on and waited_on[0] is not threading.current_thread()

@@ -9,6 +9,7 @@ N + 1, so without this the run's history (and the store's) would miss step N for
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -42,9 +43,12 @@ def checkpoint_with_a_held_record(run_dir: RunDirectory, step: int) -> MetricsRe
     driver.counters.step = step
     driver._held_record = record  # the loop held it for the checkpoint, as at every boundary
 
-    def save_checkpoint(path: str) -> None:  # the learner's part: any file will do here
-        Path(path).mkdir(parents=True, exist_ok=True)
-        Path(path, "weights.bin").write_bytes(b"w")
+    def save_checkpoint(path: str) -> Callable[[], None]:  # the learner's part: any file
+        def wait() -> None:
+            Path(path).mkdir(parents=True, exist_ok=True)
+            Path(path, "weights.bin").write_bytes(b"w")
+
+        return wait
 
     learner = SimpleNamespace(save_checkpoint=save_checkpoint)
     driver._start_checkpoint(SimpleNamespace(learner=learner))  # type: ignore[arg-type]

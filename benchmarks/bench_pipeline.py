@@ -8,7 +8,14 @@ compilations). Modes:
     sync             generation pauses while the learner trains (the baseline of every ratio)
     async-batch      asynchronous; a worker gets new prompts only when its whole batch ended
     async-stream     asynchronous; groups return as they end and the engine is refilled at once
+    async-stream-sequential-publish
+                     async-stream with each publish before the next learner step
+                     (`overlap_publish: false`; the other async modes overlap it)
     async-inflight   async-stream, and new weights load between decoding steps
+
+Beside throughput, each mode gives the learner's idle time per step: its own
+`learner_idle_seconds`, from the end of one step to the start of the next (waiting for a batch,
+or for a publish or checkpoint before the step), the mean over the measured steps.
 
 With --long-tail the prompts mix difficulties 1-5 (responses of about 30 to 180 tokens), where
 a batch waits for its longest response: that is what streaming removes. On a machine where
@@ -46,20 +53,26 @@ MODES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "sync": ({"mode": "sync", "max_staleness": 0}, {"streaming": False}),
     "async-batch": ({"mode": "async"}, {"streaming": False}),
     "async-stream": ({"mode": "async"}, {"streaming": True}),
+    "async-stream-sequential-publish": (
+        {"mode": "async", "overlap_publish": False},
+        {"streaming": True},
+    ),
     "async-inflight": ({"mode": "async", "in_flight_updates": True}, {"streaming": True}),
 }
 LONG_TAIL = {"task": {"name": "arith", "difficulty": 1, "difficulty_max": 5}}
 LONG_TAIL_MAX_NEW_TOKENS = 192  # above the longest level-5 response
 
 
-def measured(records: list[MetricsRecord], warmup: int) -> tuple[float, float]:
-    """(trained tokens/s, seconds per step) over the steps after the first `warmup` (>= 1)."""
+def measured(records: list[MetricsRecord], warmup: int) -> tuple[float, float, float]:
+    """(trained tokens/s, seconds per step, learner idle seconds per step) over the steps after
+    the first `warmup` (>= 1)."""
     if not 1 <= warmup < len(records):
         raise ValueError(f"need 1 <= warmup < steps, got warmup {warmup} of {len(records)}")
     window = records[warmup:]
     seconds = window[-1]["wall_seconds"] - records[warmup - 1]["wall_seconds"]
     tokens = sum(r["tokens_trained"] for r in window)
-    return tokens / seconds, seconds / len(window)
+    idle = sum(r["learner_idle_seconds"] for r in window) / len(window)
+    return tokens / seconds, seconds / len(window), idle
 
 
 def mode_spec(base: RunSpec, mode: str, steps: int, long_tail: bool) -> RunSpec:
@@ -104,18 +117,34 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     rows, rates = [], {}
     for mode in args.modes:
         records = run_mode(mode_spec(base, mode, args.steps, args.long_tail))
-        rate, per_step = measured(records, args.warmup)
+        rate, per_step, idle = measured(records, args.warmup)
         rates[mode] = rate
         staleness = sum(r["staleness_mean"] for r in records) / len(records)
         span = max(r["version_span_max"] for r in records)
-        print(f"{mode}: {rate:,.0f} trained tokens/s, {per_step:.2f} s/step", flush=True)
-        rows.append([mode, f"{rate:,.0f}", f"{per_step:.2f}", f"{staleness:.2f}", f"{span:.0f}"])
+        print(
+            f"{mode}: {rate:,.0f} trained tokens/s, {per_step:.2f} s/step, learner idle "
+            f"{idle:.3f} s/step",
+            flush=True,
+        )
+        rows.append(
+            [
+                mode,
+                f"{rate:,.0f}",
+                f"{per_step:.2f}",
+                f"{idle:.3f}",
+                f"{staleness:.2f}",
+                f"{span:.0f}",
+            ]
+        )
     ray.shutdown()
     tail = ", long-tailed prompts (difficulty 1-5)" if args.long_tail else ""
     print(f"{args.config.name}: {args.steps} steps per mode, first {args.warmup} left out{tail}")
     for row in rows:
         row.append(f"{rates[row[0]] / rates['sync']:.2f}x")
-    header = ["mode", "trained tokens/s", "s/step", "mean staleness", "max version span"]
+    header = [
+        "mode", "trained tokens/s", "s/step", "learner idle s/step", "mean staleness",
+        "max version span",
+    ]  # fmt: skip
     print_table([*header, "vs sync"], rows)
     return {mode: rate / rates["sync"] for mode, rate in rates.items()}
 

@@ -18,6 +18,15 @@ training step, whose cost does not depend on the transport), and after the last 
 worker's weights are checked against the learner's (sha256 of every tensor's bytes): the
 benchmark fails if any differs.
 
+Then the learner's idle time per step, with and without the overlapped publish
+(`pipeline.overlap_publish`), in one run: the learner trains `--idle-steps` steps on a
+synthetic batch, each followed by a publish over object_store that the workers load, as the
+driver orders them: without overlap the next step is sent once the offer is in; with it, right
+after the publish is started. Idle time is the learner's own `learner_idle_seconds` (from the end
+of one step to the start of the next), its mean over the steps after the first; seconds per step
+are the loop's wall time over its steps. The workers' weights are checked against the
+learner's after the last publish (sha256), as above.
+
 Seconds: the best of the repeats, from the publish call to every worker done. Extra host
 memory: per process, peak RSS during the publish minus RSS before it (VmHWM reset first;
 allocations of 128 KiB and more are mmapped, so RSS follows the live tensors); the maximum
@@ -40,6 +49,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -61,11 +71,12 @@ from bench_learner import (
     rss_bytes,
     run_forked,
     save_model,
+    synthetic_groups,
 )
 
 from kpo_core.config import AlgorithmConfig
 from services.generation.hf_backend import HFBackend
-from services.learner.actor import LearnerImpl
+from services.learner.actor import CONCURRENCY_GROUPS, LearnerImpl
 from services.spec import LearnerConfig
 from services.weights.base import WeightGroup, WeightsManifest, WeightsOffer, WeightTransportName
 from services.weights.object_store import fetch_buckets
@@ -76,8 +87,10 @@ TRANSPORTS: tuple[WeightTransportName, ...] = ("object_store", "collective")
 QUICK = ModelShape("quick", 256, 4, 4, 2, 1024, 32000, tied=True)
 QWEN25_15B = SIZING_SHAPES[0]
 QUICK_BUCKET_MB = 4
-# The response limit KPO's `reference_length: auto` resolves to (no step is trained here).
+# The response limit KPO's `reference_length: auto` resolves to.
 RESPONSE_LENGTH = 256
+# The synthetic batch the idle-time measurement trains on: rows x response tokens.
+IDLE_BATCH_ROWS, IDLE_BATCH_TOKENS, IDLE_PROMPT_TOKENS = 4, 64, 16
 
 
 def fingerprint(state: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -110,6 +123,10 @@ class SyncLearner(LearnerImpl, Memory):
 
     def use_transport(self, transport: WeightTransportName) -> None:
         self._transport = transport
+
+    def use_overlap(self, overlap: bool) -> None:
+        """Publish as `overlap_publish` would have it (object_store, this one rank)."""
+        self._publisher = ThreadPoolExecutor(1, "publish") if overlap else None
 
     @torch.no_grad()
     def new_version(self) -> None:
@@ -170,7 +187,8 @@ def measure_transport(
         ray.get([actor.start_measure.remote() for actor in everyone], timeout=timeout)
         start = time.perf_counter()
         # new_version changes the weights, not the version number (still 0).
-        offer: WeightsOffer = ray.get(learner.publish.remote(0), timeout=timeout)
+        learner.publish.remote(0)
+        offer: WeightsOffer = ray.get(learner.offer.remote(0), timeout=timeout)
         if transport == "object_store":
             # In a list, as the driver does: each worker gets the refs, not the buckets.
             ray.get([r.fetch.remote([offer]) for r in receivers], timeout=timeout)
@@ -183,13 +201,7 @@ def measure_transport(
         extras = ray.get([actor.extra_peak.remote() for actor in everyone], timeout=timeout)
         learner_extra = max(learner_extra, extras[0])
         receiver_extra = max(receiver_extra, *extras[1:])
-    want = ray.get(learner.fingerprint.remote(), timeout=timeout)
-    for index, got in enumerate(ray.get([r.fingerprint.remote() for r in receivers])):
-        differing = sorted(name for name in want if got.get(name) != want[name])
-        if differing or got.keys() != want.keys():
-            raise RuntimeError(
-                f"{transport}: worker {index} does not hold the learner's weights: {differing[:5]}"
-            )
+    check_workers_hold_the_learners_weights(learner, receivers, transport, timeout)
     return {
         "transport": transport,
         "seconds": min(seconds),
@@ -198,6 +210,62 @@ def measure_transport(
         "receiver_extra_peak_bytes": receiver_extra,
         "object_store_bytes": stored,
         "group_setup_seconds": setup_s,
+    }
+
+
+def check_workers_hold_the_learners_weights(
+    learner: Any, receivers: list[Any], what: str, timeout: float
+) -> None:
+    want = ray.get(learner.fingerprint.remote(), timeout=timeout)
+    for index, got in enumerate(ray.get([r.fingerprint.remote() for r in receivers])):
+        differing = sorted(name for name in want if got.get(name) != want[name])
+        if differing or got.keys() != want.keys():
+            raise RuntimeError(
+                f"{what}: worker {index} does not hold the learner's weights: {differing[:5]}"
+            )
+
+
+def measure_idle(
+    args: argparse.Namespace, learner: Any, receivers: list[Any], vocab: int, overlap: bool
+) -> dict[str, Any]:
+    """`args.idle_steps` learner steps, each published over object_store and loaded by every
+    worker, ordered as the driver orders them (module doc)."""
+    timeout = args.timeout_s
+    ray.get(
+        [learner.use_transport.remote("object_store"), learner.use_overlap.remote(overlap)],
+        timeout=timeout,
+    )
+    batch = ray.put(
+        synthetic_groups(IDLE_BATCH_ROWS, IDLE_BATCH_TOKENS, IDLE_PROMPT_TOKENS, vocab, seed=0)
+    )
+    version = int(ray.get(learner.version.remote(), timeout=timeout))
+    idle: list[float] = []
+    loads: list[Any] = []
+    start = time.perf_counter()
+    step = learner.step.remote(batch)
+    for index in range(args.idle_steps):
+        record = ray.get(step, timeout=timeout)
+        if index > 0:  # the first waited for this loop to begin
+            idle.append(float(record["learner_idle_seconds"]))
+        version += 1
+        learner.publish.remote(version)
+        offer_ref = learner.offer.remote(version)
+        if overlap and index + 1 < args.idle_steps:
+            step = learner.step.remote(batch)  # the publish goes on beside it
+        offer: WeightsOffer = ray.get(offer_ref, timeout=timeout)
+        if not overlap and index + 1 < args.idle_steps:
+            step = learner.step.remote(batch)  # the offer is in: the learner may go on
+        loads += [r.fetch.remote([offer]) for r in receivers]
+        del offer
+    ray.get(loads, timeout=timeout)
+    seconds = time.perf_counter() - start
+    check_workers_hold_the_learners_weights(learner, receivers, "idle", timeout)
+    return {
+        "overlap": overlap,
+        "steps": args.idle_steps,
+        "idle_seconds_mean": sum(idle) / len(idle) if idle else float("nan"),
+        "idle_seconds": idle,
+        "seconds_per_step": seconds / args.idle_steps,
     }
 
 
@@ -210,11 +278,11 @@ def measure_shape(args: argparse.Namespace, shape: ModelShape) -> dict[str, Any]
             lr=1e-6, num_cpus=args.threads, compute_dtype=args.compute_dtype
         )
         # No CPUs reserved: the processes share the machine's cores, as a run's would.
-        learner: Any = ray.remote(SyncLearner).options(num_cpus=0)
+        learner_class = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(SyncLearner)  # type: ignore[call-overload]
+        learner: Any = learner_class.options(num_cpus=0)
         learner = learner.remote(
             model_dir,
             learner_config,
-            # Nothing is trained here: any response length resolves KPO's `auto` length.
             AlgorithmConfig().with_response_length(RESPONSE_LENGTH),
             1.0,
             0,
@@ -247,9 +315,24 @@ def measure_shape(args: argparse.Namespace, shape: ModelShape) -> dict[str, Any]
                     f"({time.perf_counter() - start:.0f} s)",
                     flush=True,
                 )
+            idle = []
+            for overlap in (False, True):
+                result = measure_idle(args, learner, receivers, shape.vocab, overlap)
+                idle.append(result)
+                print(
+                    f"[{shape.name}] {'overlapped' if overlap else 'sequential'} publish: "
+                    f"learner idle {result['idle_seconds_mean']:.3f} s per step, "
+                    f"{result['seconds_per_step']:.2f} s per step",
+                    flush=True,
+                )
         finally:
             for actor in (learner, *receivers):
                 ray.kill(actor)
+    for result in idle:
+        result["vs_sequential"] = {
+            key: ratio(result[key], idle[0][key])
+            for key in ("idle_seconds_mean", "seconds_per_step")
+        }
     base = results[0]
     for result in results:
         result["vs_object_store"] = {
@@ -260,6 +343,7 @@ def measure_shape(args: argparse.Namespace, shape: ModelShape) -> dict[str, Any]
     return {
         "model": {**asdict(shape), "params": saved["params"], "publish_bytes": publish_bytes},
         "transports": results,
+        "idle": idle,
     }
 
 
@@ -291,6 +375,20 @@ def print_report(shapes: list[dict[str, Any]]) -> None:
     ]  # fmt: skip
     print()
     print_table(headers, rows)
+    rows = [
+        [
+            measured["model"]["name"],
+            "overlapped" if result["overlap"] else "sequential",
+            f"{result['idle_seconds_mean']:.3f}",
+            f"{result['vs_sequential']['idle_seconds_mean']:.2f}x",
+            f"{result['seconds_per_step']:.2f}",
+            f"{result['vs_sequential']['seconds_per_step']:.2f}x",
+        ]
+        for measured in shapes
+        for result in measured["idle"]
+    ]
+    print()
+    print_table(["model", "publish", "learner idle s/step", "vs seq", "s/step", "vs seq"], rows)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -306,6 +404,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--bucket-mb", type=int, help="pipeline.weight_bucket_mb (256; quick: 4)")
     parser.add_argument("--receivers", type=int, default=2, help="generation workers")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--idle-steps", type=int, default=4, help="learner steps of each idle-time loop"
+    )
     parser.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="bfloat16")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="per call")
@@ -319,6 +420,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.bucket_mb = QUICK_BUCKET_MB if args.quick else 256
     if args.receivers < 1 or args.repeats < 1:
         parser.error("--receivers and --repeats must be at least 1")
+    if args.idle_steps < 2:
+        parser.error("--idle-steps must be at least 2 (the first step has no idle time)")
     return args
 
 

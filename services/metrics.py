@@ -170,6 +170,14 @@ PROGRESS = Group(
             note="From the call to the learner to its result.",
         ),
         _record("lr", "", "Learning rate the step used."),
+        _gauge(
+            "learner_idle_seconds",
+            "kpo_learner_idle_seconds",
+            "seconds",
+            "Time the learner waited between the end of its previous step and the start of "
+            "this one (a batch not ready, or a publish or checkpoint before the step).",
+            note="Measured on learner rank 0; absent from a run's or an attempt's first step.",
+        ),
     ),
 )
 # The keys a held-out evaluation adds to the record it joins (services/pipeline/evaluation.py).

@@ -688,6 +688,12 @@ class PipelineConfig(StrictModel):
         description="size of one bucket of weights sent at a time: bounds the full tensors "
         "held beyond a rank's shard while gathering, and each message on the way",
     )
+    overlap_publish: bool = Field(
+        True,
+        description="async, object_store, an unsharded learner: read and put each new version "
+        "while the next learner step trains (its first optimiser update waits until the "
+        "weights are read) instead of before it; elsewhere the publish runs before the next step",
+    )
     in_flight_updates: bool = Field(
         False,
         description="async only. Load new weights between decoding steps without waiting for "
@@ -1011,6 +1017,20 @@ class RunSpec(StrictModel):
         if errors:
             raise ValidationError.from_exception_data("RunSpec", errors)
         return self
+
+    @property
+    def overlaps_publish(self) -> bool:
+        """Whether each publish runs beside the next learner step (`pipeline.overlap_publish`
+        where it applies: a sync run waits for every version to reach generation, and a
+        sharded learner's gather is a collective of the training ranks, ordered with the
+        step's own; the collective transport sends between steps)."""
+        pipe = self.pipeline
+        return (
+            pipe.overlap_publish
+            and pipe.mode == "async"
+            and pipe.weight_transport == "object_store"
+            and self.learner.strategy == "single"
+        )
 
     @model_validator(mode="after")
     def _minibatches_fit(self) -> RunSpec:

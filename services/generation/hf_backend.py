@@ -35,6 +35,7 @@ from services.tools.rollout import ToolRollout, ToolSettings
 from services.tools.sandbox import ToolRunner
 from services.weights.base import StateDictMismatchError, WeightsManifest
 from services.weights.loading import check_manifest, load_buckets_into, module_shapes
+from services.weights.matching import shapes_of, tied_groups, weights_mismatch
 
 
 def check_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -44,25 +45,11 @@ def check_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch.Tens
     to the input embedding) is present, since loading either fills both.
     """
     expected = model.state_dict()
-    aliases: dict[int, set[str]] = {}
-    for key, tensor in expected.items():
-        aliases.setdefault(tensor.data_ptr(), set()).add(key)
-    missing = [
-        key
-        for key, tensor in expected.items()
-        if not aliases[tensor.data_ptr()] & state_dict.keys()
-    ]
-    unexpected = sorted(set(state_dict) - set(expected))
-    wrong_shape = [
-        f"{key}: got {tuple(state_dict[key].shape)}, model has {tuple(tensor.shape)}"
-        for key, tensor in expected.items()
-        if key in state_dict and state_dict[key].shape != tensor.shape
-    ]
-    if missing or unexpected or wrong_shape:
-        raise StateDictMismatchError(
-            "state dict does not match the model: "
-            f"missing keys {missing}; unexpected keys {unexpected}; wrong shapes {wrong_shape}"
-        )
+    problem = weights_mismatch(
+        shapes_of(expected), shapes_of(state_dict), tied=tied_groups(expected)
+    )
+    if problem:
+        raise StateDictMismatchError(f"state dict does not match the model: {problem}")
 
 
 def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:

@@ -79,7 +79,7 @@ from services.generation.base import (
 from services.generation.vllm_checkpoint import (
     check_state_dict,
     checkpoint_shapes,
-    manifest_expectation,
+    ignorable_names,
     state_dict_buckets,
     ties_embeddings,
 )
@@ -540,10 +540,7 @@ class VLLMBackend(GenerationBackend):
         if not manifest.buckets:
             raise StateDictMismatchError(f"weights of version {manifest.version}: no tensors")
         if self._expected_shapes is not None:
-            check_manifest(
-                manifest,
-                manifest_expectation(self._expected_shapes, manifest, self._tied_embeddings),
-            )
+            check_manifest(manifest, self._expected_shapes, ignorable_names(self._tied_embeddings))
 
     def _load_buckets(
         self, buckets: Iterable[Mapping[str, torch.Tensor]], manifest: WeightsManifest

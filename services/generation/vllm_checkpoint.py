@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 
 from services.weights.base import StateDictMismatchError, TensorSpec, WeightsManifest
 from services.weights.buckets import plan_buckets
+from services.weights.matching import TensorShape, shapes_of, weights_mismatch
 
 
 def checkpoint_shapes(model_path: str | os.PathLike[str]) -> dict[str, tuple[int, ...]] | None:
@@ -45,10 +46,16 @@ def ties_embeddings(model_path: str | os.PathLike[str]) -> bool:
     return bool(json.loads(config.read_text()).get("tie_word_embeddings", False))
 
 
-def _ignorable(name: str, tied_embeddings: bool) -> bool:
+def ignorable_names(tied_embeddings: bool) -> Callable[[str], bool]:
     """Names a sender may include that a checkpoint omits and vLLM skips: the output head of a
     tied model, and the rotary `inv_freq` buffers of older transformers versions."""
-    return (tied_embeddings and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
+
+    def ignorable(name: str) -> bool:
+        return (tied_embeddings and name == "lm_head.weight") or name.endswith(
+            "rotary_emb.inv_freq"
+        )
+
+    return ignorable
 
 
 def check_state_dict(
@@ -59,36 +66,15 @@ def check_state_dict(
     """Raise StateDictMismatchError naming missing, unexpected and wrongly shaped keys.
 
     `expected` holds the checkpoint's names (Hugging Face names, which the learner's state dict
-    uses too). A state dict may also carry the names `_ignorable` lets through.
+    uses too). A state dict may also carry the names `ignorable_names` lets through.
     """
-    missing = sorted(set(expected) - set(state_dict))
-    unexpected = sorted(
-        key for key in set(state_dict) - set(expected) if not _ignorable(key, tied_embeddings)
+    problem = weights_mismatch(
+        {name: TensorShape(shape) for name, shape in expected.items()},
+        shapes_of(state_dict),
+        ignorable=ignorable_names(tied_embeddings),
     )
-    wrong_shape = [
-        f"{key}: got {tuple(state_dict[key].shape)}, model has {shape}"
-        for key, shape in expected.items()
-        if key in state_dict and tuple(state_dict[key].shape) != shape
-    ]
-    if missing or unexpected or wrong_shape:
-        raise StateDictMismatchError(
-            "state dict does not match the model: "
-            f"missing keys {missing}; unexpected keys {unexpected}; wrong shapes {wrong_shape}"
-        )
-
-
-def manifest_expectation(
-    expected: Mapping[str, tuple[int, ...]], manifest: WeightsManifest, tied_embeddings: bool
-) -> dict[str, tuple[int, ...]]:
-    """The checkpoint's names and shapes, plus the names `_ignorable` lets through that
-    `manifest` sends (sent tensors or aliases), as `check_manifest` is to expect them."""
-    out = dict(expected)
-    shapes = {spec.name: spec.shape for bucket in manifest.buckets for spec in bucket}
-    sent = {**shapes, **{a: shapes[n] for a, n in manifest.aliases.items() if n in shapes}}
-    for name, shape in sent.items():
-        if name not in out and _ignorable(name, tied_embeddings):
-            out[name] = shape
-    return out
+    if problem:
+        raise StateDictMismatchError(f"state dict does not match the model: {problem}")
 
 
 def state_dict_buckets(

@@ -4,7 +4,7 @@ It joins its group's process group, builds its core, and then receives the same 
 other rank of the group (`services.learner.group.LearnerGroup` fans them out). `step` trains
 and returns the metrics record; `publish(version)` returns the offer of the version the ranks
 hold, in a call of its own, so that a step never waits on a publish it does not need. Ranks
-other than 0 return an empty record and no offer.
+other than 0 return an empty record, and rank 0 alone answers `offer(version)`.
 
 Publishing a version (`pipeline.weight_transport`, services/weights): every rank walks the
 same bucket plan, gathering FSDP2 shards tensor by tensor, and rank 0 hands each bucket on
@@ -13,7 +13,10 @@ before gathering the next (services.learner.publish).
 - `object_store`: rank 0 puts each bucket into Ray's object store as it is gathered, and the
   offer carries the refs. Rank 0 owns those objects, so they die with it; that costs nothing,
   since a dead learner fails the step's attempt and the restarted one publishes its weights
-  again.
+  again. With `overlap_publish` (one unsharded rank), `publish` only starts the publish: a
+  thread of the actor reads and puts the buckets while the next step trains, whose first update
+  waits until the weights are read (services.learner.publish); `offer`, in a concurrency group
+  of its own, answers once the buckets are in. A publish waits for the previous one.
 - `collective`: the offer is the manifest alone. Rank 0 serves the weight group
   (`open_weight_group`), waits for the receivers (`connect_weight_group`), and `send_weights`
   (called on every rank) broadcasts the current version bucket by bucket.
@@ -22,6 +25,9 @@ before gathering the next (services.learner.publish).
 from __future__ import annotations
 
 import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import ray
@@ -31,7 +37,7 @@ from kpo_core.config import AlgorithmConfig
 from services.host_memory import release_free_heap
 from services.learner.distributed import RankGroup, rendezvous_address
 from services.learner.export import export_model
-from services.learner.publish import MiB, drain
+from services.learner.publish import MiB, drain, publish_point
 from services.learner.step import LearnerCore
 from services.messages import ScoredGroup
 from services.spec import LearnerConfig
@@ -55,6 +61,8 @@ HEAP_TRIM_EVERY_STEPS = 10
 # A weight-group collective (joining included) that waits this long raises: a receiver that
 # died or never joined fails the publish instead of holding the learner forever.
 WEIGHT_GROUP_TIMEOUT_S = 600.0
+# The concurrency groups of an actor of `LearnerImpl` (or a subclass): `offer`'s thread.
+CONCURRENCY_GROUPS = {"publish": 1}
 
 
 class LearnerImpl:
@@ -72,11 +80,14 @@ class LearnerImpl:
         *,
         weight_transport: WeightTransportName = "object_store",
         weight_bucket_mb: int = 256,
+        overlap_publish: bool = False,
     ) -> None:
         """Remember the settings; `setup` joins the group and loads the model.
 
         `weight_transport` and `weight_bucket_mb` are the run's `pipeline` settings of the same
-        names (how each version reaches generation).
+        names (how each version reaches generation); `overlap_publish`, whether a publish runs
+        while the next step trains (`RunSpec.overlaps_publish` decides: object_store, one
+        unsharded rank).
         """
         if weight_transport not in ("object_store", "collective"):
             raise ValueError(f"unknown weight_transport {weight_transport!r}")
@@ -91,6 +102,16 @@ class LearnerImpl:
         self._channel: Channel | None = None
         self._weight_group: WeightGroup | None = None
         self._weight_timeout_s = WEIGHT_GROUP_TIMEOUT_S
+        if overlap_publish and (weight_transport != "object_store" or learner.world_size != 1):
+            raise ValueError("overlap_publish needs the object_store transport and one rank")
+        if overlap_publish and learner.strategy != "single":
+            raise ValueError("overlap_publish needs an unsharded learner (strategy 'single')")
+        self._overlap = overlap_publish
+        self._publisher = ThreadPoolExecutor(1, "publish") if overlap_publish else None
+        # version -> its publish's offer, from `publish`'s start until `offer` answered.
+        self._offers: dict[int, Future[WeightsOffer | None]] = {}
+        self._offers_changed = threading.Condition()
+        self._last_step_end: float | None = None
 
     def rendezvous_address(self) -> str:
         """Where the group meets (asked of rank 0)."""
@@ -121,20 +142,66 @@ class LearnerImpl:
         """Process id of the actor (for tests and for killing a stuck learner)."""
         return os.getpid()
 
-    def publish(self, version: int) -> WeightsOffer | None:
-        """The offer of `version`, which must be the version held (a publish of another would
-        hand out weights under a wrong number); rank 0's, None elsewhere. Every rank takes
-        part."""
-        if version != self.core.version:
-            raise RuntimeError(
-                f"publish of version {version}, but the learner holds version {self.core.version}"
-            )
-        return self._publish()
+    def publish(self, version: int) -> None:
+        """Publish `version`, which must be the version held (a publish of another would hand
+        out weights under a wrong number); every rank takes part, rank 0's `offer(version)`
+        answers with it. Overlapped (module doc), this returns once the publish has started."""
+        offer: Future[WeightsOffer | None] = Future()
+        with self._offers_changed:
+            earlier = list(self._offers.values())
+            self._offers[version] = offer
+            self._offers_changed.notify_all()
+        try:
+            for previous in earlier:
+                previous.exception()  # the next publish waits for the previous one
+            if version != self.core.version:
+                raise RuntimeError(
+                    f"publish of version {version}, but the learner holds version "
+                    f"{self.core.version}"
+                )
+            if self._publisher is None:
+                offer.set_result(self._publish())
+                return
+            self.core.weights_read.arm()
+            after = publish_point(self.core.device)
+        except Exception as error:
+            offer.set_exception(error)
+            raise
+        running = self._publisher.submit(self._put_overlapped, version, after)
+        running.add_done_callback(lambda done: _settle(offer, done))
+
+    @ray.method(concurrency_group="publish")
+    def offer(self, version: int) -> WeightsOffer | None:
+        """The offer of `version` once its publish is done (rank 0; None elsewhere); runs on a
+        thread of its own, beside the next step (it may be called before `publish` ran)."""
+        with self._offers_changed:
+            self._offers_changed.wait_for(lambda: version in self._offers)
+            found = self._offers[version]
+        try:
+            return found.result()
+        finally:
+            with self._offers_changed:
+                self._offers.pop(version, None)
+
+    def _put_overlapped(self, version: int, after: torch.cuda.Event | None) -> WeightsOffer:
+        """The publish thread's part: read the weights while the next step trains, then put."""
+        manifest = self.core.weights_manifest(self._bucket_bytes)
+        if manifest.version != version:
+            raise RuntimeError(f"publish of version {version} began at {manifest.version}")
+        try:
+            return put_buckets(manifest, self.core.overlapped_weight_buckets(manifest, after))
+        finally:
+            self.core.weights_read.release()  # also when nothing was read (a failed start)
 
     def step(self, groups: list[ScoredGroup]) -> dict[str, float]:
-        """One learner step: its metrics record (rank 0's; {} elsewhere). Publishing the new
+        """One learner step: its metrics record (rank 0's; {} elsewhere), with the time the
+        learner waited since its previous step (`learner_idle_seconds`). Publishing the new
         version is `publish`'s."""
+        started = time.monotonic()
         metrics = self.core.train_step(groups)
+        if self._last_step_end is not None:
+            metrics["learner_idle_seconds"] = started - self._last_step_end
+        self._last_step_end = time.monotonic()
         if self.core.version % HEAP_TRIM_EVERY_STEPS == 0:
             release_free_heap()
         return metrics if self._group.rank == 0 else {}
@@ -227,6 +294,16 @@ class LearnerImpl:
         return str(export_model(Path(learner_dir), Path(out_dir)))
 
 
+def _settle(offer: Future[WeightsOffer | None], done: Future[WeightsOffer]) -> None:
+    """Hand a finished publish thread's result or error on to `offer`."""
+    error = done.exception()
+    if error is None:
+        offer.set_result(done.result())
+    else:
+        offer.set_exception(error)
+
+
 # Applied as a call, not as a class decorator, so that type checkers see an actor class
-# (`.remote`, `.options`) rather than the plain class.
-Learner = ray.remote(LearnerImpl)
+# (`.remote`, `.options`) rather than the plain class. `offer` answers from a thread of its
+# own while the default thread trains.
+Learner = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(LearnerImpl)  # type: ignore[call-overload]

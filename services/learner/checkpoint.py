@@ -21,7 +21,7 @@ with `torch.load(weights_only=True)` or DCP's own reader: a checkpoint never exe
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -38,6 +39,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
+
+from services.weights.matching import TensorShape, weights_mismatch
 
 HF_DIR = "hf"  # config, generation config and tokenizer
 STATE_DIR = "state"  # the DCP checkpoint
@@ -132,10 +135,10 @@ def load_checkpoint(
     model_state, optim_state = get_state_dict(model, state.optimizer)
     if adapters_only:
         model_state = _trainable(model, model_state)
-    # The names are checked below (check_model_names), so that the load itself may skip the
+    # The weights are checked here (check_model_weights), so that the load itself may skip the
     # frozen parameters, which strict loading would report as missing.
     options = StateDictOptions(strict=not adapters_only)
-    check_model_names(directory / STATE_DIR, model_state.keys())
+    check_model_weights(directory / STATE_DIR, model_state)
     # DCP loads in place into these (resharding to this group's layout).
     dcp_load({MODEL_KEY: model_state, OPTIM_KEY: optim_state}, checkpoint_id=directory / STATE_DIR)
     set_state_dict(
@@ -169,21 +172,25 @@ class CheckpointMismatchError(ValueError):
     """A checkpoint whose weights are not those of the model it is loaded into."""
 
 
-def check_model_names(state_dir: Path, names: Iterable[str]) -> None:
-    """Refuse a DCP checkpoint whose model weights have other names than `names` (DCP itself
-    would load the common ones and silently leave the rest)."""
+def check_model_weights(state_dir: Path, model_state: Mapping[str, Any]) -> None:
+    """Refuse a DCP checkpoint whose model weights are not `model_state`'s: other names or
+    other (global) shapes (DCP itself would load the common names and silently leave the rest,
+    and fail on a shape deep inside the load)."""
     prefix = f"{MODEL_KEY}."
     stored = {
-        key.removeprefix(prefix)
-        for key in FileSystemReader(state_dir).read_metadata().state_dict_metadata
+        key.removeprefix(prefix): TensorShape(
+            tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else ()
+        )
+        for key, entry in FileSystemReader(state_dir).read_metadata().state_dict_metadata.items()
         if key.startswith(prefix)
     }
-    wanted = set(names)
-    if stored != wanted:
-        raise CheckpointMismatchError(
-            f"{state_dir} holds the weights of another model: missing "
-            f"{sorted(wanted - stored)[:10]}, unexpected {sorted(stored - wanted)[:10]}"
-        )
+    wanted = {
+        name: TensorShape(tuple(value.shape) if isinstance(value, torch.Tensor) else ())
+        for name, value in model_state.items()
+    }
+    problem = weights_mismatch(wanted, stored)
+    if problem:
+        raise CheckpointMismatchError(f"{state_dir} holds the weights of another model: {problem}")
 
 
 def read_learner_state(path: str | Path) -> LearnerState:

@@ -59,6 +59,7 @@ from services.learner.lora import (
     adapter_parameters,
     is_adapter_checkpoint,
 )
+from services.weights.matching import TensorShape, shapes_of, tied_groups, weights_mismatch
 
 log = logging.getLogger(__name__)
 
@@ -216,46 +217,21 @@ def _read_weights(model: torch.nn.Module | dict[str, torch.Tensor], state_dir: P
         if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
     }
     tensors = model if isinstance(model, dict) else model.state_dict()
+    groups = tied_groups(tensors)
+    stored_shapes = {name: TensorShape(tuple(entry.size)) for name, entry in stored.items()}
+    problem = weights_mismatch(shapes_of(tensors), stored_shapes, tied=groups)
+    if problem:
+        raise ExportError(f"{state_dir} does not fit the model of its config: {problem}")
     wanted: dict[str, torch.Tensor] = {}
-    missing: list[str] = []
-    for names in _tied_groups(tensors).values():
-        present = [name for name in names if name in stored]
-        if present:
-            wanted[present[0]] = tensors[present[0]]
-        else:
-            missing.extend(names)
-    unexpected = sorted(stored.keys() - tensors.keys())
-    wrong_shape = [
-        f"{name} {tuple(stored[name].size)} (model: {tuple(tensor.shape)})"
-        for name, tensor in wanted.items()
-        if tuple(stored[name].size) != tuple(tensor.shape)
-    ]
-    if missing or unexpected or wrong_shape:
-        raise ExportError(
-            f"{state_dir} does not fit the model of its config: missing {sorted(missing)}, "
-            f"unexpected {unexpected}, wrong shape {wrong_shape}"
-        )
+    for names in groups:
+        present = next(name for name in names if name in stored)
+        wanted[present] = tensors[present]
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
             dcp_load({MODEL_KEY: wanted}, checkpoint_id=state_dir, no_dist=True)
     except CheckpointException as error:  # a BaseException: wraps what went wrong reading
         raise ExportError(f"{state_dir}: cannot read the weights: {error}") from None
-
-
-def _tied_groups(
-    tensors: dict[str, torch.Tensor],
-) -> dict[tuple[int, int, tuple[int, ...]], list[str]]:
-    """State-dict names grouped by the storage they share (tied weights), in state-dict order."""
-    groups: dict[tuple[int, int, tuple[int, ...]], list[str]] = {}
-    for name, tensor in tensors.items():
-        where = (
-            tensor.untyped_storage().data_ptr(),
-            int(tensor.storage_offset()),
-            tuple(tensor.shape),
-        )
-        groups.setdefault(where, []).append(name)
-    return groups
 
 
 def _copy_tokenizer_files(hf_dir: Path, out_dir: Path) -> None:

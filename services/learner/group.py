@@ -9,10 +9,11 @@ the learner's death and stops the whole group.
 
 A `single` learner is a group of one rank without a placement group.
 
-Weights (`spec.pipeline.weight_transport`, see services.learner.actor): every step's second ref
-is rank 0's `WeightsOffer` (None from the other ranks). With `collective`, the driver also forms
-the weight group through rank 0 (`open_weight_group`, `connect_weight_group`) and has every
-rank `send_weights` while the generation workers receive.
+Weights (`spec.pipeline.weight_transport`, see services.learner.actor): a publish is every
+rank's `publish(version)` and rank 0's `offer(version)`, whose ref is the `WeightsOffer`; with
+`overlaps_publish` the offer comes while the next step trains. With `collective`, the driver
+also forms the weight group through rank 0 (`open_weight_group`, `connect_weight_group`) and
+has every rank `send_weights` while the generation workers receive.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class StepRefs:
 @dataclass(frozen=True)
 class PublishRefs:
     """Refs of one publish: rank 0's WeightsOffer (an object_store offer carries its bucket
-    refs; a collective one the manifest alone), and the other ranks' results (None each)."""
+    refs; a collective one the manifest alone), and every rank's `publish` (None each)."""
 
     offer: Any
     peers: list[Any]
@@ -95,6 +96,7 @@ class LearnerGroup:
             self.placement = placement_group([dict(bundle)] * learner.world_size, "PACK")
         self.ranks: list[Any] = []
         self.resume_timeout_s = learner.resume_timeout_s
+        self.overlaps_publish = spec.overlaps_publish
         # KPO's `reference_length: auto` is the run's response limit (`LearnerCore` checks).
         algorithm = spec.algorithm.with_response_length(spec.generation.max_new_tokens)
         for rank in range(learner.world_size):
@@ -115,6 +117,7 @@ class LearnerGroup:
                     ratio_dir,
                     weight_transport=spec.pipeline.weight_transport,
                     weight_bucket_mb=spec.pipeline.weight_bucket_mb,
+                    overlap_publish=self.overlaps_publish,
                 )
             )
 
@@ -142,7 +145,7 @@ class LearnerGroup:
     def publish(self, version: int) -> PublishRefs:
         """Publish `version`, the one the ranks hold (every rank takes part in gathering)."""
         refs = self._all("publish", version)
-        return PublishRefs(refs[0], refs[1:])
+        return PublishRefs(self.ranks[0].offer.remote(version), refs)
 
     def open_weight_group(self, world_size: int, generation: int) -> Any:
         """Ref of the WeightGroup rank 0 serves for `world_size` ranks (itself and every

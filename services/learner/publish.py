@@ -14,11 +14,23 @@ nothing.
 What is published of a model is a `WeightView`: by default its own state dict
 (`ModuleWeights`); a LoRA learner publishes its base model's with the adapters merged
 (`services.learner.lora.MergedWeights`).
+
+An overlapped publish (`overlapped_buckets`, a learner of one unsharded rank) reads the live
+weights on a thread of its own while the next step trains: the step's forward and backward only
+read the weights, and its first optimiser update waits on the publish's `WeightsRead` until
+every tensor has been copied out. On a GPU the copies run on a side stream into pinned host
+memory, ordered after the last update by an event, and the update waits for them on the device
+(no host sync in the step). A bucket is handed on only once all of its copies are done, so no
+reader sees a half-written one. A sharded learner gathers with a collective of the training
+group, which must run in the same order as the step's own on every rank, so it publishes
+before the next step instead (`iter_buckets`).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from typing import Protocol
 
 import torch
@@ -145,13 +157,7 @@ def iter_buckets(
             bucket = unpack_bucket(flat, specs)
             del flat  # the views keep it alive for as long as the bucket is
         for spec in specs:
-            source = sources.get(spec.name)
-            if source is None or tuple(source.shape) != spec.shape:
-                found = "no such tensor" if source is None else f"shape {tuple(source.shape)}"
-                raise ValueError(
-                    f"tensor {spec.name!r} of the manifest has shape {spec.shape}, "
-                    f"the model: {found}"
-                )
+            source = _source(sources, spec)
             # Not torch.no_grad() on the whole generator: its wrapper keeps the bucket it last
             # yielded alive while this one is filled (two buckets held).
             with torch.no_grad():
@@ -162,6 +168,98 @@ def iter_buckets(
         if group.rank == 0:
             yield bucket
         del bucket
+
+
+class WeightsRead:
+    """Whether an overlapped publish has read the live weights (every copy issued and, on a
+    GPU, `copied` recorded after them); a weight update waits on it (`wait`)."""
+
+    def __init__(self) -> None:
+        self._issued = threading.Event()
+        self._issued.set()
+        self._copied: torch.cuda.Event | None = None
+
+    def arm(self) -> None:
+        """A publish is about to read the weights: updates wait from now on."""
+        self._copied = None
+        self._issued.clear()
+
+    def release(self, copied: torch.cuda.Event | None = None) -> None:
+        """Every copy is issued (`copied`: recorded after them on the GPU); also what a failed
+        publish calls, so that no update waits forever."""
+        self._copied = copied
+        self._issued.set()
+
+    def wait(self) -> None:
+        """Block until every copy is issued; on a GPU, make the current stream wait for them
+        (on the device: the host goes on)."""
+        self._issued.wait()
+        if self._copied is not None:
+            torch.cuda.current_stream().wait_event(self._copied)
+
+
+def publish_point(device: torch.device) -> torch.cuda.Event | None:
+    """What an overlapped publish's copies wait for on a GPU: an event recorded on the training
+    stream after the last update (call it on the training thread); None on CPU."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record()
+    return event
+
+
+def overlapped_buckets(
+    model: nn.Module | WeightView,
+    manifest: WeightsManifest,
+    read: WeightsRead,
+    after: torch.cuda.Event | None = None,
+) -> Iterator[dict[str, Tensor]]:
+    """`manifest`'s buckets of an unsharded `model`, on the host, read on the calling thread
+    while another trains (module doc). `read` must be armed; it is released once the last copy
+    is issued, or when the walk stops early. `after` (GPU): the `publish_point` the copies wait
+    for. Each bucket is whole when yielded."""
+    view = _view(model)
+    sources = view.tensors()
+    # The actor's one visible GPU: the current device of this thread.
+    side = torch.cuda.Stream() if after is not None else None  # type: ignore[no-untyped-call]
+    last = len(manifest.buckets) - 1
+    released = not manifest.buckets
+    if released:
+        read.release()
+    try:
+        for index, specs in enumerate(manifest.buckets):
+            flat = torch.empty(bucket_nbytes(specs), dtype=torch.uint8, pin_memory=side is not None)
+            bucket = unpack_bucket(flat, specs)
+            del flat
+            with torch.no_grad(), torch.cuda.stream(side) if side is not None else nullcontext():
+                if side is not None and after is not None:
+                    side.wait_event(after)
+                for spec in specs:
+                    whole = view.whole(spec.name, _source(sources, spec).detach(), full_tensor)
+                    bucket[spec.name].copy_(whole, non_blocking=side is not None)
+                    del whole
+                copied = side.record_event() if side is not None else None
+            if index == last:
+                read.release(copied)
+                released = True
+            if copied is not None:
+                copied.synchronize()  # this thread's wait, not the step's
+            yield bucket
+            del bucket
+    finally:
+        if not released:
+            read.release()
+
+
+def _source(sources: dict[str, Tensor], spec: TensorSpec) -> Tensor:
+    """The live tensor of `spec`, which must have the manifest's shape."""
+    source = sources.get(spec.name)
+    if source is None or tuple(source.shape) != spec.shape:
+        found = "no such tensor" if source is None else f"shape {tuple(source.shape)}"
+        raise ValueError(
+            f"tensor {spec.name!r} of the manifest has shape {spec.shape}, the model: {found}"
+        )
+    return source
 
 
 def full_weights(

@@ -68,7 +68,14 @@ from services.learner.metrics import (
     reduce_minibatches,
 )
 from services.learner.micro_batches import MicroBatch, plan_minibatch
-from services.learner.publish import WeightView, full_weights, iter_buckets, weights_manifest
+from services.learner.publish import (
+    WeightsRead,
+    WeightView,
+    full_weights,
+    iter_buckets,
+    overlapped_buckets,
+    weights_manifest,
+)
 from services.learner.sharding import build_policy, compute_context, compute_dtype
 from services.messages import ScoredGroup
 from services.spec import LearnerConfig
@@ -339,6 +346,8 @@ class LearnerCore:
         )
         self.scheduler = LambdaLR(self.optimizer, linear_warmup(learner.warmup_steps))
         self.generator = torch.Generator().manual_seed(seed)
+        # Released unless an overlapped publish is reading the weights (every update waits).
+        self.weights_read = WeightsRead()
         self._version = 0
         self._steps = 0
 
@@ -579,6 +588,7 @@ class LearnerCore:
             return accumulator, outcome, len(plan)
         applied = math.isfinite(loss_value) and math.isfinite(norm)
         if applied:
+            self.weights_read.wait()  # an overlapped publish of the last version reads them
             self.optimizer.step()
         else:
             self.optimizer.zero_grad(set_to_none=True)
@@ -674,6 +684,14 @@ class LearnerCore:
         rank must walk them together; rank 0 gets them, on `device`, the others nothing."""
         return iter_buckets(self._published(), manifest, self.group, device)
 
+    def overlapped_weight_buckets(
+        self, manifest: WeightsManifest, after: torch.cuda.Event | None
+    ) -> Iterator[dict[str, Tensor]]:
+        """The buckets of `manifest` read on another thread while the next step trains (an
+        unsharded learner; services.learner.publish): the step's first update waits until they
+        are read. Arm `weights_read` on the training thread first."""
+        return overlapped_buckets(self._published(), manifest, self.weights_read, after)
+
     def state_dict_for_publish(self) -> dict[str, Tensor]:
         """The full weights in the compute dtype on CPU, as a generation worker ends up with
         them (every rank takes part; rank 0 gets them, the others an empty dict). Tied tensors
@@ -709,6 +727,7 @@ class LearnerCore:
         """Restore weights (in place; with LoRA the adapters', onto the base model read from
         `model`), optimiser, schedule, RNGs and version; return the version."""
         adapters = isinstance(self.model.policy, PeftModel)
+        self.weights_read.wait()
         state = checkpoint.load_checkpoint(
             path, self.model.policy, self._training_state(), adapters_only=adapters
         )

@@ -254,7 +254,7 @@ class RunDriver:
             lambda: self._model_dir,
             lambda pids: self.run_dir.update_details(actors=pids),
         )
-        self.weights = WeightSync(spec.pipeline.weight_transport)
+        self.weights = WeightSync(spec.pipeline.weight_transport, spec.overlaps_publish)
         self.evals = (
             Evaluator(spec.eval, spec.generation, spec.seed, run_dir.path / EVAL_FILE)
             if spec.eval is not None

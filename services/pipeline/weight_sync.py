@@ -63,11 +63,12 @@ class _LearnerSend:
 
 @dataclass(frozen=True)
 class _Publishing:
-    """A rank's part of publishing `version`: gathering it (rank 0: and putting it into the
-    object store), rank 0's answering with the offer."""
+    """A rank's part of publishing `version` (`offer`: rank 0's answer with the offer);
+    `holds_learner` unless the publish overlaps the next step."""
 
     version: int
-    rank_zero: bool
+    offer: bool
+    holds_learner: bool
 
 
 @dataclass(frozen=True)
@@ -93,8 +94,10 @@ class _Forming:
 class WeightSync:
     """The current version's offer and the calls that deliver it."""
 
-    def __init__(self, transport: WeightTransportName) -> None:
+    def __init__(self, transport: WeightTransportName, overlapped: bool = False) -> None:
+        """`overlapped`: each publish runs beside the next step (`RunSpec.overlaps_publish`)."""
         self.transport = transport
+        self.overlapped = overlapped
         self.reset()
 
     def reset(self) -> None:
@@ -120,7 +123,11 @@ class WeightSync:
         return (
             self._owed
             or self._forming is not None
-            or any(isinstance(call, _LearnerSend | _Publishing) for call in self._calls.values())
+            or any(
+                isinstance(call, _LearnerSend)
+                or (isinstance(call, _Publishing) and call.holds_learner)
+                for call in self._calls.values()
+            )
         )
 
     def pending_refs(self) -> list[Any]:
@@ -194,9 +201,10 @@ class WeightSync:
     def publish(self, version: int, refs: PublishRefs) -> None:
         """Deliver the weights of `version` once the learner's publish (`refs`) has its offer:
         awaited with the loop's other calls, never blocking it."""
-        self._calls[refs.offer] = _Publishing(version, rank_zero=True)
+        holds = not self.overlapped
+        self._calls[refs.offer] = _Publishing(version, offer=True, holds_learner=holds)
         for ref in refs.peers:
-            self._calls[ref] = _Publishing(version, rank_zero=False)
+            self._calls[ref] = _Publishing(version, offer=False, holds_learner=holds)
 
     def _deliver(self, actors: RunActors, version: int, offer: WeightsOffer) -> None:
         self._offer, self._version = offer, version
@@ -237,7 +245,7 @@ class WeightSync:
         if isinstance(call, _Rendezvous):
             self._on_rendezvous(actors, call, result, None)
         elif isinstance(call, _Publishing):
-            if call.rank_zero:
+            if call.offer:
                 self._deliver(actors, call.version, result)
         elif isinstance(call, _WorkerAck):
             stream = self._streams[call.worker]

@@ -9,36 +9,41 @@ receivers).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import Tensor, nn
 
 from services.weights.base import StateDictMismatchError, WeightsManifest
+from services.weights.matching import TensorShape, shapes_of, weights_mismatch
 
 
 def check_manifest(
-    manifest: WeightsManifest, expected_shapes: Mapping[str, tuple[int, ...]]
+    manifest: WeightsManifest,
+    expected: Mapping[str, TensorShape | tuple[int, ...]],
+    ignorable: Callable[[str], bool] = lambda name: False,
 ) -> None:
     """Raise StateDictMismatchError naming the names the manifest lacks, those the model does
-    not have, and those whose shapes differ (tied aliases count as the tensor they alias)."""
-    shapes = {spec.name: spec.shape for bucket in manifest.buckets for spec in bucket}
-    dangling = sorted(alias for alias, name in manifest.aliases.items() if name not in shapes)
-    for alias, name in manifest.aliases.items():
-        if name in shapes:
-            shapes[alias] = shapes[name]
-    missing = sorted(set(expected_shapes) - set(shapes))
-    unexpected = sorted(set(shapes) - set(expected_shapes))
-    wrong_shape = [
-        f"{name}: got {shapes[name]}, model has {tuple(shape)}"
-        for name, shape in expected_shapes.items()
-        if name in shapes and tuple(shapes[name]) != tuple(shape)
-    ]
-    if missing or unexpected or wrong_shape or dangling:
+    not have (but `ignorable`), and those whose shapes or dtypes differ (services.weights.
+    matching); a tied alias counts as the tensor it aliases."""
+    sent = {
+        spec.name: TensorShape(spec.shape, spec.torch_dtype)
+        for bucket in manifest.buckets
+        for spec in bucket
+    }
+    dangling = sorted(alias for alias, name in manifest.aliases.items() if name not in sent)
+    received = {**sent, **{a: sent[n] for a, n in manifest.aliases.items() if n in sent}}
+    wanted = {
+        name: shape if isinstance(shape, TensorShape) else TensorShape(tuple(shape))
+        for name, shape in expected.items()
+    }
+    problems = [weights_mismatch(wanted, received, ignorable=ignorable)]
+    if dangling:
+        problems.append(f"aliases of unsent tensors {dangling}")
+    if any(problems):
         raise StateDictMismatchError(
-            f"weights of version {manifest.version} do not match the model: missing {missing}; "
-            f"unexpected {unexpected}; wrong shapes {wrong_shape}"
-            + (f"; aliases of unsent tensors {dangling}" if dangling else "")
+            f"weights of version {manifest.version} do not match the model: "
+            + "; ".join(problem for problem in problems if problem)
         )
 
 
@@ -53,9 +58,10 @@ def with_aliases(bucket: Mapping[str, Tensor], aliases: Mapping[str, str]) -> di
     return out
 
 
-def module_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
-    """name -> shape of every entry of `module`'s state dict (what a manifest must cover)."""
-    return {name: tuple(tensor.shape) for name, tensor in module.state_dict().items()}
+def module_shapes(module: nn.Module) -> dict[str, TensorShape]:
+    """name -> shape and dtype of every entry of `module`'s state dict (what a manifest must
+    cover)."""
+    return shapes_of(module.state_dict())
 
 
 @torch.no_grad()
@@ -65,7 +71,7 @@ def load_buckets_into(
     """Copy each bucket into `module`'s tensors in place (any device or dtype: the module's
     tensors keep theirs), after checking the manifest against the module."""
     targets = module.state_dict()  # detached views of the live parameters and buffers
-    check_manifest(manifest, {name: tuple(t.shape) for name, t in targets.items()})
+    check_manifest(manifest, shapes_of(targets))
     loaded = 0
     for bucket in buckets:
         written: set[int] = set()

@@ -15,7 +15,8 @@ def test_every_mode_is_a_run_spec_of_that_mode(mode: str) -> None:
     spec = mode_spec(base, mode, steps=6, long_tail=True)
     assert spec.pipeline.steps == 6 and spec.pipeline.checkpoint_every == 0
     assert spec.pipeline.mode == ("sync" if mode == "sync" else "async")
-    assert spec.generation.streaming == (mode in {"async-stream", "async-inflight"})
+    assert spec.generation.streaming == (mode != "sync" and mode != "async-batch")
+    assert spec.overlaps_publish == (mode != "sync" and mode != "async-stream-sequential-publish")
     assert spec.pipeline.in_flight_updates == (mode == "async-inflight")
     assert (spec.task.difficulty, spec.task.difficulty_max) == (1, 5)
     assert spec.generation.max_new_tokens == bench_pipeline.LONG_TAIL_MAX_NEW_TOKENS

@@ -51,7 +51,7 @@ def test_missing_key_raises_a_clear_error_and_changes_nothing(fresh_hf_backend: 
     state_dict = perturbed(backend.model.state_dict())
     del state_dict["lm_head.weight"]
     before = outputs(backend)
-    with pytest.raises(StateDictMismatchError, match=r"missing keys \['lm_head\.weight'\]"):
+    with pytest.raises(StateDictMismatchError, match=r"missing \['lm_head\.weight'\]"):
         backend.load_weights(state_dict, version=1)
     assert backend.policy_version == 0
     assert outputs(backend) == before
@@ -60,7 +60,7 @@ def test_missing_key_raises_a_clear_error_and_changes_nothing(fresh_hf_backend: 
 def test_unexpected_key_and_wrong_shape_are_named(fresh_hf_backend: HFBackend) -> None:
     state_dict = dict(fresh_hf_backend.model.state_dict())
     state_dict["extra.weight"] = torch.zeros(1)
-    with pytest.raises(StateDictMismatchError, match=r"unexpected keys \['extra\.weight'\]"):
+    with pytest.raises(StateDictMismatchError, match=r"unexpected \['extra\.weight'\]"):
         fresh_hf_backend.load_weights(state_dict, version=1)
     del state_dict["extra.weight"]
     state_dict["model.norm.weight"] = torch.ones(3)
@@ -81,5 +81,5 @@ def test_a_tied_alias_may_be_absent() -> None:
     del state_dict["lm_head.weight"]
     check_state_dict(model, state_dict)
     del state_dict["model.embed_tokens.weight"]
-    with pytest.raises(StateDictMismatchError, match="missing keys"):
+    with pytest.raises(StateDictMismatchError, match="missing"):
         check_state_dict(model, state_dict)

@@ -27,11 +27,12 @@ from transformers import AutoModelForCausalLM
 from services.generation.base import GroupRequest, SamplingSettings
 from services.generation.hf_backend import HFBackend, StateDictMismatchError, processed_logprobs
 from services.generation.vllm_backend import VLLMBackend
-from services.generation.vllm_checkpoint import manifest_expectation
+from services.generation.vllm_checkpoint import ignorable_names
 from services.messages import Prompt, Response
 from services.weights.base import TensorSpec, WeightGroupBackend, WeightsManifest
 from services.weights.buckets import plan_buckets
 from services.weights.collective import connect, open_weight_group
+from services.weights.loading import check_manifest
 from services.weights.shared_memory import FILE_PREFIX, shared_dir
 from tests.services.generation.contract import CHECKS, ContractSubject
 from tests.services.generation.never_stopping import save_never_stopping_model
@@ -346,7 +347,7 @@ def test_mismatched_state_dict_is_rejected_untouched(
     with pytest.raises(StateDictMismatchError, match="wrong shapes"):
         backend.load_weights(reshaped, version=version + 1)
     unexpected = {**original_weights, "model.extra.weight": torch.ones(1)}
-    with pytest.raises(StateDictMismatchError, match="unexpected keys"):
+    with pytest.raises(StateDictMismatchError, match="unexpected"):
         backend.load_weights(unexpected, version=version + 1)
     assert backend.policy_version == version
     assert backend.generate(PROMPTS[:1], 2, PLAIN) == before
@@ -408,12 +409,13 @@ def test_a_tied_models_manifest_may_send_its_output_head() -> None:
     checkpoint = {embed.name: embed.shape}
     sent = WeightsManifest(1, ((embed, head),))
     aliased = WeightsManifest(1, ((embed,),), aliases={head.name: embed.name})
+    extra = WeightsManifest(1, ((embed, TensorSpec("extra.weight", (2,), "float32")),))
     for manifest in (sent, aliased):
-        assert manifest_expectation(checkpoint, manifest, tied_embeddings=True) == {
-            embed.name: embed.shape,
-            head.name: head.shape,
-        }
-        assert manifest_expectation(checkpoint, manifest, tied_embeddings=False) == checkpoint
+        check_manifest(manifest, checkpoint, ignorable_names(tied_embeddings=True))
+        with pytest.raises(StateDictMismatchError, match=r"unexpected \['lm_head\.weight'\]"):
+            check_manifest(manifest, checkpoint, ignorable_names(tied_embeddings=False))
+    with pytest.raises(StateDictMismatchError, match=r"unexpected \['extra\.weight'\]"):
+        check_manifest(extra, checkpoint, ignorable_names(tied_embeddings=True))
 
 
 # -- in-flight weight updates -----------------------------------------------------------------

@@ -213,7 +213,7 @@ def test_a_checkpoint_of_another_model_is_refused_with_the_names(
     dcp_save({MODEL_KEY: model_state}, checkpoint_id=learner / STATE_DIR, no_dist=True)
     with pytest.raises(
         ExportError,
-        match=r"missing \['model\.norm\.weight'\], unexpected \['model\.extra\.weight'\]",
+        match=r"missing \['model\.norm\.weight'\]; unexpected \['model\.extra\.weight'\]",
     ):
         export_model(learner, tmp_path / "model")
     assert not (tmp_path / "model").exists()

@@ -115,6 +115,31 @@ def test_object_store_offers_reach_a_worker_bitwise(
         learner.kill()
 
 
+def test_an_overlapped_publish_reaches_a_worker_bitwise_while_the_next_step_trains(
+    tiny_model_dir: Path, groups: list[ScoredGroup], receivers: list[Any]
+) -> None:
+    """The next step is sent before the offer is asked for: the offer is still of the version
+    published, bit for bit, and the step trained on (publish and step in one actor)."""
+    learner = start_learner(tiny_model_dir, "object_store")
+    assert learner.overlaps_publish
+    try:
+        ray.get(learner.train_step(groups).metrics)
+        published = learner.publish(1)
+        version_one = learner.call("published_state_dict")  # before the next step, in order
+        next_step = learner.train_step(groups)
+        offer: WeightsOffer = ray.get(published.offer)
+        assert wait_all(published.peers) == [None]
+        record = ray.get(next_step.metrics)
+        assert record["policy_version"] == 2.0 and record["learner_idle_seconds"] >= 0
+        assert offer.manifest.version == 1
+        assert ray.get(receivers[1].fetch.remote([offer])) == 1
+        assert_same(ray.get(receivers[1].weights.remote()), version_one)
+        version_two = learner.call("published_state_dict")
+        assert any(not torch.equal(version_two[n], version_one[n]) for n in version_one)
+    finally:
+        learner.kill()
+
+
 def test_collective_publishes_reach_workers_and_survive_a_dead_one(
     tiny_model_dir: Path, groups: list[ScoredGroup], receivers: list[Any]
 ) -> None:

@@ -87,7 +87,6 @@ class _Forming:
 
     generation: int
     receivers: dict[int, int] = field(default_factory=dict)  # worker index -> processes
-    joins_left: int = 0
     failed: bool = False  # a member failed meanwhile: form another once this one settled
 
 
@@ -170,8 +169,6 @@ class WeightSync:
                 self._calls[ref] = _Rendezvous("open")
         elif call.stage == "open" and not forming.failed:
             self._join(actors, forming, result)
-        elif call.stage == "join":
-            forming.joins_left -= 1
         if any(isinstance(c, _Rendezvous) for c in self._calls.values()):
             return  # the rest of this stage is still on its way
         self._forming = None
@@ -194,7 +191,6 @@ class WeightSync:
             ref = stream.actor.join_weight_group.remote(group, first)
             self._calls[ref] = _Rendezvous("join", index, stream.actor)
             first += forming.receivers[index]
-        forming.joins_left = 1 + len(self._streams)
 
     # --- publishing ---------------------------------------------------------------------------
 

@@ -132,7 +132,9 @@ def test_a_learner_step_writes_declared_keys_only(learner_record: dict[str, floa
 def test_the_learner_writes_every_key_declared_as_its_own(
     learner_record: dict[str, float],
 ) -> None:
-    missing = sorted(declared(Source.LEARNER) - learner_record.keys() - NOT_YET_EMITTED - ACTOR_KEYS)
+    missing = sorted(
+        declared(Source.LEARNER) - learner_record.keys() - NOT_YET_EMITTED - ACTOR_KEYS
+    )
     assert not missing, f"declared in services/metrics.py, not in the learner's record: {missing}"
 
 

@@ -62,8 +62,7 @@ def test_a_mismatched_manifest_leaves_the_model_untouched(tmp_path: Path) -> Non
     shapes = module_shapes(target)
     name = "model.layers.0.mlp.up_proj.weight"
     specs = [
-        TensorSpec(n, (1, *s.shape) if n == name else s.shape, "float32")
-        for n, s in shapes.items()
+        TensorSpec(n, (1, *s.shape) if n == name else s.shape, "float32") for n, s in shapes.items()
     ]
     manifest = WeightsManifest(1, (tuple(specs),))
     buckets = [{spec.name: torch.zeros(spec.shape) for spec in specs}]

@@ -9,7 +9,7 @@ loop or worker threads nor holds them.
 
 Its threads are bounded whatever its clients do: the loop's thread holds every connection (an
 idle one costs a socket, not a thread, and is closed after `KPO_HEADER_TIMEOUT_S`: the
-listener's limits are services.api.listeners'), and at most `MAX_SCRAPES` scrapes render at
+listener's limits are services.http_listener's), and at most `MAX_SCRAPES` scrapes render at
 once, each on a worker thread (a 503 beyond). Like the API, it answers only the Host names the
 API answers (DNS rebinding).
 """

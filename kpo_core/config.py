@@ -161,21 +161,11 @@ class KalmanEstimator(_ClippedEstimator):
                     f"token_clip [low, high] needs 0 <= low < 1 and high >= 0, got [{low}, {high}]"
                 )
         if self.version_switch == "reset":
-            self._check_reset_prior()
+            # Only here does the config need the filter's steady state (and torch with it).
+            from kpo_core.kalman import check_reset_prior
+
+            check_reset_prior(self.effective_q, self.r, self.effective_p0)
         return self
-
-    def _check_reset_prior(self) -> None:
-        # Only here does the config need the filter's steady state (and torch with it).
-        from kpo_core.kalman import steady_state_covariance
-
-        floor = steady_state_covariance(self.effective_q, self.r)
-        if self.effective_p0 < floor:
-            raise ValueError(
-                f"version_switch 'reset' restarts the covariance at p0, which must be at least "
-                f"the steady-state covariance {floor:.3g} (p0 is {self.p0}: a reset would trust "
-                "the old estimate more, not less); set p0: diffuse, or use version_switch "
-                "'inflate' with switch_q"
-            )
 
     def with_response_length(self, max_new_tokens: int) -> KalmanEstimator:
         """This config with `reference_length: auto` resolved to the run's response limit

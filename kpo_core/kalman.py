@@ -673,6 +673,19 @@ def steady_state_covariance(q: float, r: float) -> float:
     return steady_state_gain(q, r) * r
 
 
+def check_reset_prior(q: float, r: float, p0: float) -> None:
+    """Refuse `version_switch: reset` with a prior covariance below the steady state: a reset
+    to it would trust the old estimate more, not less (`switch_process_noise`)."""
+    floor = steady_state_covariance(q, r)
+    if p0 < floor:
+        raise ValueError(
+            f"version_switch 'reset' restarts the covariance at p0, which must be at least "
+            f"the steady-state covariance {floor:.3g} (p0 is {p0}: a reset would trust "
+            "the old estimate more, not less); set p0: diffuse, or use version_switch "
+            "'inflate' with switch_q"
+        )
+
+
 def switch_process_noise(
     switches: Tensor,
     mask: Tensor,
@@ -708,12 +721,7 @@ def switch_process_noise(
         return torch.where(at_switch, q + switch_q, base)
     if mode != "reset":
         raise ValueError(f"unknown version_switch {mode!r}; valid: off, reset, inflate")
-    if p0 < steady_state_covariance(q, r):
-        raise ValueError(
-            f"version_switch 'reset' needs p0 >= the steady-state covariance "
-            f"{steady_state_covariance(q, r):.3g} (p0 is {p0}: a reset to it would trust the "
-            "old estimate more, not less); use p0: diffuse, or version_switch 'inflate'"
-        )
+    check_reset_prior(q, r, p0)
     count = valid.to(torch.int64).cumsum(-1)
     # The valid-token count at the last switch at or before t, less one: the count at which
     # the current segment began (0 for the first segment).

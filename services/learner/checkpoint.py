@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import STORAGE_TYPES, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -172,17 +172,24 @@ class CheckpointMismatchError(ValueError):
     """A checkpoint whose weights are not those of the model it is loaded into."""
 
 
+def stored_model_entries(metadata: Metadata) -> dict[str, STORAGE_TYPES]:
+    """The model's part of a DCP checkpoint's metadata: each weight's name (without the
+    `MODEL_KEY` prefix) and what DCP recorded of it."""
+    prefix = f"{MODEL_KEY}."
+    return {
+        key.removeprefix(prefix): entry
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith(prefix)
+    }
+
+
 def check_model_weights(state_dir: Path, model_state: Mapping[str, Any]) -> None:
     """Refuse a DCP checkpoint whose model weights are not `model_state`'s: other names or
     other (global) shapes (DCP itself would load the common names and silently leave the rest,
     and fail on a shape deep inside the load)."""
-    prefix = f"{MODEL_KEY}."
     stored = {
-        key.removeprefix(prefix): TensorShape(
-            tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else ()
-        )
-        for key, entry in FileSystemReader(state_dir).read_metadata().state_dict_metadata.items()
-        if key.startswith(prefix)
+        name: TensorShape(tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else ())
+        for name, entry in stored_model_entries(FileSystemReader(state_dir).read_metadata()).items()
     }
     wanted = {
         name: TensorShape(tuple(value.shape) if isinstance(value, torch.Tensor) else ())

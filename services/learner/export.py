@@ -52,6 +52,7 @@ from services.learner.checkpoint import (
     MODEL_KEY,
     STATE_DIR,
     read_learner_state,
+    stored_model_entries,
 )
 from services.learner.lora import (
     ADAPTER_CONFIG,
@@ -210,11 +211,10 @@ def _read_weights(model: torch.nn.Module | dict[str, torch.Tensor], state_dir: P
         metadata = FileSystemReader(state_dir).read_metadata()
     except (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
         raise ExportError(f"{state_dir}: not a readable DCP checkpoint: {error}") from None
-    prefix = f"{MODEL_KEY}."
     stored = {
-        key.removeprefix(prefix): entry
-        for key, entry in metadata.state_dict_metadata.items()
-        if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
+        name: entry
+        for name, entry in stored_model_entries(metadata).items()
+        if isinstance(entry, TensorStorageMetadata)
     }
     tensors = model if isinstance(model, dict) else model.state_dict()
     groups = tied_groups(tensors)

@@ -106,7 +106,6 @@ class LearnerImpl:
             raise ValueError("overlap_publish needs the object_store transport and one rank")
         if overlap_publish and learner.strategy != "single":
             raise ValueError("overlap_publish needs an unsharded learner (strategy 'single')")
-        self._overlap = overlap_publish
         self._publisher = ThreadPoolExecutor(1, "publish") if overlap_publish else None
         # version -> its publish's offer, from `publish`'s start until `offer` answered.
         self._offers: dict[int, Future[WeightsOffer | None]] = {}

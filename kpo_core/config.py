@@ -274,12 +274,13 @@ class AlgorithmConfig(StrictModel):
     def resolved_loss_agg_mode(self) -> LossAggMode:
         return self.loss_agg_mode or self.estimator.default_loss_agg_mode
 
-    def with_response_length(
-        self, max_new_tokens: int | None, setting: str = "generation.max_new_tokens"
-    ) -> AlgorithmConfig:
+    def with_response_length(self, max_new_tokens: int | None) -> AlgorithmConfig:
         """This config with settings that follow the response length (KPO's
-        `reference_length: auto`) resolved to `max_new_tokens` (`resolve_reference_length`)."""
-        estimator = resolve_reference_length(self.estimator, max_new_tokens, setting)
+        `reference_length: auto`) resolved to a run's `generation.max_new_tokens`
+        (`resolve_reference_length`)."""
+        estimator = resolve_reference_length(
+            self.estimator, max_new_tokens, "generation.max_new_tokens"
+        )
         if estimator is self.estimator:
             return self
         return self.model_copy(update={"estimator": estimator})

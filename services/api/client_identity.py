@@ -34,7 +34,7 @@ def client_key(request: Request, proxies: Sequence[Network]) -> str:
     ]
     nearest = peer
     for address in reversed(forwarded):
-        if not _is_address(address):
+        if _parsed(address) is None:
             break  # past a malformed entry nothing was written by a proxy we trust
         nearest = address
         if not _trusted(address, proxies):
@@ -42,17 +42,13 @@ def client_key(request: Request, proxies: Sequence[Network]) -> str:
     return nearest
 
 
-def _is_address(text: str) -> bool:
+def _parsed(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     try:
-        ipaddress.ip_address(text)
+        return ipaddress.ip_address(text)
     except ValueError:
-        return False
-    return True
+        return None
 
 
 def _trusted(address: str, proxies: Sequence[Network]) -> bool:
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return False
-    return any(ip in network for network in proxies)
+    ip = _parsed(address)
+    return ip is not None and any(ip in network for network in proxies)

@@ -203,15 +203,14 @@ class ApiSettings(TokenSettings):
 
         Raises ValueError naming the entry that is neither."""
         networks = []
-        for entry in (self.trusted_proxies or "").split(","):
-            if entry.strip():
-                try:
-                    networks.append(ipaddress.ip_network(entry.strip(), strict=False))
-                except ValueError:
-                    raise ValueError(
-                        f"KPO_TRUSTED_PROXIES: {entry.strip()!r} is not an IP address or network "
-                        "(e.g. 10.0.0.0/8)"
-                    ) from None
+        for entry in _entries(self.trusted_proxies):
+            try:
+                networks.append(ipaddress.ip_network(entry, strict=False))
+            except ValueError:
+                raise ValueError(
+                    f"KPO_TRUSTED_PROXIES: {entry!r} is not an IP address or network "
+                    "(e.g. 10.0.0.0/8)"
+                ) from None
         return tuple(networks)
 
     def tracking_servers(self) -> frozenset[str]:
@@ -219,9 +218,7 @@ class ApiSettings(TokenSettings):
         may log to: KPO_TRACKING_HOSTS. A tracker's credentials come from the server's
         environment, so a client that could name any host could have them sent there (or have
         the cluster call its cloud metadata address): only the operator's servers are allowed."""
-        return frozenset(
-            host.strip().lower() for host in self.tracking_hosts.split(",") if host.strip()
-        )
+        return frozenset(host.lower() for host in _entries(self.tracking_hosts))
 
     def trusted_hosts(self, has_token: bool, bind_host: str) -> list[str]:
         """The Host header values the API answers (any other is a 400), against DNS rebinding.
@@ -233,7 +230,7 @@ class ApiSettings(TokenSettings):
         and is the default with one. Raises ValueError for `*` without a token.
         """
         if self.allowed_hosts is not None:
-            hosts = [host.strip() for host in self.allowed_hosts.split(",") if host.strip()]
+            hosts = _entries(self.allowed_hosts)
             if not hosts:
                 raise ValueError("KPO_ALLOWED_HOSTS is empty: name at least one host, or unset it")
             if "*" in hosts and not has_token:
@@ -250,6 +247,11 @@ class ApiSettings(TokenSettings):
         if bound is not None and bound not in hosts:
             hosts.append(bound)
         return hosts
+
+
+def _entries(setting: str | None) -> list[str]:
+    """The entries of a comma-separated setting, stripped, empty ones left out."""
+    return [entry.strip() for entry in (setting or "").split(",") if entry.strip()]
 
 
 def _host_header_form(bind_host: str) -> str | None:

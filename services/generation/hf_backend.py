@@ -39,7 +39,8 @@ from services.weights.matching import shapes_of, tied_groups, weights_mismatch
 
 
 def check_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Raise StateDictMismatchError naming missing, unexpected and wrongly shaped keys.
+    """Raise StateDictMismatchError naming missing, unexpected and wrongly shaped keys, and
+    keys whose dtype a copy cannot cast to the model's (services.weights.matching).
 
     A key may be absent when another key of the same tied tensor (e.g. `lm_head.weight` tied
     to the input embedding) is present, since loading either fills both.

@@ -184,10 +184,10 @@ class LearnerImpl:
 
     def _put_overlapped(self, version: int, after: torch.cuda.Event | None) -> WeightsOffer:
         """The publish thread's part: read the weights while the next step trains, then put."""
-        manifest = self.core.weights_manifest(self._bucket_bytes)
-        if manifest.version != version:
-            raise RuntimeError(f"publish of version {version} began at {manifest.version}")
         try:
+            manifest = self.core.weights_manifest(self._bucket_bytes)
+            if manifest.version != version:
+                raise RuntimeError(f"publish of version {version} began at {manifest.version}")
             return put_buckets(manifest, self.core.overlapped_weight_buckets(manifest, after))
         finally:
             self.core.weights_read.release()  # also when nothing was read (a failed start)

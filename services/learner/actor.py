@@ -102,10 +102,10 @@ class LearnerImpl:
         self._channel: Channel | None = None
         self._weight_group: WeightGroup | None = None
         self._weight_timeout_s = WEIGHT_GROUP_TIMEOUT_S
-        if overlap_publish and (weight_transport != "object_store" or learner.world_size != 1):
-            raise ValueError("overlap_publish needs the object_store transport and one rank")
-        if overlap_publish and learner.strategy != "single":
-            raise ValueError("overlap_publish needs an unsharded learner (strategy 'single')")
+        if overlap_publish and (weight_transport != "object_store" or learner.strategy != "single"):
+            raise ValueError(
+                "overlap_publish needs the object_store transport and an unsharded learner"
+            )
         self._publisher = ThreadPoolExecutor(1, "publish") if overlap_publish else None
         # version -> its publish's offer, from `publish`'s start until `offer` answered.
         self._offers: dict[int, Future[WeightsOffer | None]] = {}
@@ -166,7 +166,7 @@ class LearnerImpl:
         except Exception as error:
             offer.set_exception(error)
             raise
-        running = self._publisher.submit(self._put_overlapped, version, after)
+        running = self._publisher.submit(self._put_overlapped, after)
         running.add_done_callback(lambda done: _settle(offer, done))
 
     @ray.method(concurrency_group="publish")
@@ -182,12 +182,11 @@ class LearnerImpl:
             with self._offers_changed:
                 self._offers.pop(version, None)
 
-    def _put_overlapped(self, version: int, after: torch.cuda.Event | None) -> WeightsOffer:
-        """The publish thread's part: read the weights while the next step trains, then put."""
+    def _put_overlapped(self, after: torch.cuda.Event | None) -> WeightsOffer:
+        """The publish thread's part: read the weights while the next step trains, then put
+        (the version cannot move on before they are read: its update waits for them)."""
         try:
             manifest = self.core.weights_manifest(self._bucket_bytes)
-            if manifest.version != version:
-                raise RuntimeError(f"publish of version {version} began at {manifest.version}")
             return put_buckets(manifest, self.core.overlapped_weight_buckets(manifest, after))
         finally:
             self.core.weights_read.release()  # also when nothing was read (a failed start)

@@ -223,9 +223,7 @@ def overlapped_buckets(
     # The actor's one visible GPU: the current device of this thread.
     side = torch.cuda.Stream() if after is not None else None  # type: ignore[no-untyped-call]
     last = len(manifest.buckets) - 1
-    released = not manifest.buckets
-    if released:
-        read.release()
+    released = False
     try:
         for index, specs in enumerate(manifest.buckets):
             flat = torch.empty(bucket_nbytes(specs), dtype=torch.uint8, pin_memory=side is not None)

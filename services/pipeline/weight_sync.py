@@ -63,12 +63,10 @@ class _LearnerSend:
 
 @dataclass(frozen=True)
 class _Publishing:
-    """A rank's part of publishing `version` (`offer`: rank 0's answer with the offer);
-    `holds_learner` unless the publish overlaps the next step."""
+    """A rank's part of publishing `version` (`offer`: rank 0's answer with the offer)."""
 
     version: int
     offer: bool
-    holds_learner: bool
 
 
 @dataclass(frozen=True)
@@ -124,7 +122,7 @@ class WeightSync:
             or self._forming is not None
             or any(
                 isinstance(call, _LearnerSend)
-                or (isinstance(call, _Publishing) and call.holds_learner)
+                or (isinstance(call, _Publishing) and not self.overlapped)
                 for call in self._calls.values()
             )
         )
@@ -197,10 +195,9 @@ class WeightSync:
     def publish(self, version: int, refs: PublishRefs) -> None:
         """Deliver the weights of `version` once the learner's publish (`refs`) has its offer:
         awaited with the loop's other calls, never blocking it."""
-        holds = not self.overlapped
-        self._calls[refs.offer] = _Publishing(version, offer=True, holds_learner=holds)
+        self._calls[refs.offer] = _Publishing(version, offer=True)
         for ref in refs.peers:
-            self._calls[ref] = _Publishing(version, offer=False, holds_learner=holds)
+            self._calls[ref] = _Publishing(version, offer=False)
 
     def _deliver(self, actors: RunActors, version: int, offer: WeightsOffer) -> None:
         self._offer, self._version = offer, version

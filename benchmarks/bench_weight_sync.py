@@ -19,12 +19,14 @@ worker's weights are checked against the learner's (sha256 of every tensor's byt
 benchmark fails if any differs.
 
 Then the learner's idle time per step, with and without the overlapped publish
-(`pipeline.overlap_publish`), in one run: the learner trains `--idle-steps` steps on a
-synthetic batch, each followed by a publish over object_store that the workers load, as the
-driver orders them: without overlap the next step is sent once the offer is in; with it, right
-after the publish is started. Idle time is the learner's own `learner_idle_seconds` (from the end
-of one step to the start of the next), its mean over the steps after the first; seconds per step
-are the loop's wall time over its steps. The workers' weights are checked against the
+(`pipeline.overlap_publish`), over each transport, in one run: the learner trains `--idle-steps`
+steps on a synthetic batch, each followed by a publish that the workers load, as the driver
+orders them: without overlap the next step is sent once the offer is in (object_store) or the
+send is done (collective); with it, right after the publish is started (collective: its send
+armed, and started while the workers receive, each version once the last is acknowledged).
+Idle time is the learner's own `learner_idle_seconds` (from the end of one step to the start of
+the next), its mean over the steps after the first; seconds per step are the loop's wall time
+over its steps. The workers' weights are checked against the
 learner's after the last publish (sha256), as above.
 
 Seconds: the best of the repeats, from the publish call to every worker done. Extra host
@@ -125,7 +127,7 @@ class SyncLearner(LearnerImpl, Memory):
         self._transport = transport
 
     def use_overlap(self, overlap: bool) -> None:
-        """Publish as `overlap_publish` would have it (object_store, this one rank)."""
+        """Publish as `overlap_publish` would have it (this one rank)."""
         self._publisher = ThreadPoolExecutor(1, "publish") if overlap else None
 
     @torch.no_grad()
@@ -226,13 +228,18 @@ def check_workers_hold_the_learners_weights(
 
 
 def measure_idle(
-    args: argparse.Namespace, learner: Any, receivers: list[Any], vocab: int, overlap: bool
+    args: argparse.Namespace,
+    learner: Any,
+    receivers: list[Any],
+    vocab: int,
+    transport: WeightTransportName,
+    overlap: bool,
 ) -> dict[str, Any]:
-    """`args.idle_steps` learner steps, each published over object_store and loaded by every
+    """`args.idle_steps` learner steps, each published over `transport` and loaded by every
     worker, ordered as the driver orders them (module doc)."""
     timeout = args.timeout_s
     ray.get(
-        [learner.use_transport.remote("object_store"), learner.use_overlap.remote(overlap)],
+        [learner.use_transport.remote(transport), learner.use_overlap.remote(overlap)],
         timeout=timeout,
     )
     batch = ray.put(
@@ -248,19 +255,32 @@ def measure_idle(
         if index > 0:  # the first waited for this loop to begin
             idle.append(float(record["learner_idle_seconds"]))
         version += 1
-        learner.publish.remote(version)
+        more = index + 1 < args.idle_steps
+        learner.publish.remote(version, overlap and transport == "collective")
         offer_ref = learner.offer.remote(version)
-        if overlap and index + 1 < args.idle_steps:
+        if overlap and more:
             step = learner.step.remote(batch)  # the publish goes on beside it
         offer: WeightsOffer = ray.get(offer_ref, timeout=timeout)
-        if not overlap and index + 1 < args.idle_steps:
-            step = learner.step.remote(batch)  # the offer is in: the learner may go on
-        loads += [r.fetch.remote([offer]) for r in receivers]
+        if transport == "object_store":
+            if not overlap and more:
+                step = learner.step.remote(batch)  # the offer is in: the learner may go on
+            loads += [r.fetch.remote([offer]) for r in receivers]
+        else:
+            # One version at a time, each once the last is acknowledged (as the driver sends).
+            ray.get(loads, timeout=timeout)
+            loads = [r.receive.remote(offer.manifest) for r in receivers]
+            if overlap:
+                loads.append(learner.send.remote(version))  # the armed send: the step goes on
+            else:
+                ray.get(learner.send_weights.remote(), timeout=timeout)  # the learner is held
+                if more:
+                    step = learner.step.remote(batch)
         del offer
     ray.get(loads, timeout=timeout)
     seconds = time.perf_counter() - start
     check_workers_hold_the_learners_weights(learner, receivers, "idle", timeout)
     return {
+        "transport": transport,
         "overlap": overlap,
         "steps": args.idle_steps,
         "idle_seconds_mean": sum(idle) / len(idle) if idle else float("nan"),
@@ -316,21 +336,28 @@ def measure_shape(args: argparse.Namespace, shape: ModelShape) -> dict[str, Any]
                     flush=True,
                 )
             idle = []
-            for overlap in (False, True):
-                result = measure_idle(args, learner, receivers, shape.vocab, overlap)
-                idle.append(result)
-                print(
-                    f"[{shape.name}] {'overlapped' if overlap else 'sequential'} publish: "
-                    f"learner idle {result['idle_seconds_mean']:.3f} s per step, "
-                    f"{result['seconds_per_step']:.2f} s per step",
-                    flush=True,
-                )
+            for transport in TRANSPORTS:
+                for overlap in (False, True):
+                    result = measure_idle(args, learner, receivers, shape.vocab, transport, overlap)
+                    idle.append(result)
+                    print(
+                        f"[{shape.name}] {transport}, "
+                        f"{'overlapped' if overlap else 'sequential'} publish: learner idle "
+                        f"{result['idle_seconds_mean']:.3f} s per step, "
+                        f"{result['seconds_per_step']:.2f} s per step",
+                        flush=True,
+                    )
         finally:
             for actor in (learner, *receivers):
                 ray.kill(actor)
     for result in idle:
+        [sequential] = [
+            other
+            for other in idle
+            if other["transport"] == result["transport"] and not other["overlap"]
+        ]
         result["vs_sequential"] = {
-            key: ratio(result[key], idle[0][key])
+            key: ratio(result[key], sequential[key])
             for key in ("idle_seconds_mean", "seconds_per_step")
         }
     base = results[0]
@@ -378,6 +405,7 @@ def print_report(shapes: list[dict[str, Any]]) -> None:
     rows = [
         [
             measured["model"]["name"],
+            result["transport"],
             "overlapped" if result["overlap"] else "sequential",
             f"{result['idle_seconds_mean']:.3f}",
             f"{result['vs_sequential']['idle_seconds_mean']:.2f}x",
@@ -388,7 +416,8 @@ def print_report(shapes: list[dict[str, Any]]) -> None:
         for result in measured["idle"]
     ]
     print()
-    print_table(["model", "publish", "learner idle s/step", "vs seq", "s/step", "vs seq"], rows)
+    headers = ["model", "transport", "publish", "learner idle s/step", "vs seq", "s/step", "vs seq"]
+    print_table(headers, rows)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -690,9 +690,10 @@ class PipelineConfig(StrictModel):
     )
     overlap_publish: bool = Field(
         True,
-        description="async, object_store, an unsharded learner: read and put each new version "
-        "while the next learner step trains (its first optimiser update waits until the "
-        "weights are read) instead of before it; elsewhere the publish runs before the next step",
+        description="async, an unsharded learner: read and put (object_store) or broadcast "
+        "(collective) each new version while the next learner step trains (its first optimiser "
+        "update waits until the weights are read) instead of before it; elsewhere the publish "
+        "runs before the next step",
     )
     in_flight_updates: bool = Field(
         False,
@@ -1023,14 +1024,9 @@ class RunSpec(StrictModel):
         """Whether each publish runs beside the next learner step (`pipeline.overlap_publish`
         where it applies: a sync run waits for every version to reach generation, and a
         sharded learner's gather is a collective of the training ranks, ordered with the
-        step's own; the collective transport sends between steps)."""
+        step's own)."""
         pipe = self.pipeline
-        return (
-            pipe.overlap_publish
-            and pipe.mode == "async"
-            and pipe.weight_transport == "object_store"
-            and self.learner.strategy == "single"
-        )
+        return pipe.overlap_publish and pipe.mode == "async" and self.learner.strategy == "single"
 
     @model_validator(mode="after")
     def _minibatches_fit(self) -> RunSpec:

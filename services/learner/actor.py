@@ -19,7 +19,13 @@ before gathering the next (services.learner.publish).
   of its own, answers once the buckets are in. A publish waits for the previous one.
 - `collective`: the offer is the manifest alone. Rank 0 serves the weight group
   (`open_weight_group`), waits for the receivers (`connect_weight_group`), and `send_weights`
-  (called on every rank) broadcasts the current version bucket by bucket.
+  (called on every rank) broadcasts the current version bucket by bucket. With
+  `overlap_publish` (one unsharded rank), `publish(version, send=True)` arms the send of that
+  version at once, between two steps, and the publish thread reads and broadcasts it while the
+  next step trains, but only once the driver called `send(version)` (the receivers are being
+  called then) or `cancel_send(version)` (the group broke meanwhile: nothing is sent, the
+  version is sent later with `send_weights`). Until then the next step's update waits, so a
+  driver must decide every armed send.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from services.weights.base import (
     WeightGroup,
     WeightGroupBackend,
     WeightGroupError,
+    WeightsManifest,
     WeightsOffer,
     WeightTransportName,
 )
@@ -61,8 +68,35 @@ HEAP_TRIM_EVERY_STEPS = 10
 # A weight-group collective (joining included) that waits this long raises: a receiver that
 # died or never joined fails the publish instead of holding the learner forever.
 WEIGHT_GROUP_TIMEOUT_S = 600.0
-# The concurrency groups of an actor of `LearnerImpl` (or a subclass): `offer`'s thread.
-CONCURRENCY_GROUPS = {"publish": 1}
+# The concurrency groups of an actor of `LearnerImpl` (or a subclass): `offer`'s thread, and
+# the thread of `send` and `cancel_send` (a send waits for its broadcast; an offer must not wait
+# behind it).
+CONCURRENCY_GROUPS = {"publish": 1, "send": 1}
+
+
+class SendCancelled(RuntimeError):
+    """An armed send that the driver cancelled: nothing of it was broadcast."""
+
+
+class _ArmedSend:
+    """A collective send armed by `publish`: its broadcast starts once decided (`decide`)."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        self.job: Future[None] | None = None
+        self._decided = threading.Event()
+        self._go = False
+
+    def decide(self, go: bool) -> None:
+        if self._decided.is_set():
+            raise RuntimeError(f"the send of version {self.version} was already decided")
+        self._go = go
+        self._decided.set()
+
+    def wait_go(self) -> bool:
+        """Block until decided; whether to send."""
+        self._decided.wait()
+        return self._go
 
 
 class LearnerImpl:
@@ -102,13 +136,13 @@ class LearnerImpl:
         self._channel: Channel | None = None
         self._weight_group: WeightGroup | None = None
         self._weight_timeout_s = WEIGHT_GROUP_TIMEOUT_S
-        if overlap_publish and (weight_transport != "object_store" or learner.strategy != "single"):
-            raise ValueError(
-                "overlap_publish needs the object_store transport and an unsharded learner"
-            )
+        if overlap_publish and learner.strategy != "single":
+            raise ValueError("overlap_publish needs an unsharded learner")
         self._publisher = ThreadPoolExecutor(1, "publish") if overlap_publish else None
         # version -> its publish's offer, from `publish`'s start until `offer` answered.
         self._offers: dict[int, Future[WeightsOffer | None]] = {}
+        # version -> its armed collective send, until `send` or `cancel_send` ended it.
+        self._armed: dict[int, _ArmedSend] = {}
         self._offers_changed = threading.Condition()
         self._last_step_end: float | None = None
 
@@ -141,10 +175,11 @@ class LearnerImpl:
         """Process id of the actor (for tests and for killing a stuck learner)."""
         return os.getpid()
 
-    def publish(self, version: int) -> None:
+    def publish(self, version: int, send: bool = False) -> None:
         """Publish `version`, which must be the version held (a publish of another would hand
         out weights under a wrong number); every rank takes part, rank 0's `offer(version)`
-        answers with it. Overlapped (module doc), this returns once the publish has started."""
+        answers with it. Overlapped (module doc), this returns once the publish has started;
+        `send` (collective, overlapped): also arm the send of `version` to the weight group."""
         offer: Future[WeightsOffer | None] = Future()
         with self._offers_changed:
             earlier = list(self._offers.values())
@@ -158,8 +193,14 @@ class LearnerImpl:
                     f"publish of version {version}, but the learner holds version "
                     f"{self.core.version}"
                 )
-            if self._publisher is None:
-                offer.set_result(self._publish())
+            if send and (self._publisher is None or self._transport != "collective"):
+                raise ValueError("publish(send=True) needs an overlapped collective publish")
+            if self._publisher is None or self._transport == "collective":
+                published = self._publish()
+                if send:
+                    assert published is not None
+                    self._arm_send(published.manifest)
+                offer.set_result(published)
                 return
             self.core.weights_read.arm()
             after = publish_point(self.core.device)
@@ -168,6 +209,59 @@ class LearnerImpl:
             raise
         running = self._publisher.submit(self._put_overlapped, after)
         running.add_done_callback(lambda done: _settle(offer, done))
+
+    def _arm_send(self, manifest: WeightsManifest) -> None:
+        """Arm the send of `manifest`'s version, the one held (between two steps, module doc):
+        the next update waits until the publish thread has read the weights, or the send was
+        cancelled."""
+        assert self._publisher is not None
+        armed = _ArmedSend(manifest.version)
+        self.core.weights_read.arm()
+        after = publish_point(self.core.device)
+        armed.job = self._publisher.submit(self._send_overlapped, armed, manifest, after)
+        with self._offers_changed:
+            self._armed[manifest.version] = armed
+
+    def _send_overlapped(
+        self, armed: _ArmedSend, manifest: WeightsManifest, after: torch.cuda.Event | None
+    ) -> None:
+        """The publish thread's part of an armed send: once the driver said go, read the
+        weights while the next step trains, and broadcast them bucket by bucket."""
+        try:
+            if not armed.wait_go():
+                raise SendCancelled(f"the send of version {armed.version} was cancelled")
+            if self._channel is None:
+                raise WeightGroupError(
+                    f"no weight group to send version {armed.version} to: the last one failed"
+                )
+            buckets = self.core.overlapped_weight_buckets(manifest, after, self._weight_device())
+            try:
+                self._channel.send(manifest, buckets)
+            except WeightGroupError:
+                self._close_weight_group()  # a receiver died or hung: form another
+                raise
+        finally:
+            self.core.weights_read.release()  # also when nothing was read
+
+    @ray.method(concurrency_group="send")
+    def send(self, version: int) -> None:
+        """Broadcast the armed `version` now (the driver is calling the receivers); returns
+        once it is sent (rank 0, module doc)."""
+        self._decided(version, go=True).result()
+
+    @ray.method(concurrency_group="send")
+    def cancel_send(self, version: int) -> None:
+        """Drop the armed send of `version` (its group broke); returns once the publish thread
+        let go of it."""
+        self._decided(version, go=False).exception()
+
+    def _decided(self, version: int, go: bool) -> Future[None]:
+        with self._offers_changed:
+            armed = self._armed.pop(version, None)
+        if armed is None or armed.job is None:
+            raise RuntimeError(f"no send of version {version} is armed")
+        armed.decide(go)
+        return armed.job
 
     @ray.method(concurrency_group="publish")
     def offer(self, version: int) -> WeightsOffer | None:

@@ -13,7 +13,9 @@ Weights (`spec.pipeline.weight_transport`, see services.learner.actor): a publis
 rank's `publish(version)` and rank 0's `offer(version)`, whose ref is the `WeightsOffer`; with
 `overlaps_publish` the offer comes while the next step trains. With `collective`, the driver
 also forms the weight group through rank 0 (`open_weight_group`, `connect_weight_group`) and
-has every rank `send_weights` while the generation workers receive.
+has every rank `send_weights` while the generation workers receive; with `overlaps_publish`, a
+publish arms its send instead, which the driver starts with `send(version)` while the workers
+receive, or drops with `cancel_send(version)`.
 """
 
 from __future__ import annotations
@@ -142,10 +144,21 @@ class LearnerGroup:
         refs = self._all("step", ray.put(batch))
         return StepRefs(refs[0], refs[1:])
 
-    def publish(self, version: int) -> PublishRefs:
-        """Publish `version`, the one the ranks hold (every rank takes part in gathering)."""
-        refs = self._all("publish", version)
+    def publish(self, version: int, send: bool = False) -> PublishRefs:
+        """Publish `version`, the one the ranks hold (every rank takes part in gathering).
+        `send` (collective, `overlaps_publish`): also arm its send to the weight group, which
+        the caller must then start (`send`) or drop (`cancel_send`)."""
+        refs = self._all("publish", version, send)
         return PublishRefs(self.ranks[0].offer.remote(version), refs)
+
+    def send(self, version: int) -> Any:
+        """Ref that resolves once the armed `version` is broadcast (call the receivers with
+        it); it fails if a receiver died (the group is closed then: form another)."""
+        return self.ranks[0].send.remote(version)
+
+    def cancel_send(self, version: int) -> Any:
+        """Ref that resolves once the armed send of `version` is dropped, nothing sent."""
+        return self.ranks[0].cancel_send.remote(version)
 
     def open_weight_group(self, world_size: int, generation: int) -> Any:
         """Ref of the WeightGroup rank 0 serves for `world_size` ranks (itself and every

@@ -18,10 +18,11 @@ What is published of a model is a `WeightView`: by default its own state dict
 An overlapped publish (`overlapped_buckets`, a learner of one unsharded rank) reads the live
 weights on a thread of its own while the next step trains: the step's forward and backward only
 read the weights, and its first optimiser update waits on the publish's `WeightsRead` until
-every tensor has been copied out. On a GPU the copies run on a side stream into pinned host
-memory, ordered after the last update by an event, and the update waits for them on the device
-(no host sync in the step). A bucket is handed on only once all of its copies are done, so no
-reader sees a half-written one. A sharded learner gathers with a collective of the training
+every tensor has been copied out. On a GPU the copies run on a side stream, into pinned host
+memory (object store) or straight into the bucket that is broadcast (collective), ordered
+after the last update by an event, and the update waits for them on the device (no host sync
+in the step). A bucket is handed on only once all of its copies are done, so no reader sees a
+half-written one. A sharded learner gathers with a collective of the training
 group, which must run in the same order as the step's own on every rank, so it publishes
 before the next step instead (`iter_buckets`).
 """
@@ -186,7 +187,10 @@ class WeightsRead:
 
     def release(self, copied: torch.cuda.Event | None = None) -> None:
         """Every copy is issued (`copied`: recorded after them on the GPU); also what a failed
-        publish calls, so that no update waits forever."""
+        or cancelled publish calls, so that no update waits forever. Only the first release
+        after `arm` counts: a later one must not drop the event of the copies."""
+        if self._issued.is_set():
+            return
         self._copied = copied
         self._issued.set()
 
@@ -213,20 +217,26 @@ def overlapped_buckets(
     manifest: WeightsManifest,
     read: WeightsRead,
     after: torch.cuda.Event | None = None,
+    device: torch.device | str = "cpu",
 ) -> Iterator[dict[str, Tensor]]:
-    """`manifest`'s buckets of an unsharded `model`, on the host, read on the calling thread
-    while another trains (module doc). `read` must be armed; it is released once the last copy
-    is issued, or when the walk stops early. `after` (GPU): the `publish_point` the copies wait
+    """`manifest`'s buckets of an unsharded `model`, on `device` (the host: pinned memory
+    under a GPU learner; a GPU: the broadcast buffer itself), read on the calling thread while
+    another trains (module doc). `read` must be armed; it is released once the last copy is
+    issued, or when the walk stops early. `after` (GPU): the `publish_point` the copies wait
     for. Each bucket is whole when yielded."""
     view = _view(model)
     sources = view.tensors()
     # The actor's one visible GPU: the current device of this thread.
     side = torch.cuda.Stream() if after is not None else None  # type: ignore[no-untyped-call]
+    target = torch.device(device)
+    pinned = side is not None and target.type == "cpu"
     last = len(manifest.buckets) - 1
     released = False
     try:
         for index, specs in enumerate(manifest.buckets):
-            flat = torch.empty(bucket_nbytes(specs), dtype=torch.uint8, pin_memory=side is not None)
+            flat = torch.empty(
+                bucket_nbytes(specs), dtype=torch.uint8, device=target, pin_memory=pinned
+            )
             bucket = unpack_bucket(flat, specs)
             del flat
             with torch.no_grad(), torch.cuda.stream(side) if side is not None else nullcontext():

@@ -685,12 +685,15 @@ class LearnerCore:
         return iter_buckets(self._published(), manifest, self.group, device)
 
     def overlapped_weight_buckets(
-        self, manifest: WeightsManifest, after: torch.cuda.Event | None
+        self,
+        manifest: WeightsManifest,
+        after: torch.cuda.Event | None,
+        device: torch.device | str = "cpu",
     ) -> Iterator[dict[str, Tensor]]:
-        """The buckets of `manifest` read on another thread while the next step trains (an
-        unsharded learner; services.learner.publish): the step's first update waits until they
-        are read. Arm `weights_read` on the training thread first."""
-        return overlapped_buckets(self._published(), manifest, self.weights_read, after)
+        """The buckets of `manifest`, on `device`, read on another thread while the next step
+        trains (an unsharded learner; services.learner.publish): the step's first update waits
+        until they are read. Arm `weights_read` on the training thread first."""
+        return overlapped_buckets(self._published(), manifest, self.weights_read, after, device)
 
     def state_dict_for_publish(self) -> dict[str, Tensor]:
         """The full weights in the compute dtype on CPU, as a generation worker ends up with

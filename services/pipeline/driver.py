@@ -378,7 +378,7 @@ class RunDriver:
                     f"expected {resumed_step}"
                 )
             # Every worker holds the weights on disk: none takes a prompt until it acknowledged.
-            self.weights.publish(version, actors.learner.publish(version))
+            self.weights.publish(actors, version)
         for index in range(len(self._streams)):
             self._poll(actors, index)
         self._throughput = _Throughput()
@@ -462,7 +462,7 @@ class RunDriver:
         """Publish the version the learner just trained (the learner takes no step before)."""
         if self._publish_due:
             self._publish_due = False
-            self.weights.publish(self.counters.step, actors.learner.publish(self.counters.step))
+            self.weights.publish(actors, self.counters.step)
 
     def _learner_stepping(self) -> bool:
         every = self.spec.pipeline.checkpoint_every

@@ -44,12 +44,15 @@ def test_both_transports_deliver_and_are_measured(tmp_path: Path) -> None:
     assert collective["object_store_bytes"] == 0 and collective["group_setup_seconds"] > 0
     report = printed.getvalue()
     assert "object_store" in report and "collective" in report and "vs obj" in report
-    # The learner's idle time, sequential then overlapped, from its own records of the steps
-    # after the first (the benchmark fails unless the workers hold the last publish bitwise).
-    sequential, overlapped = shape["idle"]
-    assert (sequential["overlap"], overlapped["overlap"]) == (False, True)
-    for result in (sequential, overlapped):
+    # The learner's idle time per transport, sequential then overlapped, from its own records
+    # of the steps after the first (the benchmark fails unless the workers hold the last
+    # publish bitwise).
+    measured = [(result["transport"], result["overlap"]) for result in shape["idle"]]
+    assert measured == [
+        ("object_store", False), ("object_store", True), ("collective", False), ("collective", True)
+    ]  # fmt: skip
+    for result in shape["idle"]:
         assert len(result["idle_seconds"]) == 2 and all(s >= 0 for s in result["idle_seconds"])
         assert result["seconds_per_step"] > 0
-    assert sequential["vs_sequential"]["idle_seconds_mean"] == 1.0
+        assert result["vs_sequential"]["idle_seconds_mean"] == 1.0 or result["overlap"]
     assert "learner idle s/step" in report

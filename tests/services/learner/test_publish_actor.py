@@ -177,3 +177,51 @@ def test_collective_publishes_reach_workers_and_survive_a_dead_one(
         assert_same(ray.get(first.weights.remote()), published)
     finally:
         learner.kill()
+
+
+def test_an_armed_collective_send_broadcasts_its_version_while_the_next_step_trains(
+    tiny_model_dir: Path, groups: list[ScoredGroup]
+) -> None:
+    """The next step is sent before the send starts: it trains up to its update, which waits
+    until the broadcast has read the weights, so the receivers get version 1 bit for bit. A
+    cancelled send lets the step after it go on; a send to a dead receiver fails, naming the
+    group, and the learner lives on."""
+    learner = start_learner(tiny_model_dir, "collective")
+    assert learner.overlaps_publish
+    first, second = (Receiver.remote(str(tiny_model_dir)) for _ in range(2))
+    try:
+        weights = ray.get(learner.open_weight_group(3, 3))
+        joined = [first.join.remote(weights, 1), second.join.remote(weights, 2)]
+        wait_all([learner.connect_weight_group(weights), *joined])
+        ray.get(learner.train_step(groups).metrics)
+
+        published = learner.publish(1, send=True)
+        offer: WeightsOffer = ray.get(published.offer)
+        assert offer.transport == "collective" and offer.manifest.version == 1
+        version_one = learner.call("published_state_dict")  # before the next step, in order
+        next_step = learner.train_step(groups)
+        received = [r.receive.remote(offer.manifest) for r in (first, second)]
+        wait_all([learner.send(1), *received, *published.peers])
+        assert ray.get(next_step.metrics)["policy_version"] == 2.0
+        for receiver in (first, second):
+            assert_same(ray.get(receiver.weights.remote()), version_one)
+
+        # Cancelled (its group broke before it started): nothing is sent, the learner steps on.
+        ray.get(learner.publish(2, send=True).offer)
+        ray.get(learner.cancel_send(2))
+        assert ray.get(learner.train_step(groups).metrics)["policy_version"] == 3.0
+        with pytest.raises(RayTaskError, match="no send of version 2 is armed"):
+            ray.get(learner.send(2))
+
+        # A receiver dies: the armed send fails, naming the group; the learner steps on.
+        ray.kill(second)
+        third: WeightsOffer = ray.get(learner.publish(3, send=True).offer)
+        receiving = first.receive.remote(third.manifest)
+        with pytest.raises(RayTaskError, match=r"weight group .*\(generation 3\), rank 0"):
+            ray.get(learner.send(3))
+        with pytest.raises((RayTaskError, RayActorError)):
+            ray.get(receiving)
+        assert ray.get(learner.train_step(groups).metrics)["policy_version"] == 4.0
+    finally:
+        learner.kill()
+        ray.kill(first)

@@ -65,9 +65,12 @@ COLLECTIVE_TIMEOUT_S = 1800.0
 # Every this many steps each rank hands its freed heap back to the OS (services/host_memory.py:
 # without it, the demo's learner grew ~340 MiB per 1,000 steps, mostly memory no longer used).
 HEAP_TRIM_EVERY_STEPS = 10
-# A weight-group collective (joining included) that waits this long raises: a receiver that
-# died or never joined fails the publish instead of holding the learner forever.
+# A weight-group collective that waits this long raises: a receiver that died fails the publish
+# instead of holding the learner forever (long: a broadcast of a multi-GB bucket is legitimate).
 WEIGHT_GROUP_TIMEOUT_S = 600.0
+# Joining a weight group has its own, shorter deadline: a receiver that died or never came while
+# the group formed holds learner rank 0 (no step taken) this long at most. collective.py owns it.
+WEIGHT_GROUP_JOIN_TIMEOUT_S = collective.DEFAULT_JOIN_TIMEOUT_S
 # The concurrency groups of an actor of `LearnerImpl` (or a subclass): `offer`'s thread, and
 # the thread of `send` and `cancel_send` (a send waits for its broadcast; an offer must not wait
 # behind it).
@@ -136,6 +139,7 @@ class LearnerImpl:
         self._channel: Channel | None = None
         self._weight_group: WeightGroup | None = None
         self._weight_timeout_s = WEIGHT_GROUP_TIMEOUT_S
+        self._weight_join_timeout_s = WEIGHT_GROUP_JOIN_TIMEOUT_S
         if overlap_publish and learner.strategy != "single":
             raise ValueError("overlap_publish needs an unsharded learner")
         self._publisher = ThreadPoolExecutor(1, "publish") if overlap_publish else None
@@ -319,10 +323,15 @@ class LearnerImpl:
         return self.core.device if self.core.device.type == "cuda" else torch.device("cpu")
 
     def open_weight_group(
-        self, world_size: int, generation: int, timeout_s: float = WEIGHT_GROUP_TIMEOUT_S
+        self,
+        world_size: int,
+        generation: int,
+        timeout_s: float = WEIGHT_GROUP_TIMEOUT_S,
+        join_timeout_s: float = WEIGHT_GROUP_JOIN_TIMEOUT_S,
     ) -> WeightGroup:
         """Serve a new weight group of `world_size` ranks (this rank and every receiving
-        process), replacing any earlier one; return at once with where it meets (rank 0)."""
+        process), replacing any earlier one; return at once with where it meets (rank 0).
+        `join_timeout_s` bounds `connect_weight_group`, `timeout_s` every send after it."""
         self._rank_zero("open_weight_group")
         self._close_weight_group()
         backend: WeightGroupBackend = "nccl" if self._weight_device().type == "cuda" else "gloo"
@@ -330,14 +339,21 @@ class LearnerImpl:
             world_size, backend, generation, timeout_s=timeout_s
         )
         self._weight_timeout_s = timeout_s
+        self._weight_join_timeout_s = join_timeout_s
         return self._weight_group
 
     def connect_weight_group(self, group: WeightGroup) -> None:
-        """Join `group` as its rank 0; blocks until every receiver has joined (rank 0)."""
+        """Join `group` as its rank 0; blocks until every receiver has joined, or raises
+        `WeightGroupError` naming those that did not after the join deadline (rank 0)."""
         self._rank_zero("connect_weight_group")
         if group != self._weight_group:
             raise ValueError(f"weight group {group} is not the one this learner opened last")
-        self._channel = collective.connect(group, 0, timeout_s=self._weight_timeout_s)
+        self._channel = collective.connect(
+            group,
+            0,
+            timeout_s=self._weight_timeout_s,
+            join_timeout_s=self._weight_join_timeout_s,
+        )
 
     def send_weights(self) -> None:
         """Broadcast the current version to the weight group (every rank gathers, rank 0

@@ -12,11 +12,14 @@ reads a key of an earlier one.
 
 Per publish, rank 0 first broadcasts a header (version, buckets, bytes) that every receiver
 checks against the manifest it got through Ray, then each bucket, packed into one flat byte
-tensor: no message is larger than one bucket (or one tensor larger than a bucket). Every
-collective waits at most the group's timeout, so a dead or stuck peer raises instead of hanging
-(`WeightGroupError`). Under NCCL, torch's default error handling ends the process whose
-collective timed out (TORCH_NCCL_ASYNC_ERROR_HANDLING=3, read when a group is built); 2 makes it
-abort the communicator and raise instead.
+tensor: no message is larger than one bucket (or one tensor larger than a bucket). Joining has
+its own, shorter deadline: every rank posts `joined/<rank>` and waits for all the others' before
+the process group is built, so a member that dies or never comes while the group forms costs at
+most the join deadline (`WeightGroupError` naming the missing ranks), not a broadcast's timeout.
+After that every collective waits at most the group's timeout, so a dead or stuck peer raises
+instead of hanging (`WeightGroupError`). Under NCCL, torch's default error handling ends the
+process whose collective timed out (TORCH_NCCL_ASYNC_ERROR_HANDLING=3, read when a group is
+built); 2 makes it abort the communicator and raise instead.
 """
 
 from __future__ import annotations
@@ -50,6 +53,11 @@ from services.weights.base import (
 from services.weights.buckets import bucket_nbytes, checked_buckets, pack_bucket, unpack_bucket
 
 DEFAULT_TIMEOUT_S = 600.0
+# Every rank joins between two engine steps (the learner's between two training steps), so a
+# live member is in within seconds; 120 s is generous for a slow node (a cold TCP connection
+# across the cluster, an engine finishing a long step) and bounds what a member that died while
+# the group formed holds learner rank 0, which takes no step meanwhile.
+DEFAULT_JOIN_TIMEOUT_S = 120.0
 STORE_PREFIX = "kpo-weights"
 
 # The store each group's rank 0 serves, by address: it lives as long as the group (the process
@@ -134,15 +142,32 @@ def _backend(
     return gloo, torch.device("cpu")
 
 
+def _rendezvous(group: WeightGroup, rank: int, store: Store, join_timeout_s: float) -> None:
+    """Announce `rank` and wait until every rank of `group` has (`store`: the group's,
+    prefixed); WeightGroupError naming the ranks still missing after `join_timeout_s`."""
+    keys = [f"joined/{other}" for other in range(group.world_size)]
+    store.set(keys[rank], "1")
+    try:
+        store.wait(keys, timedelta(seconds=join_timeout_s))
+    except RuntimeError as error:  # torch's DistStoreError: a timeout, or the store went away
+        missing = [other for other, key in enumerate(keys) if not store.check([key])]
+        raise WeightGroupError(
+            f"{group.member(rank)}: could not connect: ranks {missing} did not join within "
+            f"{join_timeout_s:g} s"
+        ) from error
+
+
 def connect(
     group: WeightGroup,
     rank: int,
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
     host: str | None = None,
 ) -> Channel:
     """Join `group` as `rank` (0: the learner rank that opened it); blocks until every rank has
-    joined, or raises after `timeout_s`. `host`: this process's address for gloo (default:
+    joined, or raises after `join_timeout_s`, naming the ranks that did not. Every collective
+    after that waits at most `timeout_s`. `host`: this process's address for gloo (default:
     the node's).
 
     An `ipc` group gives an `ipc.IpcChannel`. So does an NCCL group whose ranks all sit on one
@@ -155,20 +180,22 @@ def connect(
     if not 0 <= rank < group.world_size:
         raise ValueError(f"rank {rank} is outside weight group of size {group.world_size}")
     timeout = timedelta(seconds=timeout_s)
+    join_timeout = timedelta(seconds=join_timeout_s)
     try:
-        served = _client_store(group, rank, timeout)
+        # The store's own timeout bounds connecting to it and every wait that names none (NCCL's
+        # exchange of its unique id at the hello): all of them are part of joining.
+        served = _client_store(group, rank, join_timeout)
         store = PrefixStore(f"{STORE_PREFIX}/{group.generation}", served)
+        _rendezvous(group, rank, store, join_timeout_s)
         if group.backend == "ipc" or (
-            group.backend == "nccl" and _one_gpu(group, rank, store, timeout)
+            group.backend == "nccl" and _one_gpu(group, rank, store, join_timeout)
         ):
-            return ipc.join(group, rank, store, timeout)
+            return ipc.IpcChannel(group, rank, store, timeout)
         backend, device = _backend(group, store, rank, timeout, host)
-    except RuntimeError as error:  # torch's store and gloo errors (a peer that never came)
+    except RuntimeError as error:  # torch's store and gloo errors (a peer that went away)
         if isinstance(error, WeightGroupError):
             raise
-        raise WeightGroupError(
-            f"{group.member(rank)}: could not connect within {timeout_s} s: {error}"
-        ) from error
+        raise WeightGroupError(f"{group.member(rank)}: could not connect: {error}") from error
     channel = WeightChannel(group, rank, backend, device, timeout)
     # Gloo connects in its constructor, NCCL at the first collective: one tiny broadcast makes
     # both return only once every rank is in.

@@ -20,13 +20,14 @@ the store is a network service). Per publish, with n counting the channel's publ
     n/i              rank 0: the handle of bucket i
     n/i/ack/r        receiver r: done with bucket i (its load finished; on CUDA, synchronised)
 
-Every wait is bounded by the group's timeout: a receiver that dies or stalls makes `send` raise
-`WeightGroupError`, as a broadcast does. A receiver keeps the views of a bucket until it asks
-for the next one, so rank 0 may hold that bucket's memory one bucket longer (CUDA frees an
-allocation only once every process that mapped it has unmapped it).
+Every wait of a publish is bounded by the group's timeout: a receiver that dies or stalls makes
+`send` raise `WeightGroupError`, as a broadcast does. A receiver keeps the views of a bucket
+until it asks for the next one, so rank 0 may hold that bucket's memory one bucket longer (CUDA
+frees an allocation only once every process that mapped it has unmapped it).
 
 `collective.connect` picks this channel: for a group opened as `ipc`, and for an NCCL group
-whose ranks all report the same GPU (its UUID).
+whose ranks all report the same GPU (its UUID). It hands the channel over once every rank has
+joined (its rendezvous, bounded by the join deadline, is every transport's).
 """
 
 from __future__ import annotations
@@ -177,18 +178,10 @@ def opened(handle: dict[str, Any], specs: Sequence[TensorSpec]) -> dict[str, Ten
 # --- the channel --------------------------------------------------------------------------------
 
 
-def join(group: WeightGroup, rank: int, store: Store, timeout: timedelta) -> IpcChannel:
-    """Announce `rank` and wait until every rank of `group` has (`store`: the group's,
-    prefixed); WeightGroupError after `timeout`."""
-    channel = IpcChannel(group, rank, store, timeout)
-    store.set(f"joined/{rank}", "1")
-    channel._wait([f"joined/{other}" for other in range(group.world_size)], "could not connect")
-    return channel
-
-
 @dataclass
 class IpcChannel:
-    """One rank's end of an ipc weight group (the `Channel` interface: rank 0 sends)."""
+    """One rank's end of an ipc weight group (the `Channel` interface: rank 0 sends), made by
+    `collective.connect` once every rank has joined."""
 
     group: WeightGroup
     rank: int

@@ -13,6 +13,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import select
+import threading
+import time
 from collections.abc import Iterator
 from multiprocessing.queues import Queue
 from pathlib import Path
@@ -33,7 +35,7 @@ from services.weights.base import (
     WeightsManifest,
 )
 from services.weights.buckets import bucket_nbytes
-from services.weights.collective import connect, open_weight_group
+from services.weights.collective import connect, open_weight_group, stop_serving
 from services.weights.loading import with_aliases
 from services.weights.shared_memory import FILE_PREFIX, shared_dir
 from tests.services.learner.conftest import make_core
@@ -287,8 +289,40 @@ def test_no_shared_file_outlives_its_publish(run: dict[str, Any]) -> None:
 @pytest.mark.parametrize("backend", ["gloo", "ipc"])
 def test_a_receiver_that_never_joins_makes_connect_raise(backend: WeightGroupBackend) -> None:
     group = open_weight_group(2, backend, 9, host=LOOPBACK, timeout_s=1.0)
-    with pytest.raises(WeightGroupError, match=r"\(generation 9\), rank 0: could not connect"):
-        connect(group, 0, timeout_s=1.0, host=LOOPBACK)
+    expected = r"\(generation 9\), rank 0: could not connect: ranks \[1\] did not join within 1 s"
+    with pytest.raises(WeightGroupError, match=expected):
+        connect(group, 0, timeout_s=1.0, join_timeout_s=1.0, host=LOOPBACK)
+    stop_serving(group)
+
+
+@pytest.mark.parametrize("backend", ["gloo", "ipc"])
+def test_a_member_missing_while_the_group_forms_costs_the_join_deadline(
+    backend: WeightGroupBackend,
+) -> None:
+    """Ranks 0 and 1 of a group of three join, rank 2 never comes: both raise after the join
+    deadline, naming rank 2, though every broadcast of the group could wait 600 s."""
+    group = open_weight_group(3, backend, 10, host=LOOPBACK, timeout_s=600.0)
+    errors: dict[int, str] = {}
+
+    def join(rank: int) -> None:
+        try:
+            connect(group, rank, timeout_s=600.0, join_timeout_s=2.0, host=LOOPBACK)
+        except WeightGroupError as error:
+            errors[rank] = str(error)
+
+    started = time.monotonic()
+    receiver = threading.Thread(target=join, args=(1,))
+    receiver.start()
+    join(0)
+    receiver.join(TIMEOUT_S)
+    elapsed = time.monotonic() - started
+    stop_serving(group)
+    assert not receiver.is_alive()
+    assert elapsed < 30.0  # the join deadline (2 s) and slack, far from the 600 s timeout
+    assert errors.keys() == {0, 1}
+    for rank, error in errors.items():
+        assert f"(generation 10), rank {rank}: could not connect: ranks [2] did not join " in error
+        assert "within 2 s" in error
 
 
 def test_bad_groups_are_refused() -> None:

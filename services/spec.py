@@ -690,10 +690,11 @@ class PipelineConfig(StrictModel):
     )
     overlap_publish: bool = Field(
         True,
-        description="async, an unsharded learner: read and put (object_store) or broadcast "
-        "(collective) each new version while the next learner step trains (its first optimiser "
-        "update waits until the weights are read) instead of before it; elsewhere the publish "
-        "runs before the next step",
+        description="async: read and put (object_store) or broadcast (collective, an "
+        "unsharded learner) each new version while the next learner step trains (its first "
+        "optimiser update waits until the weights are read) instead of before it; a sharded "
+        "learner gathers before the next step and puts beside it; elsewhere the publish runs "
+        "before the next step",
     )
     in_flight_updates: bool = Field(
         False,
@@ -1022,11 +1023,16 @@ class RunSpec(StrictModel):
     @property
     def overlaps_publish(self) -> bool:
         """Whether each publish runs beside the next learner step (`pipeline.overlap_publish`
-        where it applies: a sync run waits for every version to reach generation, and a
-        sharded learner's gather is a collective of the training ranks, ordered with the
-        step's own)."""
+        where it applies: a sync run waits for every version to reach generation; a sharded
+        learner gathers before the next step, a collective of the training ranks ordered with
+        the step's own, and overlaps only the object store's puts)."""
         pipe = self.pipeline
-        return pipe.overlap_publish and pipe.mode == "async" and self.learner.strategy == "single"
+        sharded = self.learner.strategy != "single"
+        return (
+            pipe.overlap_publish
+            and pipe.mode == "async"
+            and not (sharded and pipe.weight_transport == "collective")
+        )
 
     @model_validator(mode="after")
     def _minibatches_fit(self) -> RunSpec:

@@ -13,10 +13,11 @@ before gathering the next (services.learner.publish).
 - `object_store`: rank 0 puts each bucket into Ray's object store as it is gathered, and the
   offer carries the refs. Rank 0 owns those objects, so they die with it; that costs nothing,
   since a dead learner fails the step's attempt and the restarted one publishes its weights
-  again. With `overlap_publish` (one unsharded rank), `publish` only starts the publish: a
-  thread of the actor reads and puts the buckets while the next step trains, whose first update
-  waits until the weights are read (services.learner.publish); `offer`, in a concurrency group
-  of its own, answers once the buckets are in. A publish waits for the previous one.
+  again. With `overlap_publish`, `publish` only starts the publish: a thread of the actor
+  reads and puts the buckets while the next step trains, whose first update waits until the
+  weights are read (services.learner.publish; a sharded learner gathers first, with its peers,
+  and the thread only puts); `offer`, in a concurrency group of its own, answers once the
+  buckets are in. A publish waits for the previous one.
 - `collective`: the offer is the manifest alone. Rank 0 serves the weight group
   (`open_weight_group`), waits for the receivers (`connect_weight_group`), and `send_weights`
   (called on every rank) broadcasts the current version bucket by bucket. With
@@ -35,6 +36,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from queue import SimpleQueue
 
 import ray
 import torch
@@ -43,7 +45,7 @@ from kpo_core.config import AlgorithmConfig
 from services.host_memory import release_free_heap
 from services.learner.distributed import RankGroup, rendezvous_address
 from services.learner.export import export_model
-from services.learner.publish import MiB, drain, publish_point
+from services.learner.publish import Handed, MiB, drain, handed_buckets, publish_point
 from services.learner.step import LearnerCore
 from services.messages import ScoredGroup
 from services.spec import LearnerConfig
@@ -140,8 +142,9 @@ class LearnerImpl:
         self._weight_group: WeightGroup | None = None
         self._weight_timeout_s = WEIGHT_GROUP_TIMEOUT_S
         self._weight_join_timeout_s = WEIGHT_GROUP_JOIN_TIMEOUT_S
-        if overlap_publish and learner.strategy != "single":
-            raise ValueError("overlap_publish needs an unsharded learner")
+        self._sharded = learner.strategy != "single"
+        if overlap_publish and self._sharded and weight_transport != "object_store":
+            raise ValueError("overlap_publish of a sharded learner needs object_store")
         self._publisher = ThreadPoolExecutor(1, "publish") if overlap_publish else None
         # version -> its publish's offer, from `publish`'s start until `offer` answered.
         self._offers: dict[int, Future[WeightsOffer | None]] = {}
@@ -199,6 +202,9 @@ class LearnerImpl:
                 )
             if send and (self._publisher is None or self._transport != "collective"):
                 raise ValueError("publish(send=True) needs an overlapped collective publish")
+            if self._publisher is not None and self._sharded:
+                self._publish_gathered(offer)
+                return
             if self._publisher is None or self._transport == "collective":
                 published = self._publish()
                 if send:
@@ -209,10 +215,33 @@ class LearnerImpl:
             self.core.weights_read.arm()
             after = publish_point(self.core.device)
         except Exception as error:
-            offer.set_exception(error)
+            if not offer.done():  # a sharded publish's put may have failed first
+                offer.set_exception(error)
             raise
         running = self._publisher.submit(self._put_overlapped, after)
         running.add_done_callback(lambda done: _settle(offer, done))
+
+    def _publish_gathered(self, offer: Future[WeightsOffer | None]) -> None:
+        """A sharded overlapped publish (services.learner.publish): gather here, with the other
+        ranks, and hand rank 0's buckets to the publish thread, which puts them while the next
+        step trains."""
+        assert self._publisher is not None
+        manifest = self.core.weights_manifest(self._bucket_bytes)
+        cuda = self.core.device.type == "cuda"
+        buckets = self.core.weight_buckets(manifest, "cpu", pinned=cuda)
+        if self._group.rank != 0:
+            drain(buckets)
+            offer.set_result(None)
+            return
+        handed: SimpleQueue[Handed] = SimpleQueue()
+        running = self._publisher.submit(put_buckets, manifest, handed_buckets(handed))
+        running.add_done_callback(lambda done: _settle(offer, done))
+        try:
+            for bucket in buckets:
+                handed.put((bucket, publish_point(self.core.device)))
+                del bucket
+        finally:
+            handed.put(None)  # a gather that failed leaves the put short: it fails the offer
 
     def _arm_send(self, manifest: WeightsManifest) -> None:
         """Arm the send of `manifest`'s version, the one held (between two steps, module doc):
@@ -403,7 +432,10 @@ class LearnerImpl:
 
 
 def _settle(offer: Future[WeightsOffer | None], done: Future[WeightsOffer]) -> None:
-    """Hand a finished publish thread's result or error on to `offer`."""
+    """Hand a finished publish thread's result or error on to `offer` (unless the training
+    thread's part failed first and said so)."""
+    if offer.done():
+        return
     error = done.exception()
     if error is None:
         offer.set_result(done.result())

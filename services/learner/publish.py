@@ -22,9 +22,15 @@ every tensor has been copied out. On a GPU the copies run on a side stream, into
 memory (object store) or straight into the bucket that is broadcast (collective), ordered
 after the last update by an event, and the update waits for them on the device (no host sync
 in the step). A bucket is handed on only once all of its copies are done, so no reader sees a
-half-written one. A sharded learner gathers with a collective of the training
-group, which must run in the same order as the step's own on every rank, so it publishes
-before the next step instead (`iter_buckets`).
+half-written one.
+
+A sharded learner gathers with a collective of the training group, which must run in the same
+order as the step's own on every rank, so its overlapped publish gathers on the training thread
+before the next step (`iter_buckets`, on a GPU into pinned host buckets by copies the host does
+not wait for) and only hands the buckets to the publish thread (`handed_buckets`), which puts
+them while the next step trains. The weights may then change at once: nothing reads them after
+the gather. Rank 0 then holds up to one host copy of the published weights beyond its shard,
+each bucket until it is put (the object store ends up holding one anyway).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
+from queue import SimpleQueue
 from typing import Protocol
 
 import torch
@@ -144,17 +151,22 @@ def iter_buckets(
     group: RankGroup,
     device: torch.device | str = "cpu",
     gather: Gather = full_tensor,
+    pinned: bool = False,
 ) -> Iterator[dict[str, Tensor]]:
     """Walk `manifest`'s plan over `model` (module doc); on rank 0 yield each bucket, on
     `device`, as name -> tensor (views of one flat buffer, which `pack_bucket` hands on without
     a copy). Every rank must exhaust it together. `gather` is how a tensor is made whole
-    (tests wrap it to see what is held)."""
+    (tests wrap it to see what is held). `pinned` (a GPU model, `device` the host): the
+    buckets are pinned and filled by copies the host does not wait for, in order on the current
+    stream; a reader must wait for an event recorded after them (`publish_point`)."""
     view = _view(model)
     sources = view.tensors()
     for specs in manifest.buckets:
         bucket: dict[str, Tensor] = {}
         if group.rank == 0:
-            flat = torch.empty(bucket_nbytes(specs), dtype=torch.uint8, device=device)
+            flat = torch.empty(
+                bucket_nbytes(specs), dtype=torch.uint8, device=device, pin_memory=pinned
+            )
             bucket = unpack_bucket(flat, specs)
             del flat  # the views keep it alive for as long as the bucket is
         for spec in specs:
@@ -164,7 +176,9 @@ def iter_buckets(
             with torch.no_grad():
                 whole = view.whole(spec.name, source.detach(), gather)
                 if group.rank == 0:
-                    bucket[spec.name].copy_(whole)  # casts to the compute dtype and moves
+                    # Casts to the compute dtype and moves. A non-blocking copy may let go of
+                    # `whole` at once: the allocator reuses its memory in stream order.
+                    bucket[spec.name].copy_(whole, non_blocking=pinned)
             del whole
         if group.rank == 0:
             yield bucket
@@ -284,6 +298,22 @@ def full_weights(
         if name in out:
             out[alias] = out[name]
     return out
+
+
+# What the training thread hands the publish thread of a sharded overlapped publish: a bucket
+# and the event after its copies (None on CPU); None ends the walk.
+Handed = tuple[dict[str, Tensor], "torch.cuda.Event | None"] | None
+
+
+def handed_buckets(handed: SimpleQueue[Handed]) -> Iterator[dict[str, Tensor]]:
+    """The buckets handed over through `handed`, each once its copies are done (a GPU's: this
+    thread waits for the event, the training thread does not)."""
+    while (item := handed.get()) is not None:
+        bucket, copied = item
+        if copied is not None:
+            copied.synchronize()
+        yield bucket
+        del bucket, item
 
 
 def drain(buckets: Iterator[dict[str, Tensor]]) -> None:

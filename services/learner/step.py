@@ -678,11 +678,12 @@ class LearnerCore:
         return weights_manifest(published, compute_dtype(self.learner), self._version, bucket_bytes)
 
     def weight_buckets(
-        self, manifest: WeightsManifest, device: torch.device | str = "cpu"
+        self, manifest: WeightsManifest, device: torch.device | str = "cpu", pinned: bool = False
     ) -> Iterator[dict[str, Tensor]]:
         """The buckets of `manifest` gathered from the model (services.learner.publish): every
-        rank must walk them together; rank 0 gets them, on `device`, the others nothing."""
-        return iter_buckets(self._published(), manifest, self.group, device)
+        rank must walk them together; rank 0 gets them, on `device`, the others nothing.
+        `pinned`: into pinned host buckets, by copies the host does not wait for."""
+        return iter_buckets(self._published(), manifest, self.group, device, pinned=pinned)
 
     def overlapped_weight_buckets(
         self,

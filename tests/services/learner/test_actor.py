@@ -66,3 +66,27 @@ def test_a_step_returns_metrics_and_weights_a_generation_backend_loads(
 
     learner.save_checkpoint(str(tmp_path / "ckpt"))()  # start, then wait for every rank
     assert learner.load_checkpoint(str(tmp_path / "ckpt")) == 1
+
+
+def test_an_overlapped_publish_hands_out_the_version_it_began_with(
+    learner: LearnerGroup, tiny_model_dir: Path, groups: list[ScoredGroup]
+) -> None:
+    """The next step is sent before the offer is asked for: a single rank reads the weights
+    beside it, FSDP2 ranks gather before it and put beside it. Either way the offer holds the
+    version published, bit for bit, and the step trained on."""
+    assert learner.overlaps_publish
+    version = learner.call("version")
+    ray.get(learner.train_step(groups).metrics)
+    published = learner.publish(version + 1)
+    weights = learner.call("published_state_dict")  # before the next step, in order
+    next_step = learner.train_step(groups)
+    offer = ray.get(published.offer)
+    assert wait_all(published.peers) == [None] * len(learner.ranks)
+    assert ray.get(next_step.metrics)["policy_version"] == version + 2
+    backend = HFBackend(tiny_model_dir)
+    backend.load_weight_buckets(fetch_buckets(offer), offer.manifest)
+    assert backend.policy_version == version + 1
+    loaded = backend.model.state_dict()
+    assert all(torch.equal(tensor, weights[name]) for name, tensor in loaded.items())
+    after = learner.call("published_state_dict")
+    assert any(not torch.equal(after[name], weights[name]) for name in weights)

@@ -690,11 +690,10 @@ class PipelineConfig(StrictModel):
     )
     overlap_publish: bool = Field(
         True,
-        description="async: read and put (object_store) or broadcast (collective, an "
-        "unsharded learner) each new version while the next learner step trains (its first "
-        "optimiser update waits until the weights are read) instead of before it; a sharded "
-        "learner gathers before the next step and puts beside it; elsewhere the publish runs "
-        "before the next step",
+        description="async: read and put (object_store) or broadcast (collective) each new "
+        "version while the next learner step trains (its first optimiser update waits until "
+        "the weights are read) instead of before it; a sharded learner gathers before the next "
+        "step and puts or broadcasts beside it; a sync run publishes before the next step",
     )
     in_flight_updates: bool = Field(
         False,
@@ -1023,16 +1022,11 @@ class RunSpec(StrictModel):
     @property
     def overlaps_publish(self) -> bool:
         """Whether each publish runs beside the next learner step (`pipeline.overlap_publish`
-        where it applies: a sync run waits for every version to reach generation; a sharded
-        learner gathers before the next step, a collective of the training ranks ordered with
-        the step's own, and overlaps only the object store's puts)."""
+        where it applies: a sync run waits for every version to reach generation). A sharded
+        learner gathers before the next step (a collective of the training ranks, ordered with
+        the step's own) and puts or broadcasts beside it."""
         pipe = self.pipeline
-        sharded = self.learner.strategy != "single"
-        return (
-            pipe.overlap_publish
-            and pipe.mode == "async"
-            and not (sharded and pipe.weight_transport == "collective")
-        )
+        return pipe.overlap_publish and pipe.mode == "async"
 
     @model_validator(mode="after")
     def _minibatches_fit(self) -> RunSpec:

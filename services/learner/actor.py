@@ -21,12 +21,13 @@ before gathering the next (services.learner.publish).
 - `collective`: the offer is the manifest alone. Rank 0 serves the weight group
   (`open_weight_group`), waits for the receivers (`connect_weight_group`), and `send_weights`
   (called on every rank) broadcasts the current version bucket by bucket. With
-  `overlap_publish` (one unsharded rank), `publish(version, send=True)` arms the send of that
-  version at once, between two steps, and the publish thread reads and broadcasts it while the
-  next step trains, but only once the driver called `send(version)` (the receivers are being
-  called then) or `cancel_send(version)` (the group broke meanwhile: nothing is sent, the
-  version is sent later with `send_weights`). Until then the next step's update waits, so a
-  driver must decide every armed send.
+  `overlap_publish`, `publish(version, send=True)` arms the send of that version at once,
+  between two steps, and the publish thread broadcasts it while the next step trains (one
+  rank: it reads the weights then; sharded: the ranks gather before the next step and rank 0's
+  thread broadcasts the buckets as they come), but only once the driver called
+  `send(version)` (the receivers are being called then) or `cancel_send(version)` (the group
+  broke meanwhile: nothing is sent, the version is sent later with `send_weights`). Until then
+  a one-rank learner's next update waits, so a driver must decide every armed send.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 from queue import SimpleQueue
 
@@ -125,8 +128,7 @@ class LearnerImpl:
 
         `weight_transport` and `weight_bucket_mb` are the run's `pipeline` settings of the same
         names (how each version reaches generation); `overlap_publish`, whether a publish runs
-        while the next step trains (`RunSpec.overlaps_publish` decides: object_store, one
-        unsharded rank).
+        while the next step trains (`RunSpec.overlaps_publish` decides: an async run).
         """
         if weight_transport not in ("object_store", "collective"):
             raise ValueError(f"unknown weight_transport {weight_transport!r}")
@@ -143,8 +145,6 @@ class LearnerImpl:
         self._weight_timeout_s = WEIGHT_GROUP_TIMEOUT_S
         self._weight_join_timeout_s = WEIGHT_GROUP_JOIN_TIMEOUT_S
         self._sharded = learner.strategy != "single"
-        if overlap_publish and self._sharded and weight_transport != "object_store":
-            raise ValueError("overlap_publish of a sharded learner needs object_store")
         self._publisher = ThreadPoolExecutor(1, "publish") if overlap_publish else None
         # version -> its publish's offer, from `publish`'s start until `offer` answered.
         self._offers: dict[int, Future[WeightsOffer | None]] = {}
@@ -202,15 +202,14 @@ class LearnerImpl:
                 )
             if send and (self._publisher is None or self._transport != "collective"):
                 raise ValueError("publish(send=True) needs an overlapped collective publish")
-            if self._publisher is not None and self._sharded:
-                self._publish_gathered(offer)
+            if self._publisher is None or (self._transport == "collective" and not send):
+                offer.set_result(self._publish())
                 return
-            if self._publisher is None or self._transport == "collective":
-                published = self._publish()
-                if send:
-                    assert published is not None
-                    self._arm_send(published.manifest)
-                offer.set_result(published)
+            if send:
+                self._publish_armed(offer)
+                return
+            if self._sharded:
+                self._publish_gathered(offer)
                 return
             self.core.weights_read.arm()
             after = publish_point(self.core.device)
@@ -222,13 +221,12 @@ class LearnerImpl:
         running.add_done_callback(lambda done: _settle(offer, done))
 
     def _publish_gathered(self, offer: Future[WeightsOffer | None]) -> None:
-        """A sharded overlapped publish (services.learner.publish): gather here, with the other
-        ranks, and hand rank 0's buckets to the publish thread, which puts them while the next
-        step trains."""
+        """A sharded overlapped publish over object_store (services.learner.publish): gather
+        here, with the other ranks, and hand rank 0's buckets to the publish thread, which puts
+        them while the next step trains."""
         assert self._publisher is not None
         manifest = self.core.weights_manifest(self._bucket_bytes)
-        cuda = self.core.device.type == "cuda"
-        buckets = self.core.weight_buckets(manifest, "cpu", pinned=cuda)
+        buckets = self._gathered_to_host(manifest)
         if self._group.rank != 0:
             drain(buckets)
             offer.set_result(None)
@@ -236,30 +234,70 @@ class LearnerImpl:
         handed: SimpleQueue[Handed] = SimpleQueue()
         running = self._publisher.submit(put_buckets, manifest, handed_buckets(handed))
         running.add_done_callback(lambda done: _settle(offer, done))
+        self._hand_over(buckets, handed)
+
+    def _publish_armed(self, offer: Future[WeightsOffer | None]) -> None:
+        """A collective publish that arms its send (module doc). One rank: the publish thread
+        reads the weights once the send starts, and the next update waits until it has. Sharded:
+        every rank gathers here and rank 0 hands its buckets to the publish thread, which
+        broadcasts them as they come once the send starts."""
+        manifest = self.core.weights_manifest(self._bucket_bytes)
+        published = WeightsOffer("collective", manifest) if self._group.rank == 0 else None
+        if not self._sharded:
+            self.core.weights_read.arm()
+            after = publish_point(self.core.device)
+            device = self._weight_device()
+            self._arm_send(
+                manifest, lambda: self.core.overlapped_weight_buckets(manifest, after, device)
+            )
+            offer.set_result(published)  # armed first: the driver may start the send at once
+            return
+        buckets = self._gathered_to_host(manifest)
+        if self._group.rank != 0:
+            drain(buckets)
+            offer.set_result(None)
+            return
+        handed: SimpleQueue[Handed] = SimpleQueue()
+        self._arm_send(manifest, lambda: handed_buckets(handed))
+        offer.set_result(published)
+        self._hand_over(buckets, handed)
+
+    def _gathered_to_host(self, manifest: WeightsManifest) -> Iterator[dict[str, torch.Tensor]]:
+        """`manifest`'s buckets gathered by every rank (rank 0's on the host: pinned under a
+        GPU, by copies the host does not wait for)."""
+        return self.core.weight_buckets(manifest, "cpu", pinned=self.core.device.type == "cuda")
+
+    def _hand_over(
+        self, buckets: Iterator[dict[str, torch.Tensor]], handed: SimpleQueue[Handed]
+    ) -> None:
+        """Hand each gathered bucket to the publish thread with the event after its copies."""
         try:
             for bucket in buckets:
                 handed.put((bucket, publish_point(self.core.device)))
                 del bucket
         finally:
-            handed.put(None)  # a gather that failed leaves the put short: it fails the offer
+            handed.put(None)  # a gather that failed leaves the publish short: it fails
 
-    def _arm_send(self, manifest: WeightsManifest) -> None:
-        """Arm the send of `manifest`'s version, the one held (between two steps, module doc):
-        the next update waits until the publish thread has read the weights, or the send was
-        cancelled."""
+    def _arm_send(
+        self, manifest: WeightsManifest, buckets: Callable[[], Iterator[dict[str, torch.Tensor]]]
+    ) -> None:
+        """Arm the send of `manifest`'s version, the one held: the publish thread broadcasts
+        `buckets()` once the driver starts it (`send`), or drops it (`cancel_send`)."""
         assert self._publisher is not None
         armed = _ArmedSend(manifest.version)
-        self.core.weights_read.arm()
-        after = publish_point(self.core.device)
-        armed.job = self._publisher.submit(self._send_overlapped, armed, manifest, after)
+        armed.job = self._publisher.submit(self._send_armed, armed, manifest, buckets)
         with self._offers_changed:
             self._armed[manifest.version] = armed
 
-    def _send_overlapped(
-        self, armed: _ArmedSend, manifest: WeightsManifest, after: torch.cuda.Event | None
+    def _send_armed(
+        self,
+        armed: _ArmedSend,
+        manifest: WeightsManifest,
+        buckets: Callable[[], Iterator[dict[str, torch.Tensor]]],
     ) -> None:
-        """The publish thread's part of an armed send: once the driver said go, read the
-        weights while the next step trains, and broadcast them bucket by bucket."""
+        """The publish thread's part of an armed send: once the driver said go, broadcast the
+        buckets while the next step trains (on a GPU from a stream of this thread's own, so
+        that the broadcast does not queue behind the step's kernels)."""
         try:
             if not armed.wait_go():
                 raise SendCancelled(f"the send of version {armed.version} was cancelled")
@@ -267,14 +305,16 @@ class LearnerImpl:
                 raise WeightGroupError(
                     f"no weight group to send version {armed.version} to: the last one failed"
                 )
-            buckets = self.core.overlapped_weight_buckets(manifest, after, self._weight_device())
+            cuda = self._weight_device().type == "cuda"
+            side = torch.cuda.stream(torch.cuda.Stream()) if cuda else nullcontext()  # type: ignore[no-untyped-call]
             try:
-                self._channel.send(manifest, buckets)
+                with side:
+                    self._channel.send(manifest, buckets())
             except WeightGroupError:
                 self._close_weight_group()  # a receiver died or hung: form another
                 raise
         finally:
-            self.core.weights_read.release()  # also when nothing was read
+            self.core.weights_read.release()  # a one-rank send: also when nothing was read
 
     @ray.method(concurrency_group="send")
     def send(self, version: int) -> None:

@@ -63,9 +63,12 @@ class ReceiverImpl:
 Receiver = ray.remote(num_cpus=0.25)(ReceiverImpl)
 
 
-def start_learner(model_dir: Path, transport: WeightTransportName) -> LearnerGroup:
+def start_learner(
+    model_dir: Path, transport: WeightTransportName, world_size: int = 1
+) -> LearnerGroup:
+    strategy = "single" if world_size == 1 else "fsdp2"
     spec = RunSpec(
-        learner=LearnerConfig(lr=1e-2, num_cpus=0.5),
+        learner=LearnerConfig(lr=1e-2, num_cpus=0.5, strategy=strategy, world_size=world_size),
         pipeline=PipelineConfig(weight_transport=transport, weight_bucket_mb=1),
     )
     group = LearnerGroup(spec, str(model_dir))
@@ -179,14 +182,15 @@ def test_collective_publishes_reach_workers_and_survive_a_dead_one(
         learner.kill()
 
 
+@pytest.mark.parametrize("world_size", [1, 2], ids=["single", "fsdp2-2-ranks"])
 def test_an_armed_collective_send_broadcasts_its_version_while_the_next_step_trains(
-    tiny_model_dir: Path, groups: list[ScoredGroup]
+    tiny_model_dir: Path, groups: list[ScoredGroup], world_size: int
 ) -> None:
-    """The next step is sent before the send starts: it trains up to its update, which waits
-    until the broadcast has read the weights, so the receivers get version 1 bit for bit. A
-    cancelled send lets the step after it go on; a send to a dead receiver fails, naming the
-    group, and the learner lives on."""
-    learner = start_learner(tiny_model_dir, "collective")
+    """The next step is sent before the send starts: one rank trains up to its update, which
+    waits until the broadcast has read the weights; FSDP2 ranks gathered before the step. The
+    receivers get version 1 bit for bit. A cancelled send lets the step after it go on; a send
+    to a dead receiver fails, naming the group, and the learner lives on."""
+    learner = start_learner(tiny_model_dir, "collective", world_size)
     assert learner.overlaps_publish
     first, second = (Receiver.remote(str(tiny_model_dir)) for _ in range(2))
     try:

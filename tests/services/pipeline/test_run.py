@@ -207,12 +207,20 @@ def test_lead_batches_keeps_generation_exactly_that_many_versions_ahead(tmp_path
     assert all(r["rollouts_dropped_stale"] == 0 for r in records)
 
 
+@pytest.mark.parametrize("transport", ["object_store", "collective"])
 def test_a_run_of_a_two_rank_fsdp2_learner_trains_and_leaves_a_model_that_generates(
-    tmp_path: Path,
+    tmp_path: Path, transport: str
 ) -> None:
+    """Each version is gathered by both ranks before the next step and put or broadcast beside
+    it (the overlapped publish)."""
     spec = tiny_spec(
-        "pipeline.steps=3", "learner.strategy=fsdp2", "learner.world_size=2", "learner.num_cpus=0.5"
+        "pipeline.steps=3",
+        "learner.strategy=fsdp2",
+        "learner.world_size=2",
+        "learner.num_cpus=0.5",
+        f"pipeline.weight_transport={transport}",
     )
+    assert spec.overlaps_publish
     assert execute_run(spec, RunDirectory(tmp_path)) == "succeeded"
     records = read_metrics(tmp_path)
     assert [r["policy_version"] for r in records] == [1, 2, 3]

@@ -6,7 +6,8 @@
 #      the time of each stage. Nothing is downloaded.
 #   2. learner: tests/gpu (the learner on CUDA: NCCL, bfloat16 over float32 master weights,
 #      the log-prob path's memory, packed rows == padded rows, compiled layers == eager; the
-#      weight group's CUDA IPC handover on one GPU), then the learner's speed against a plain
+#      weight group's CUDA IPC handover on one GPU; the publish read on a side stream beside
+#      the next step), then the learner's speed against a plain
 #      step (benchmarks/bench_learner_speed.py --quick: three Qwen2.5-shaped cases).
 #      Needs only torch, transformers and the project's pure-Python dependencies: no vLLM, no
 #      Ray, no Redis.

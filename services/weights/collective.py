@@ -17,14 +17,17 @@ its own, shorter deadline: every rank posts `joined/<rank>` and waits for all th
 the process group is built, so a member that dies or never comes while the group forms costs at
 most the join deadline (`WeightGroupError` naming the missing ranks), not a broadcast's timeout.
 After that every collective waits at most the group's timeout, so a dead or stuck peer raises
-instead of hanging (`WeightGroupError`). Under NCCL, torch's default error handling ends the
-process whose collective timed out (TORCH_NCCL_ASYNC_ERROR_HANDLING=3, read when a group is
-built); 2 makes it abort the communicator and raise instead.
+instead of hanging (`WeightGroupError`). Under NCCL, torch's default error handling would end
+the process whose collective failed or timed out (TORCH_NCCL_ASYNC_ERROR_HANDLING=3, read when
+a group is built): a weight group is built with 2, which aborts its communicator and raises, so
+a dead receiver costs a re-formed group, not a learner restart.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -59,6 +62,8 @@ DEFAULT_TIMEOUT_S = 600.0
 # the group formed holds learner rank 0, which takes no step meanwhile.
 DEFAULT_JOIN_TIMEOUT_S = 120.0
 STORE_PREFIX = "kpo-weights"
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+NCCL_ABORT_AND_RAISE = "2"
 
 # The store each group's rank 0 serves, by address: it lives as long as the group (the process
 # group holds it too, but the address must stay served until every receiver has joined).
@@ -132,7 +137,13 @@ def _backend(
         options._timeout = timeout
         options.is_high_priority_stream = False
         device = torch.device("cuda", torch.cuda.current_device())
-        return nccl(store, rank, group.world_size, options), device
+        # A receiver that dies must fail this group's collectives, not end the learner: torch's
+        # default (3) tears the process down when a collective fails or times out, 2 aborts
+        # the communicator and raises. Read when a group is built, so the learner's own
+        # training group keeps the default.
+        with _environment(NCCL_ERROR_HANDLING, NCCL_ABORT_AND_RAISE):
+            backend = nccl(store, rank, group.world_size, options)
+        return backend, device
     # The options overload (not in torch's stubs) lets gloo bind to this node's address, not
     # whatever the hostname resolves to (often a loopback address other nodes cannot reach).
     options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
@@ -140,6 +151,20 @@ def _backend(
     options._devices = [ProcessGroupGloo.create_device(hostname=host or node_address())]
     gloo = ProcessGroupGloo(store, rank, group.world_size, options)
     return gloo, torch.device("cpu")
+
+
+@contextmanager
+def _environment(name: str, value: str) -> Iterator[None]:
+    """`name` set to `value` in this process's environment for the block."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
 
 
 def _rendezvous(group: WeightGroup, rank: int, store: Store, join_timeout_s: float) -> None:

@@ -209,7 +209,7 @@ class LearnerImpl:
                 self._publish_armed(offer)
                 return
             if self._sharded:
-                self._publish_gathered(offer)
+                self._put_gathered(offer)
                 return
             self.core.weights_read.arm()
             after = publish_point(self.core.device)
@@ -220,63 +220,66 @@ class LearnerImpl:
         running = self._publisher.submit(self._put_overlapped, after)
         running.add_done_callback(lambda done: _settle(offer, done))
 
-    def _publish_gathered(self, offer: Future[WeightsOffer | None]) -> None:
-        """A sharded overlapped publish over object_store (services.learner.publish): gather
-        here, with the other ranks, and hand rank 0's buckets to the publish thread, which puts
-        them while the next step trains."""
-        assert self._publisher is not None
-        manifest = self.core.weights_manifest(self._bucket_bytes)
-        buckets = self._gathered_to_host(manifest)
-        if self._group.rank != 0:
-            drain(buckets)
-            offer.set_result(None)
-            return
-        handed: SimpleQueue[Handed] = SimpleQueue()
-        running = self._publisher.submit(put_buckets, manifest, handed_buckets(handed))
-        running.add_done_callback(lambda done: _settle(offer, done))
-        self._hand_over(buckets, handed)
-
-    def _publish_armed(self, offer: Future[WeightsOffer | None]) -> None:
-        """A collective publish that arms its send (module doc). One rank: the publish thread
-        reads the weights once the send starts, and the next update waits until it has. Sharded:
-        every rank gathers here and rank 0 hands its buckets to the publish thread, which
-        broadcasts them as they come once the send starts."""
-        manifest = self.core.weights_manifest(self._bucket_bytes)
-        published = WeightsOffer("collective", manifest) if self._group.rank == 0 else None
-        if not self._sharded:
-            self.core.weights_read.arm()
-            after = publish_point(self.core.device)
-            device = self._weight_device()
-            self._arm_send(
-                manifest, lambda: self.core.overlapped_weight_buckets(manifest, after, device)
-            )
-            offer.set_result(published)  # armed first: the driver may start the send at once
-            return
-        buckets = self._gathered_to_host(manifest)
-        if self._group.rank != 0:
-            drain(buckets)
-            offer.set_result(None)
-            return
-        handed: SimpleQueue[Handed] = SimpleQueue()
-        self._arm_send(manifest, lambda: handed_buckets(handed))
-        offer.set_result(published)
-        self._hand_over(buckets, handed)
-
-    def _gathered_to_host(self, manifest: WeightsManifest) -> Iterator[dict[str, torch.Tensor]]:
-        """`manifest`'s buckets gathered by every rank (rank 0's on the host: pinned under a
-        GPU, by copies the host does not wait for)."""
-        return self.core.weight_buckets(manifest, "cpu", pinned=self.core.device.type == "cuda")
-
-    def _hand_over(
-        self, buckets: Iterator[dict[str, torch.Tensor]], handed: SimpleQueue[Handed]
+    def _publish_gathered(
+        self,
+        offer: Future[WeightsOffer | None],
+        manifest: WeightsManifest,
+        start: Callable[[Iterator[dict[str, torch.Tensor]]], None],
     ) -> None:
-        """Hand each gathered bucket to the publish thread with the event after its copies."""
+        """A sharded overlapped publish (services.learner.publish): every rank gathers here,
+        with the others; rank 0 `start`s the publish thread's part on its buckets as they are
+        handed over (on the host: pinned under a GPU, by copies the host does not wait for)."""
+        cuda = self.core.device.type == "cuda"
+        buckets = self.core.weight_buckets(manifest, "cpu", pinned=cuda)
+        if self._group.rank != 0:
+            drain(buckets)
+            offer.set_result(None)
+            return
+        handed: SimpleQueue[Handed] = SimpleQueue()
+        start(handed_buckets(handed))
         try:
             for bucket in buckets:
                 handed.put((bucket, publish_point(self.core.device)))
                 del bucket
         finally:
             handed.put(None)  # a gather that failed leaves the publish short: it fails
+
+    def _put_gathered(self, offer: Future[WeightsOffer | None]) -> None:
+        """A sharded overlapped publish over object_store: the publish thread puts the buckets
+        while the next step trains."""
+        assert self._publisher is not None
+        publisher = self._publisher
+        manifest = self.core.weights_manifest(self._bucket_bytes)
+
+        def put(buckets: Iterator[dict[str, torch.Tensor]]) -> None:
+            running = publisher.submit(put_buckets, manifest, buckets)
+            running.add_done_callback(lambda done: _settle(offer, done))
+
+        self._publish_gathered(offer, manifest, put)
+
+    def _publish_armed(self, offer: Future[WeightsOffer | None]) -> None:
+        """A collective publish that arms its send (module doc). One rank: the publish thread
+        reads the weights once the send starts, and the next update waits until it has. Sharded:
+        every rank gathers here and rank 0's publish thread broadcasts the buckets as they come
+        once the send starts. The offer is answered once the send is armed: the driver may
+        start it at once."""
+        manifest = self.core.weights_manifest(self._bucket_bytes)
+        published = WeightsOffer("collective", manifest) if self._group.rank == 0 else None
+        if self._sharded:
+
+            def arm(buckets: Iterator[dict[str, torch.Tensor]]) -> None:
+                self._arm_send(manifest, lambda: buckets)
+                offer.set_result(published)
+
+            self._publish_gathered(offer, manifest, arm)
+            return
+        self.core.weights_read.arm()
+        after = publish_point(self.core.device)
+        device = self._weight_device()
+        self._arm_send(
+            manifest, lambda: self.core.overlapped_weight_buckets(manifest, after, device)
+        )
+        offer.set_result(published)
 
     def _arm_send(
         self, manifest: WeightsManifest, buckets: Callable[[], Iterator[dict[str, torch.Tensor]]]

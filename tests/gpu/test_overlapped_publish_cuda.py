@@ -13,7 +13,12 @@ import torch
 from services.learner.publish import MiB, publish_point
 from services.messages import ScoredGroup
 from tests.services.learner.conftest import make_core
-from tests.services.learner.test_overlapped_publish import WAIT_S, GatedRead, publish_in_thread
+from tests.services.learner.test_overlapped_publish import (
+    WAIT_S,
+    GatedRead,
+    check_version_one_published,
+    publish_in_thread,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -46,16 +51,7 @@ def test_a_publish_read_beside_the_next_cuda_step_is_the_version_it_began_with(
 
     assert fence.reached.wait(WAIT_S)
     gate.set()
-    publisher.join(WAIT_S)
-    stepper.join(WAIT_S)
-    assert not publisher.is_alive() and not stepper.is_alive()
-    assert core.version == 2
-    names = [spec.name for bucket in manifest.buckets for spec in bucket]
-    assert sorted(got) == sorted(names)
-    for name in names:
-        tensor = got[name]
+    check_version_one_published(core, (publisher, stepper), manifest, got, version_one)
+    for tensor in got.values():
         assert tensor.device.type == device
         assert device == "cuda" or tensor.is_pinned()
-        assert torch.equal(tensor.cpu(), version_one[name]), name
-    version_two = core.state_dict_for_publish()
-    assert any(not torch.equal(version_two[name], version_one[name]) for name in names)

@@ -188,10 +188,12 @@ class LearnerImpl:
         answers with it. Overlapped (module doc), this returns once the publish has started;
         `send` (collective, overlapped): also arm the send of `version` to the weight group."""
         offer: Future[WeightsOffer | None] = Future()
-        with self._offers_changed:
-            earlier = list(self._offers.values())
-            self._offers[version] = offer
-            self._offers_changed.notify_all()
+        earlier: list[Future[WeightsOffer | None]] = []
+        if self._group.rank == 0:  # the others' part ends with this call, and nobody asks them
+            with self._offers_changed:
+                earlier = list(self._offers.values())
+                self._offers[version] = offer
+                self._offers_changed.notify_all()
         try:
             for previous in earlier:
                 previous.exception()  # the next publish waits for the previous one

@@ -275,15 +275,25 @@ class WeightChannel:
         options.timeout = self.timeout
         nbytes = tensor.numel() * tensor.element_size()
         try:
-            work = self.backend.broadcast([tensor], options)
-            # With a timeout, wait blocks this thread (NCCL included) and raises when it passes.
-            work.wait(self.timeout)
+            self._run_broadcast(tensor, options)
         except RuntimeError as error:
-            raise WeightGroupError(
+            failure = (
                 f"{self.group.member(self.rank)}: broadcast {len(self.messages)} of {nbytes} "
                 f"bytes failed: {error}"
-            ) from error
-        self.messages.append(nbytes)
+            )
+        else:
+            self.messages.append(nbytes)
+            return
+        # Raised outside the handler, with no cause: the torch error's traceback holds the
+        # failed work, and through it the group's connections, which stay open (the peers
+        # waiting in their part of this broadcast until their timeout) for as long as anything
+        # keeps that error alive. Closing the group then closes them at once.
+        raise WeightGroupError(failure)
+
+    def _run_broadcast(self, tensor: Tensor, options: BroadcastOptions) -> None:
+        work = self.backend.broadcast([tensor], options)
+        # With a timeout, wait blocks this thread (NCCL included) and raises when it passes.
+        work.wait(self.timeout)
 
     def _header(self, manifest: WeightsManifest) -> Tensor:
         return torch.tensor(header_values(manifest), dtype=torch.int64, device=self.device)

@@ -336,3 +336,45 @@ def test_bad_groups_are_refused() -> None:
     stranger = WeightGroup("127.0.0.1:1", 2, "gloo", 1)
     with pytest.raises(ValueError, match=r"rank 0 of weight group 127\.0\.0\.1:1 must be"):
         connect(stranger, 0)
+
+
+def join_and_die(group: WeightGroup) -> None:
+    """Rank 2: join, then end without a word (as a killed worker does)."""
+    connect(group, 2, timeout_s=TIMEOUT_S, host=LOOPBACK)
+    os._exit(0)
+
+
+def test_a_failed_send_frees_the_survivors_at_once_though_its_error_is_kept() -> None:
+    """Rank 2 dies, rank 1 waits in its receive, rank 0's send fails. The error is kept alive
+    (as a future holding it does) and rank 0 closes the group: rank 1's receive must fail
+    then, not at its timeout (the failed work in the error's traceback held the connections
+    open)."""
+    group = open_weight_group(3, "gloo", 11, host=LOOPBACK, timeout_s=TIMEOUT_S)
+    dying = mp.get_context("fork").Process(target=join_and_die, args=(group,))
+    dying.start()
+    manifest = WeightsManifest(1, ((TensorSpec("w", (4096,), "float32"),),))
+    survivor: dict[str, Any] = {}
+
+    def receive() -> None:
+        channel = connect(group, 1, timeout_s=TIMEOUT_S, host=LOOPBACK)
+        try:
+            for _ in channel.receive(manifest):
+                pass
+        except WeightGroupError as error:
+            survivor["error"], survivor["at"] = str(error), time.monotonic()
+
+    receiver = threading.Thread(target=receive, daemon=True)
+    receiver.start()
+    sender = connect(group, 0, timeout_s=TIMEOUT_S, host=LOOPBACK)
+    assert dying.pid is not None
+    wait_exited(dying.pid)
+    with pytest.raises(WeightGroupError, match=r"\(generation 11\), rank 0: broadcast") as failed:
+        sender.send(manifest, [{"w": torch.ones(4096)}])
+    kept = failed.value  # alive, with its traceback, until the end of this test
+    closed = time.monotonic()
+    sender.close()
+    receiver.join(TIMEOUT_S)
+    assert not receiver.is_alive()
+    assert "(generation 11), rank 1: broadcast" in survivor["error"]
+    assert survivor["at"] - closed < 20.0, "the survivor waited for its timeout"
+    assert kept.__cause__ is None

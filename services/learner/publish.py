@@ -28,9 +28,10 @@ A sharded learner gathers with a collective of the training group, which must ru
 order as the step's own on every rank, so its overlapped publish gathers on the training thread
 before the next step (`iter_buckets`, on a GPU into pinned host buckets by copies the host does
 not wait for) and only hands the buckets to the publish thread (`handed_buckets`), which puts
-them while the next step trains. The weights may then change at once: nothing reads them after
-the gather. Rank 0 then holds up to one host copy of the published weights beyond its shard,
-each bucket until it is put (the object store ends up holding one anyway).
+or broadcasts them while the next step trains. The weights may then change at once: nothing
+reads them after the gather. Rank 0 then holds up to one host copy of the published weights
+beyond its shard, each bucket until it is put or sent (the object store ends up holding one
+anyway).
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from queue import SimpleQueue
 
@@ -86,25 +87,13 @@ class SendCancelled(RuntimeError):
     """An armed send that the driver cancelled: nothing of it was broadcast."""
 
 
+@dataclass(frozen=True)
 class _ArmedSend:
-    """A collective send armed by `publish`: its broadcast starts once decided (`decide`)."""
+    """A collective send armed by `publish`: the driver's decision (send or not), and the
+    publish thread's job that waits for it."""
 
-    def __init__(self, version: int) -> None:
-        self.version = version
-        self.job: Future[None] | None = None
-        self._decided = threading.Event()
-        self._go = False
-
-    def decide(self, go: bool) -> None:
-        if self._decided.is_set():
-            raise RuntimeError(f"the send of version {self.version} was already decided")
-        self._go = go
-        self._decided.set()
-
-    def wait_go(self) -> bool:
-        """Block until decided; whether to send."""
-        self._decided.wait()
-        return self._go
+    decision: Future[bool]
+    job: Future[None]
 
 
 class LearnerImpl:
@@ -289,14 +278,14 @@ class LearnerImpl:
         """Arm the send of `manifest`'s version, the one held: the publish thread broadcasts
         `buckets()` once the driver starts it (`send`), or drops it (`cancel_send`)."""
         assert self._publisher is not None
-        armed = _ArmedSend(manifest.version)
-        armed.job = self._publisher.submit(self._send_armed, armed, manifest, buckets)
+        decision: Future[bool] = Future()
+        job = self._publisher.submit(self._send_armed, decision, manifest, buckets)
         with self._offers_changed:
-            self._armed[manifest.version] = armed
+            self._armed[manifest.version] = _ArmedSend(decision, job)
 
     def _send_armed(
         self,
-        armed: _ArmedSend,
+        decision: Future[bool],
         manifest: WeightsManifest,
         buckets: Callable[[], Iterator[dict[str, torch.Tensor]]],
     ) -> None:
@@ -304,11 +293,11 @@ class LearnerImpl:
         buckets while the next step trains (on a GPU from a stream of this thread's own, so
         that the broadcast does not queue behind the step's kernels)."""
         try:
-            if not armed.wait_go():
-                raise SendCancelled(f"the send of version {armed.version} was cancelled")
+            if not decision.result():
+                raise SendCancelled(f"the send of version {manifest.version} was cancelled")
             if self._channel is None:
                 raise WeightGroupError(
-                    f"no weight group to send version {armed.version} to: the last one failed"
+                    f"no weight group to send version {manifest.version} to: the last one failed"
                 )
             cuda = self._weight_device().type == "cuda"
             side = torch.cuda.stream(torch.cuda.Stream()) if cuda else nullcontext()  # type: ignore[no-untyped-call]
@@ -336,9 +325,9 @@ class LearnerImpl:
     def _decided(self, version: int, go: bool) -> Future[None]:
         with self._offers_changed:
             armed = self._armed.pop(version, None)
-        if armed is None or armed.job is None:
+        if armed is None:
             raise RuntimeError(f"no send of version {version} is armed")
-        armed.decide(go)
+        armed.decision.set_result(go)
         return armed.job
 
     @ray.method(concurrency_group="publish")

@@ -250,7 +250,7 @@ class WeightSync:
             self.delivered_version = version
         elif self._regroup or self._forming is not None:
             if armed:
-                self._calls[actors.learner.cancel_send(version)] = _Cancel()
+                self._cancel(actors, version)
             self._owed = True  # sent once the re-formed group stands
         else:
             self._queued.append(_Queued(version, offer, armed))
@@ -281,14 +281,17 @@ class WeightSync:
 
     def _break_group(self, actors: RunActors) -> None:
         """The group must be re-formed before the next send: queued sends are dropped (the
-        armed ones cancelled on the learner) and the newest version is owed."""
+        armed ones cancelled on the learner) and the newest version, past 0, is owed."""
         self._regroup = True
-        if self._queued:
-            self._owed = True
+        self._owed = self._owed or self._version > 0
         while self._queued:
             send = self._queued.popleft()
             if send.armed:
-                self._calls[actors.learner.cancel_send(send.version)] = _Cancel()
+                self._cancel(actors, send.version)
+
+    def _cancel(self, actors: RunActors, version: int) -> None:
+        """Have the learner drop its armed send of `version`."""
+        self._calls[actors.learner.cancel_send(version)] = _Cancel()
 
     def complete(self, actors: RunActors, ref: Any, on_worker_failed: WorkerFailed) -> None:
         """React to one finished delivery call."""
@@ -333,7 +336,6 @@ class WeightSync:
             # A receiver died mid-broadcast: the group is re-formed and the version sent again.
             log.warning("sending weights failed (%s): re-forming the weight group", error)
             self._break_group(actors)
-            self._owed = True
             return
         stream = self._streams[call.worker]
         if stream.actor is not call.actor:
@@ -350,7 +352,6 @@ class WeightSync:
             stream.acknowledged(call.version)
             stream.joined = False
             self._break_group(actors)
-            self._owed = True
             return
         self._failed_receives.pop(call.worker, None)
         on_worker_failed(actors, call.worker, call.actor, error)
@@ -368,8 +369,6 @@ class WeightSync:
         self._break_group(actors)  # it joins the group, then is sent the current version
         if self._forming is not None:
             self._forming.failed = True
-        if self._version > 0:
-            self._owed = True
 
     def regroup_if_needed(self, actors: RunActors, learner_stepping: bool) -> None:
         """Re-form the collective group once the learner is not stepping and no delivery is in

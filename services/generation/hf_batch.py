@@ -7,10 +7,15 @@ running batch (left-padding whichever is shorter), drop rows that ended, and cut
 columns that no remaining row needs. Positions are counted from each row's first real token
 (`services.positions.position_ids_for`), so padding never shifts them.
 
-Only full-attention caches (transformers' `DynamicLayer`) can be merged this way; a sliding
-window or linear-attention layer is refused by name.
+Only caches that keep every column can be merged this way, so every attention layer is a
+`GrowingLayer` (`new_cache`), sliding-window and chunked layers included: their keys older than
+the window stay cached and the mask hides them (the model builds each layer type's mask from
+the batch's 2-D mask, its window counted in columns, which within a row's right-aligned real
+tokens are its token distances). That costs a windowed layer the memory and attention width of
+a full one, and serves every family the learner scores (`services.model_layout`); any other
+cache layer (linear attention, recurrent state) is refused by name.
 
-Each full-attention layer is a `GrowingLayer` (`new_cache`): transformers' `DynamicLayer`
+A `GrowingLayer` also fixes a cost: transformers' `DynamicLayer`
 concatenates a layer's whole cache with each decoded token, so a response of n tokens copies
 O(n^2) keys and values, which was a quarter of the streaming engine's time on CPU. A growing
 layer writes into spare capacity instead and reallocates geometrically, amortised O(1) per token.
@@ -111,10 +116,11 @@ class GrowingLayer(DynamicLayer):  # type: ignore[no-untyped-call]
 
 
 def new_cache(config: PretrainedConfig) -> DynamicCache:
-    """The cache of a prefill: `config`'s layers, each full-attention one a `GrowingLayer`."""
+    """The cache of a prefill: `config`'s layers, each attention layer (full, sliding or
+    chunked: transformers' `DynamicLayer` and its sliding subclass) a `GrowingLayer`."""
     cache = DynamicCache(config=config)
     cache.layers = [
-        GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers
+        GrowingLayer() if isinstance(layer, DynamicLayer) else layer for layer in cache.layers
     ]
     return cache
 
@@ -138,7 +144,7 @@ def _full_attention_layers(cache: DynamicCache) -> list[DynamicLayer]:
     for index, layer in enumerate(cache.layers):
         if type(layer) not in (DynamicLayer, GrowingLayer):
             raise NotImplementedError(
-                "continuous batching merges full-attention KV caches only; "
+                "continuous batching merges attention KV caches only; "
                 f"layer {index} is {type(layer).__name__}"
             )
         assert isinstance(layer, DynamicLayer)  # for mypy: `type(...) is` does not narrow

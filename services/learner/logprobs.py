@@ -32,8 +32,9 @@ from torch.utils.checkpoint import checkpoint
 
 from kpo_core.losses import token_entropy
 from services.learner.batch import TrainingBatch
-from services.learner.packed_attention import EveryLayer, PackedRows
+from services.learner.packed_attention import PACKED_ROWS, PackedRows
 from services.learner.vocab_logprobs import vocab_chunked_logprobs
+from services.model_layout import ModelLayout
 
 # Packed sequences are padded to a multiple of this many tokens, and the longest row rounded up
 # to a power of two, when the decoder layers are compiled: a few distinct shapes, not one per
@@ -41,13 +42,38 @@ from services.learner.vocab_logprobs import vocab_chunked_logprobs
 COMPILED_LENGTH_MULTIPLE = 256
 
 
+def decoder_of(policy: nn.Module) -> nn.Module:
+    """The decoder stack of a Hugging Face causal LM, under its output head: `get_decoder()`,
+    or the LM's `model` where that answers the LM itself (Llama 4, whose base-model prefix names
+    no attribute)."""
+    decoder: nn.Module = policy.get_decoder()  # type: ignore[operator]
+    inner = getattr(decoder, "model", None)
+    if decoder.get_output_embeddings() is not None and isinstance(inner, nn.Module):  # type: ignore[operator]
+        return inner
+    return decoder
+
+
+class SoftCappedHead(nn.Module):
+    """An output head whose logits are soft-capped, cap * tanh(l / cap), as the family's
+    causal-LM class caps them (Gemma 2's final_logit_softcapping)."""
+
+    def __init__(self, head: nn.Module, cap: float) -> None:
+        super().__init__()
+        self.head = head
+        self.cap = cap
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        logits: Tensor = self.head(hidden)
+        return self.cap * torch.tanh(logits / self.cap)
+
+
 def chunk_logprobs(
     hidden: Tensor, head: nn.Module, targets: Tensor, temperature: float, with_entropy: bool
 ) -> tuple[Tensor, Tensor]:
     """log pi(target) and (if asked, detached) entropy of one chunk of positions, through the
     head module with [n, V] logits at once: the path for a head that is not a plain linear
-    layer (an adapter-wrapped one), and the reference `vocab_chunked_logprobs` is tested
-    against.
+    layer (an adapter-wrapped or soft-capped one), and the reference `vocab_chunked_logprobs`
+    is tested against.
 
     hidden [n, H] in the compute dtype; targets [n] int64. Returns logp [n] float32 (NaN where
     the position's logits are not finite) and entropy [n] float32 (zeros unless with_entropy):
@@ -100,6 +126,12 @@ class ResponseLogProbs(nn.Module):
     then attend within each row: loaded with `packed_attention.PACKED_ATTENTION`, or with
     flash-attention (`flash`: it takes the rows' boundaries as keyword arguments).
     `compiled`: the decoder layers are compiled, so packed lengths are rounded to few sizes.
+
+    Every layer gets the mask its family takes (`services.model_layout`): padded, a mask per
+    layer type (causal, sliding window, chunks) built with transformers' mask functions, handed
+    over as one tensor to a decoder with one layer type and as a mapping keyed by type to a
+    hybrid one (which is the decoders that take one); packed, the rows' boundaries and the
+    layout, from which each layer takes its own.
     """
 
     def __init__(
@@ -118,6 +150,7 @@ class ResponseLogProbs(nn.Module):
         self.packed = packed
         self.flash = flash
         self.compiled = compiled
+        self.layout = ModelLayout.of(policy.config)  # type: ignore[arg-type]
 
     def forward(
         self, batch: TrainingBatch, temperature: float, with_entropy: bool
@@ -157,9 +190,14 @@ class ResponseLogProbs(nn.Module):
     def _score(
         self, states: Tensor, targets: Tensor, temperature: float, with_entropy: bool
     ) -> tuple[Tensor, Tensor]:
-        """(logp [N], entropy [N]) of the scored states through the output head."""
+        """(logp [N], entropy [N]) of the scored states through the output head, with the
+        family's logit transforms: a scale folds into the temperature (l m / T = l / (T / m)),
+        a soft-cap takes the head module path."""
         head = self.policy.get_output_embeddings()  # type: ignore[operator]
-        if type(head) is nn.Linear:
+        temperature = temperature / self.layout.logit_multiplier
+        if self.layout.final_softcap is not None:
+            head = SoftCappedHead(head, self.layout.final_softcap)
+        elif type(head) is nn.Linear:
             return vocab_chunked_logprobs(
                 states, head.weight, head.bias, targets, temperature,
                 self.chunk_tokens, self.vocab_chunk, with_entropy,
@@ -186,15 +224,16 @@ class ResponseLogProbs(nn.Module):
         real tokens of every row concatenated into one sequence whose position ids restart at
         each row (X = the real tokens, plus a pad row when compiled).
         """
-        decoder = self.policy.get_decoder()  # type: ignore[operator]
+        decoder = decoder_of(self.policy)
         total, width_p = batch.input_ids.shape[1], batch.prompt_width
         prompts, responses = batch.prompt_lengths, batch.response_lengths
         rows = range(batch.num_rows)
         if not self.packed:
+            mask, position_ids = self._padded_mask(batch)
             hidden = decoder(
                 input_ids=batch.input_ids,
-                attention_mask=EveryLayer(self._padded_mask(batch)),
-                position_ids=batch.position_ids,
+                attention_mask=mask,
+                position_ids=position_ids,
                 use_cache=False,
             ).last_hidden_state
             scored = _spans([r * total + width_p - 1 for r in rows], responses)
@@ -218,10 +257,11 @@ class ResponseLogProbs(nn.Module):
                     [position_ids, torch.arange(filler, device=position_ids.device)]
                 )
             longest = 1 << (max(lengths) - 1).bit_length()
-        packed_rows = PackedRows.of(lengths, batch.device, longest)
-        extra: dict[str, Any] = {}
+        packed_rows = PackedRows.of(lengths, batch.device, self.layout, longest)
+        extra: dict[str, Any] = {PACKED_ROWS: packed_rows}
         if self.flash:
-            # transformers' flash-attention path reads the boundaries from these arguments.
+            # transformers' flash-attention path reads the boundaries from these arguments
+            # (and each layer's window from the layer itself).
             cumulative, longest_row = packed_rows.cumulative, packed_rows.longest
             extra = {
                 "cu_seq_lens_q": cumulative,
@@ -229,36 +269,46 @@ class ResponseLogProbs(nn.Module):
                 "max_length_q": longest_row,
                 "max_length_k": longest_row,
             }
+        # No mask: `PACKED_ATTENTION` has no mask builder, so the decoder builds none.
         hidden = decoder(
             input_ids=input_ids.unsqueeze(0),
-            attention_mask=None if self.flash else EveryLayer(packed_rows),
+            attention_mask=None,
             position_ids=position_ids.unsqueeze(0),
             use_cache=False,
             **extra,
         ).last_hidden_state[0]
         return hidden, scored
 
-    def _padded_mask(self, batch: TrainingBatch) -> Tensor | None:
-        """The causal mask of padded rows [B, 1, L, L], from the host lengths: None (plain
-        causal attention, SDPA's fastest kernels) when no row is padded. A padding query
-        attends every key, so that no softmax row is empty (NaN); real queries never see
-        padding, so those rows reach nothing that is scored. Additive (0 / min) for eager
-        attention, boolean for the rest."""
+    def _padded_mask(
+        self, batch: TrainingBatch
+    ) -> tuple[Tensor | dict[str, Tensor] | None, Tensor | None]:
+        """(attention_mask, position_ids) of a padded forward, built from host lengths.
+
+        No row padded (and not eager, which masks only what it is given): neither, so the
+        decoder builds each layer type's mask itself from integers (plain causal attention is
+        then SDPA's `is_causal`, its fastest kernels), and positions count from 0 in every row
+        as the batch's do. flash-attention: the 2-D mask, from which it builds its own. Else the
+        mask of each layer type (`ModelLayout.padded_masks`): one tensor for a decoder of one
+        layer type, a mapping keyed by type for a hybrid one; additive for eager attention.
+        """
         total, width_p = batch.input_ids.shape[1], batch.prompt_width
+        implementation = self.policy.config._attn_implementation  # type: ignore[union-attr]
+        eager = implementation == "eager"
         full = all(p == width_p for p in batch.prompt_lengths) and all(
             width_p + t == total for t in batch.response_lengths
         )
-        if full:
-            return None
+        if full and not eager:
+            return None, None
+        if self.flash:
+            return batch.attention_mask, batch.position_ids
         real = batch.attention_mask.bool()
-        causal = torch.ones((total, total), dtype=torch.bool, device=real.device).tril()
-        mask = (causal & real[:, None, :]) | ~real[:, :, None]
-        mask = mask.unsqueeze(1)
-        if self.policy.config._attn_implementation != "eager":  # type: ignore[union-attr]
-            return mask
-        dtype = next(self.policy.parameters()).dtype
-        additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-        return additive.masked_fill(~mask, torch.finfo(dtype).min)
+        left = [width_p - p for p in batch.prompt_lengths]
+        left_padding = _to_device(torch.tensor(left, dtype=torch.long), batch.device)
+        additive = next(self.policy.parameters()).dtype if eager else None
+        masks = self.layout.padded_masks(real, left_padding, additive)
+        if self.layout.hybrid:
+            return masks, batch.position_ids
+        return next(iter(masks.values())), batch.position_ids
 
 
 def response_logprobs(

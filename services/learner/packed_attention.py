@@ -3,16 +3,21 @@
 Padded rows cost the widest row's length for every row (a long-tailed batch spent 30% of its
 attention and MLP work on padding); packed, a micro-batch costs its real tokens. The rows'
 boundaries (`PackedRows`: cumulative lengths, computed on the host from the batch's lengths and
-copied once) travel to every layer in place of the attention mask, and the attention
-implementation registered here as `PACKED_ATTENTION` reads them:
+copied once) travel to every layer as a keyword argument (`PACKED_ROWS`; transformers hands a
+decoder's keyword arguments down to each attention call), with the model's layout
+(`services.model_layout`), from which each layer takes its own mask by its index: causal, a
+sliding window, or chunks. The attention implementation registered here as `PACKED_ATTENTION`
+reads them:
 
 - on CUDA, `torch.nn.attention.varlen.varlen_attn` (torch 2.10+: flash-attention's
-  variable-length kernel, causal, grouped-query), with no flash-attn package;
+  variable-length kernel, causal, grouped-query, a sliding window from torch 2.11), with no
+  flash-attn package;
 - elsewhere (the CPU reference that CI checks packed == padded with, and float32 on CUDA),
-  causal SDPA row by row.
+  each row on its own with its layer's mask, soft-capped where the family caps its attention.
 
-A model loaded with this implementation attends as SDPA when it is given an ordinary mask, so
-the same model serves padded forwards too.
+The implementation has no mask builder of its own in transformers' registry, so a decoder
+builds no mask for it (nor reads a padding mask back to decide whether it may skip one): a
+padded forward through a model loaded with it passes its masks explicitly, and they go to SDPA.
 """
 
 from __future__ import annotations
@@ -28,23 +33,32 @@ from torch import Tensor, nn
 from torch.nn import functional
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-PACKED_ATTENTION = "kpo_packed_sdpa"
+from services.model_layout import CHUNKED, LayerAttention, ModelLayout
+
+# No "sdpa" in the name: transformers checks any name holding it against the family's SDPA
+# support, which Gemma 2 (soft-capped attention) lacks though packed attention serves it.
+PACKED_ATTENTION = "kpo_packed"
+# The keyword argument that carries `PackedRows` from the decoder's call to every attention call.
+PACKED_ROWS = "kpo_packed_rows"
 
 
 @dataclass(frozen=True)
 class PackedRows:
     """Where each row of a packed sequence starts: `bounds` on the host (0, l0, l0 + l1, ...),
     `cumulative` the same as int32 on the device, `longest` the longest row (rounded up by the
-    caller where fewer distinct values help compiled code: it is only an upper bound)."""
+    caller where fewer distinct values help compiled code: it is only an upper bound), and the
+    `layout` of the model whose layers attend over them."""
 
     bounds: tuple[int, ...]
     cumulative: Tensor
     longest: int
+    layout: ModelLayout
 
     @classmethod
-    def of(cls, lengths: Sequence[int], device: torch.device, longest: int = 0) -> PackedRows:
+    def of(
+        cls, lengths: Sequence[int], device: torch.device, layout: ModelLayout, longest: int = 0
+    ) -> PackedRows:
         bounds = [0]
         for length in lengths:
             bounds.append(bounds[-1] + length)
@@ -55,35 +69,37 @@ class PackedRows:
             tuple(bounds),
             cumulative.to(device, non_blocking=True),
             max(longest, *lengths, 1),
+            layout,
         )
-
-
-class EveryLayer(dict[str, Any]):
-    """The per-layer-type mask mapping a decoder takes, answering the same mask (packed rows,
-    or a prepared padded mask) for every layer type: full and sliding attention alike, as a
-    row is shorter than any window we train with. Given this, transformers builds no mask of
-    its own (which would read the padding mask back to decide whether it can skip it)."""
-
-    def __init__(self, mask: PackedRows | Tensor | None) -> None:
-        super().__init__()
-        self.mask = mask
-
-    def __missing__(self, key: str) -> PackedRows | Tensor | None:
-        return self.mask
 
 
 # Read once: the signature does not change, and this runs in every layer's forward.
 @functools.cache
-def _varlen_options() -> dict[str, Any]:
-    """Causal attention in varlen_attn's spelling: `window_size` from torch 2.11, `is_causal`
-    in 2.10; and whether it takes grouped-query inputs itself."""
+def _varlen_parameters() -> frozenset[str]:
     from torch.nn.attention.varlen import varlen_attn
 
-    parameters = inspect.signature(varlen_attn).parameters
-    causal: dict[str, Any] = (
-        {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}
-    )
-    return {**causal, "enable_gqa": True} if "enable_gqa" in parameters else causal
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def varlen_takes_window() -> bool:
+    """Whether this torch's variable-length kernel takes a sliding window (2.11+)."""
+    return varlen_available() and "window_size" in _varlen_parameters()
+
+
+def _varlen_options(layer: LayerAttention) -> dict[str, Any]:
+    """Causal attention (within the layer's window) in varlen_attn's spelling: `window_size`
+    from torch 2.11, `is_causal` in 2.10; and whether it takes grouped-query inputs itself."""
+    parameters = _varlen_parameters()
+    if "window_size" in parameters:
+        # flash-attention's window counts the keys before the query: a window of w keys
+        # ending at the query is (w - 1, 0), as transformers' flash path spells it.
+        left = layer.span - 1 if layer.span is not None else -1
+        options: dict[str, Any] = {"window_size": (left, 0)}
+    elif layer.span is None:
+        options = {"is_causal": True}
+    else:
+        raise ValueError("this torch's varlen_attn takes no sliding window (torch 2.11+ does)")
+    return {**options, "enable_gqa": True} if "enable_gqa" in parameters else options
 
 
 def _repeat_heads(states: Tensor, groups: int) -> Tensor:
@@ -91,10 +107,14 @@ def _repeat_heads(states: Tensor, groups: int) -> Tensor:
     return states if groups == 1 else states.repeat_interleave(groups, dim=1)
 
 
-def _varlen(query: Tensor, key: Tensor, value: Tensor, rows: PackedRows, scale: float) -> Tensor:
+def _varlen(
+    query: Tensor, key: Tensor, value: Tensor, rows: PackedRows, layer: LayerAttention, scale: float
+) -> Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
-    options = dict(_varlen_options())
+    if layer.kind == CHUNKED:
+        raise ValueError("chunked attention layers cannot be packed on CUDA")
+    options = _varlen_options(layer)
     if "enable_gqa" not in options:
         groups = query.shape[1] // key.shape[1]
         key, value = _repeat_heads(key, groups), _repeat_heads(value, groups)
@@ -106,22 +126,44 @@ def _varlen(query: Tensor, key: Tensor, value: Tensor, rows: PackedRows, scale: 
     return out
 
 
+def _row_attention(
+    q: Tensor, k: Tensor, v: Tensor, layer: LayerAttention, scale: float, softcap: float | None
+) -> Tensor:
+    """One row's attention, [H, n, D] in and out, under the layer's mask."""
+    length = q.shape[1]
+    if softcap is None and not layer.binds(length):
+        return functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    real = torch.ones((1, length), dtype=torch.bool, device=q.device)
+    allowed = layer.allowed(real, torch.zeros(1, dtype=torch.long, device=q.device))[0]
+    if softcap is None:
+        return functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+    # Soft-capped logits (Gemma 2): cap * tanh(s / cap) before the mask, as its eager path does.
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
 # Left out of a compiled layer: its loop over the rows would specialise the graph on every
 # layout of rows; it is the CPU reference, not the path compilation is for.
 @torch.compiler.disable  # type: ignore[untyped-decorator]
-def _per_row(query: Tensor, key: Tensor, value: Tensor, rows: PackedRows, scale: float) -> Tensor:
-    """Causal SDPA over each row on its own: [X, H, D] in, [X, H, D] out."""
+def _per_row(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    rows: PackedRows,
+    layer: LayerAttention,
+    scale: float,
+    softcap: float | None,
+) -> Tensor:
+    """Each row's attention on its own, with the layer's mask: [X, H, D] in, [X, H, D] out."""
     groups = query.shape[1] // key.shape[1]
     outs = []
     for start, end in zip(rows.bounds[:-1], rows.bounds[1:], strict=True):
         q = query[start:end].transpose(0, 1)  # [H, n, D]
         k = _repeat_heads(key[start:end], groups).transpose(0, 1)
         v = _repeat_heads(value[start:end], groups).transpose(0, 1)
-        outs.append(
-            functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(
-                0, 1
-            )
-        )
+        outs.append(_row_attention(q, k, v, layer, scale, softcap).transpose(0, 1))
     return torch.cat(outs) if outs else query.new_zeros(query.shape)
 
 
@@ -130,28 +172,35 @@ def packed_attention(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    attention_mask: Tensor | PackedRows | None,
+    attention_mask: Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """transformers' attention interface: query [1, H, X, D], key/value [1, H_kv, X, D] ->
-    ([1, X, H, D], None). Any mask but `PackedRows` goes to SDPA unchanged."""
-    if not isinstance(attention_mask, PackedRows):
+    ([1, X, H, D], None). Without `PACKED_ROWS` the call is a padded one: its mask goes to SDPA."""
+    rows: PackedRows | None = kwargs.pop(PACKED_ROWS, None)
+    softcap = kwargs.get("softcap")
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("packed attention does not add attention sinks (s_aux); pack_rows: false")
+    if rows is None:
+        if softcap is not None:
+            raise ValueError("a padded forward of a soft-capped model needs eager attention")
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     if query.shape[0] != 1:
         raise ValueError(f"packed rows are one sequence, got a batch of {query.shape[0]}")
+    layer = rows.layout.layers[module.layer_idx]  # type: ignore[index]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = (states[0].transpose(0, 1) for states in (query, key, value))  # [X, H, D]
     dtype = _half_dtype(q)
-    if dtype is None:
-        return _per_row(q, k, v, attention_mask, scale).unsqueeze(0), None
+    if dtype is None or softcap is not None:
+        return _per_row(q, k, v, rows, layer, scale, softcap).unsqueeze(0), None
     # varlen_attn is a custom op autocast does not cast, and its kernels take one 16-bit
     # dtype; under autocast the rotary embedding hands q and k over in float32.
     q, k, v = (states.to(dtype) for states in (q, k, v))
-    return _varlen(q, k, v, attention_mask, scale).unsqueeze(0), None
+    return _varlen(q, k, v, rows, layer, scale).unsqueeze(0), None
 
 
 def _half_dtype(states: Tensor) -> torch.dtype | None:
@@ -165,10 +214,9 @@ def _half_dtype(states: Tensor) -> torch.dtype | None:
 
 
 def register_packed_attention() -> str:
-    """Make `PACKED_ATTENTION` a name `from_pretrained(attn_implementation=...)` accepts (its
-    masks for padded forwards are SDPA's); returns the name."""
+    """Make `PACKED_ATTENTION` a name `from_pretrained(attn_implementation=...)` accepts;
+    returns the name."""
     AttentionInterface.register(PACKED_ATTENTION, packed_attention)
-    AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)
     return PACKED_ATTENTION
 
 

@@ -30,15 +30,20 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from services.learner.distributed import RankGroup
-from services.learner.logprobs import ResponseLogProbs
+from services.learner.logprobs import ResponseLogProbs, decoder_of
 from services.learner.lora import apply_lora
-from services.learner.packed_attention import register_packed_attention, varlen_available
+from services.learner.packed_attention import (
+    register_packed_attention,
+    varlen_available,
+    varlen_takes_window,
+)
+from services.model_layout import ModelLayout
 from services.spec import LearnerConfig
 
 
 def decoder_layers(policy: nn.Module) -> list[nn.Module]:
     """The transformer blocks of a Hugging Face causal LM (`model.layers` and its kin)."""
-    decoder = policy.get_decoder()  # type: ignore[operator]
+    decoder = decoder_of(policy)
     for name in ("layers", "h", "blocks"):
         layers = getattr(decoder, name, None)
         if isinstance(layers, nn.ModuleList):
@@ -54,13 +59,28 @@ def compute_dtype(learner: LearnerConfig) -> torch.dtype:
     return dtype
 
 
-def pack_rows(learner: LearnerConfig, device: torch.device) -> bool:
-    """Whether micro-batches are packed without padding: as set, or with `auto` where a
-    variable-length kernel runs them (CUDA with SDPA, bfloat16 compute and torch's varlen
-    attention, or flash-attention); padded elsewhere, where per-row attention would be slower
-    than padding."""
+def packing_problem(
+    learner: LearnerConfig, device: torch.device, layout: ModelLayout
+) -> str | None:
+    """Why this learner cannot pack the model's rows on `device`; None if it can. flash-attention
+    packs any family it serves itself (windows and soft-caps included)."""
+    if learner.attn_implementation.startswith("flash_attention"):
+        return None
+    return layout.packing_problem(device.type, varlen_takes_window())
+
+
+def pack_rows(learner: LearnerConfig, device: torch.device, layout: ModelLayout) -> bool:
+    """Whether micro-batches are packed without padding: as set (ValueError saying why where the
+    model cannot be), or with `auto` where a variable-length kernel runs them (CUDA with SDPA,
+    bfloat16 compute and torch's varlen attention, or flash-attention) and the model's layout
+    allows it; padded elsewhere, where per-row attention would be slower than padding."""
+    problem = packing_problem(learner, device, layout)
     if learner.pack_rows != "auto":
+        if learner.pack_rows and problem is not None:
+            raise ValueError(f"learner.pack_rows: {layout.model_type} cannot be packed: {problem}")
         return learner.pack_rows
+    if problem is not None:
+        return False
     if learner.attn_implementation.startswith("flash_attention"):
         return True
     return (
@@ -71,12 +91,13 @@ def pack_rows(learner: LearnerConfig, device: torch.device) -> bool:
     )
 
 
-def attention_implementation(learner: LearnerConfig, packed: bool) -> str:
+def attention_implementation(learner: LearnerConfig, packed: bool, layout: ModelLayout) -> str:
     """The policy's attention: flash-attention packs by itself; every other packed model
-    attends through `packed_attention` (SDPA for any padded forward)."""
+    attends through `packed_attention`; a padded one as set, or eager where the family does not
+    run under SDPA (`ModelLayout.attention_for`)."""
     if packed and not learner.attn_implementation.startswith("flash_attention"):
         return register_packed_attention()
-    return learner.attn_implementation
+    return layout.attention_for(learner.attn_implementation)
 
 
 def compile_layers(policy: nn.Module) -> None:
@@ -112,8 +133,10 @@ def build_policy(
     train (services.learner.lora)."""
     sharded = learner.strategy == "fsdp2"
     on_meta = sharded and group.rank != 0
-    packed = pack_rows(learner, device)
-    policy = _load(model_path, on_meta, attention_implementation(learner, packed)).eval()
+    layout = ModelLayout.of(AutoConfig.from_pretrained(model_path))
+    packed = pack_rows(learner, device, layout)
+    attention = attention_implementation(learner, packed, layout)
+    policy = _load(model_path, on_meta, attention).eval()
     if learner.lora is not None:
         # Before activation checkpointing and sharding, which wrap the modules PEFT replaces.
         policy = apply_lora(policy, learner.lora)

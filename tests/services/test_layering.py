@@ -44,11 +44,13 @@ LAYERS: dict[str, frozenset[str]] = {
     "host_memory": may(),
     "http_listener": may(),
     "local_ray": may(),
+    # What a model family's layers attend to, read from its config (learner, hf engine, checks).
+    "model_layout": may(),
     # Building blocks with no knowledge of a run.
     "store": may(),
     "tools": may("messages", "http_listener"),
     "weights": may(),
-    "generation": may("messages", "positions", "tools", "weights"),
+    "generation": may("messages", "positions", "model_layout", "tools", "weights"),
     # The built-in models' warm start measures them through the generation backend.
     "tasks": may("messages", "tools", "generation"),
     "reward": may("messages", "tasks"),
@@ -61,6 +63,7 @@ LAYERS: dict[str, frozenset[str]] = {
         "host_memory",
         "positions",
         "durable_files",
+        "model_layout",
         "spec",
         "weights",
         "reward",
@@ -75,6 +78,7 @@ LAYERS: dict[str, frozenset[str]] = {
         "observers",
         "durable_files",
         "local_ray",
+        "model_layout",
         "store",
         "tools",
         "weights",

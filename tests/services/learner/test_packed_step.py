@@ -12,11 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.learner.packed_attention import PACKED_ATTENTION
+from services.learner.packed_attention import PACKED_ATTENTION, varlen_takes_window
 from services.learner.sharding import attention_implementation, pack_rows
 from services.messages import ScoredGroup
+from services.model_layout import ModelLayout
 from services.spec import LearnerConfig
+from tests.services.generation.tiny_model import build_tokenizer
 from tests.services.learner.conftest import make_core, sample_groups
+from tests.services.model_families import FAMILIES, family_ids
 
 TOLERANCE = 1e-5
 
@@ -51,17 +54,49 @@ def test_packed_steps_equal_padded_steps_in_fewer_passes(
         assert error <= TOLERANCE * scale, (name, error)
 
 
+def layout(family: str) -> ModelLayout:
+    """The layout of a family's config, as `build_policy` reads it (no model is built)."""
+    tokenizer = build_tokenizer()
+    return ModelLayout.of(FAMILIES[family].config(len(tokenizer), family_ids(tokenizer)))
+
+
 def test_rows_are_packed_by_default_only_where_a_variable_length_kernel_runs_them() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert not pack_rows(LearnerConfig(), cpu)
-    assert pack_rows(LearnerConfig(pack_rows=True), cpu)
+    llama = layout("llama")
+    assert not pack_rows(LearnerConfig(), cpu, llama)
+    assert pack_rows(LearnerConfig(pack_rows=True), cpu, llama)
     bfloat16 = {"device": "cuda", "compute_dtype": "bfloat16"}
-    assert pack_rows(LearnerConfig(**bfloat16), cuda)
-    assert not pack_rows(LearnerConfig(pack_rows=False, **bfloat16), cuda)
-    assert not pack_rows(LearnerConfig(device="cuda"), cuda)  # float32: varlen needs 16 bits
-    assert not pack_rows(LearnerConfig(attn_implementation="eager", device="cuda"), cuda)
-    assert pack_rows(LearnerConfig(attn_implementation="flash_attention_2"), cpu)
-    assert attention_implementation(LearnerConfig(pack_rows=True), True) == PACKED_ATTENTION
+    assert pack_rows(LearnerConfig(**bfloat16), cuda, llama)
+    assert not pack_rows(LearnerConfig(pack_rows=False, **bfloat16), cuda, llama)
+    assert not pack_rows(LearnerConfig(device="cuda"), cuda, llama)  # float32: varlen needs 16 bits
+    assert not pack_rows(LearnerConfig(attn_implementation="eager", device="cuda"), cuda, llama)
+    assert pack_rows(LearnerConfig(attn_implementation="flash_attention_2"), cpu, llama)
+    assert attention_implementation(LearnerConfig(pack_rows=True), True, llama) == PACKED_ATTENTION
     flash = LearnerConfig(attn_implementation="flash_attention_2")
-    assert attention_implementation(flash, True) == "flash_attention_2"
-    assert attention_implementation(LearnerConfig(), False) == "sdpa"
+    assert attention_implementation(flash, True, llama) == "flash_attention_2"
+    assert attention_implementation(LearnerConfig(), False, llama) == "sdpa"
+
+
+def test_packing_follows_what_the_family_s_layout_allows() -> None:
+    """A window packs on CUDA only where torch's varlen kernel takes one; soft-capped
+    attention (Gemma 2) and chunks (Llama 4) pack per row on CPU, not on CUDA; sinks (gpt-oss)
+    never. `auto` quietly pads; an explicit `pack_rows: true` is refused, saying why."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    bfloat16 = LearnerConfig(device="cuda", compute_dtype="bfloat16")
+    packed = LearnerConfig(pack_rows=True, device="cuda", compute_dtype="bfloat16")
+    assert pack_rows(bfloat16, cuda, layout("mistral-window")) == varlen_takes_window()
+    for family, reason in (
+        ("gemma2", "soft-capped"),
+        ("llama4", "chunked"),
+        ("gpt-oss", "sinks"),
+    ):
+        assert not pack_rows(bfloat16, cuda, layout(family)), family
+        with pytest.raises(ValueError, match=f"learner.pack_rows: .* cannot be packed: .*{reason}"):
+            pack_rows(packed, cuda, layout(family))
+    assert pack_rows(LearnerConfig(pack_rows=True), cpu, layout("gemma2"))
+    assert pack_rows(LearnerConfig(pack_rows=True), cpu, layout("llama4"))
+    with pytest.raises(ValueError, match="sinks"):
+        pack_rows(LearnerConfig(pack_rows=True), cpu, layout("gpt-oss"))
+    # Gemma 2 does not run under SDPA: padded, it is loaded eager, as transformers would.
+    assert attention_implementation(LearnerConfig(), False, layout("gemma2")) == "eager"
+    assert attention_implementation(LearnerConfig(), False, layout("gemma3")) == "sdpa"

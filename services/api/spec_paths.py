@@ -18,7 +18,10 @@ never a client's. The other string options of the generation backend may not loo
 that leaves the folder (absolute, `~`, `..`) either; `generation.engine` takes no path at all
 (its allowlist, services/generation/engine_args.py, holds no argument that names a file).
 Trackers write only into the run's own directory (their folders left out) or to an MLflow
-server the operator allows (KPO_TRACKING_HOSTS).
+server the operator allows (KPO_TRACKING_HOSTS). A model whose config the control plane can read
+(a folder in the inputs, a hub model already in its cache) is checked as `kpo run` checks it
+(`model_family_problem`): a family the learner cannot train is a 422 naming `model`, not a job
+that fails at its first step.
 """
 
 from __future__ import annotations
@@ -72,9 +75,14 @@ def confined_spec(
 
     if spec.model not in BUILTIN_MODELS and not _names_a_hub_model(spec.model, inputs):
         builtin = ", ".join(BUILTIN_MODELS)
+        refused = len(errors)
         data["model"] = confine(
             ("model",), spec.model, f"a built-in model ({builtin}), a hub id or {relative}"
         )
+        if len(errors) == refused:  # inside the inputs: its config may be read
+            errors.extend(_model_errors(spec, Path(data["model"])))
+    elif spec.model not in BUILTIN_MODELS:
+        errors.extend(_model_errors(spec, _cached_hub_model(spec.model, spec.model_revision)))
     if isinstance(spec.task, JsonlTask | DatasetTask):
         data["task"]["path"] = confine(("task", "path"), spec.task.path)
     if isinstance(spec.task, DatasetTask) and spec.task.eval_path is not None:
@@ -90,6 +98,28 @@ def confined_spec(
     if errors:
         raise RequestValidationError(errors)
     return data
+
+
+def _model_errors(spec: RunSpec, model_dir: Path | None) -> list[dict[str, Any]]:
+    """The 422 of a model whose family the run cannot train, where its config is at hand
+    here (`model_dir`, a folder in the inputs or a hub snapshot in the cache)."""
+    if model_dir is None or not (model_dir / "config.json").is_file():
+        return []  # read by the job's own check, before any actor starts
+    # Imported here: the check reads the config with transformers, which the control plane
+    # loads only when a spec names a model it can read.
+    from services.pipeline.specs import model_family_problem
+
+    problem = model_family_problem(spec, model_dir)
+    return [] if problem is None else [_error(("model",), problem)]
+
+
+def _cached_hub_model(repo_id: str, revision: str | None) -> Path | None:
+    """The cached snapshot folder of hub model `repo_id` holding its config, if the control
+    plane's Hugging Face cache has one (nothing is downloaded here)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(repo_id, "config.json", revision=revision)
+    return Path(cached).parent if isinstance(cached, str) else None
 
 
 def _tracking_errors(spec: RunSpec, servers: frozenset[str]) -> list[dict[str, Any]]:

@@ -19,7 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DynamicCache,
+    PreTrainedModel,
+)
 
 from services.generation.base import (
     GenerationBackend,
@@ -31,6 +37,7 @@ from services.generation.hf_batch import left_pad, new_cache
 from services.generation.hf_engine import ContinuousBatcher, NonFiniteLogitsError
 from services.generation.hf_sampling import processed_logprobs
 from services.messages import Prompt, Response
+from services.model_layout import check_causal_lm
 from services.tools.rollout import ToolRollout, ToolSettings
 from services.tools.sandbox import ToolRunner
 from services.weights.base import StateDictMismatchError, WeightsManifest
@@ -89,6 +96,8 @@ class HFBackend(GenerationBackend):
         weights are loaded (see `GenerationBackend.recompute_kv`).
         """
         self._device = torch.device(device)
+        # Before the weights: a family whose cache the engine cannot batch is refused by name.
+        check_causal_lm(AutoConfig.from_pretrained(str(model_path)), str(model_path))
         extra: dict[str, Any] = {}
         if attn_implementation is not None:
             extra["attn_implementation"] = attn_implementation

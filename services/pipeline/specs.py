@@ -10,10 +10,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 from pydantic import ValidationError
 
 from kpo_core.config import describe_validation_error
+from services.learner.sharding import packing_problem
+from services.model_layout import UnsupportedModel, check_causal_lm
 from services.pipeline.held_out import NoHeldOutPrompts, held_out_prompts
 from services.pipeline.prompts import PromptStream, chats_strings
 from services.spec import RunSpec
@@ -89,14 +92,42 @@ def load_run_spec(path: Path, overrides: Sequence[str] = ()) -> RunSpec:
     return parse_run_spec(apply_overrides(read_yaml_mapping(path), overrides), str(path))
 
 
+def model_family_problem(spec: RunSpec, model_dir: Path) -> str | None:
+    """Why the run cannot train the model in `model_dir` (its family's layers, or packing it as
+    `learner.pack_rows: true` asks), read from its config alone, no weights loaded; None if it
+    can. The learner and the hf engine serve every family this passes."""
+    # Imported here: the API calls this for each new run, and most runs never need it.
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError, KeyError) as error:
+        return f"cannot read the config of {model_dir}: {error}"
+    try:
+        layout = check_causal_lm(config, spec.model)
+    except UnsupportedModel as error:
+        return str(error)
+    if spec.learner.pack_rows is True:
+        problem = packing_problem(spec.learner, torch.device(spec.learner.device), layout)
+        if problem is not None:
+            return (
+                f"{spec.model} ({layout.model_type}) cannot be trained with learner.pack_rows: "
+                f"true on {spec.learner.device}: {problem} (pack_rows: auto pads it)"
+            )
+    return None
+
+
 def preflight(spec: RunSpec, source: str) -> Path:
-    """Check what validation cannot see (the model directory, the prompt file) before any actor
-    starts; returns the model directory."""
+    """Check what validation cannot see (the model directory and family, the prompt file)
+    before any actor starts; returns the model directory."""
     try:
         model_dir = resolve_model(spec.model, spec.model_revision)
         check_tokenizer(model_dir)
     except ModelDirError as error:
         raise SpecError(f"{source}: model: {error}") from None
+    problem = model_family_problem(spec, model_dir)
+    if problem is not None:
+        raise SpecError(f"{source}: model: {problem}")
     try:
         chat = chats_strings(spec.task, has_chat_template(model_dir))
     except ValueError as error:

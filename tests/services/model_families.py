@@ -82,8 +82,8 @@ FAMILIES: dict[str, Family] = {
             {"sliding_window": WINDOW, "sliding_window_pattern": 2, "query_pre_attn_scalar": 32},
         ),
         Family("phi3", "Phi3Config", {"sliding_window": WINDOW}),
-        # SmolLM3: every fourth layer without rotary embeddings (NoPE).
-        Family("smollm3", "SmolLM3Config", {"no_rope_layer_interval": 2}, layers=4),
+        # SmolLM3: every fourth layer without rotary embeddings (NoPE; here every second).
+        Family("smollm3", "SmolLM3Config", {"no_rope_layer_interval": 2}),
         # Llama 4 (text): chunked attention in its rotary layers, full attention without rotary
         # in every fourth, mixture-of-experts MLPs.
         Family(
@@ -106,6 +106,12 @@ FAMILIES: dict[str, Family] = {
     )
 }
 
+# Refused by design: Qwen3-Next's linear-attention layers keep a recurrent state, which neither
+# the learner's masks nor the hf engine's batched cache can hold.
+REFUSED: dict[str, Family] = {
+    "qwen3-next": Family("qwen3-next", "Qwen3NextConfig", {"num_experts": 2}, layers=4)
+}
+
 
 def family_ids(tokenizer: Any) -> dict[str, int]:
     return {
@@ -113,6 +119,18 @@ def family_ids(tokenizer: Any) -> dict[str, int]:
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
     }
+
+
+def save_family_config(name: str, directory: Path) -> Path:
+    """Only the config (naming its causal-LM class) and the tokenizer of family `name`, as a
+    model folder whose weights are never read: what a check before the run reads."""
+    family = FAMILIES.get(name) or REFUSED[name]
+    tokenizer = build_tokenizer()
+    config = family.config(len(tokenizer), family_ids(tokenizer))
+    config.architectures = [AutoModelForCausalLM._model_mapping[type(config)].__name__]
+    config.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
 
 
 def save_family_model(name: str, directory: Path, seed: int = 0) -> Path:

@@ -21,6 +21,7 @@ from services.tasks.models import resolve_model
 from services.tasks.registry import BUILTIN_MODELS
 from tests.services.api.conftest import Api, ApiFactory
 from tests.services.api.test_runs_api import TINY
+from tests.services.model_families import save_family_config
 from tests.services.test_spec import CODE_LOADING_ENGINE_ARGUMENTS
 
 
@@ -41,7 +42,8 @@ def test_relative_paths_are_read_from_the_inputs_folder(api: Api, tmp_path: Path
     inputs = inputs_of(tmp_path)
     model_dir = inputs / "models" / "small"
     model_dir.mkdir(parents=True)
-    (model_dir / "config.json").write_text(json.dumps({"architectures": ["GPT2ForCausalLM"]}))
+    config = {"model_type": "gpt2", "architectures": ["GPT2ForCausalLM"]}
+    (model_dir / "config.json").write_text(json.dumps(config))
     (inputs / "prompts.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
     body = spec_with(
         model="./models/small",
@@ -65,6 +67,23 @@ def test_relative_paths_are_read_from_the_inputs_folder(api: Api, tmp_path: Path
     # The stored spec can be sent again as it is: absolute paths inside the folder are kept.
     again = api.client.post("/v1/runs", json=stored, headers={"Idempotency-Key": "paths"})
     assert again.status_code == 201 and again.json()["id"] == response.json()["id"]
+
+
+def test_a_model_family_the_learner_cannot_train_is_a_422_naming_model(
+    api: Api, tmp_path: Path
+) -> None:
+    """Its config alone is read (the folder holds no weights): linear-attention layers are
+    refused by design, and the run is neither stored nor launched."""
+    save_family_config("qwen3-next", inputs_of(tmp_path) / "next")
+    response = api.client.post("/v1/runs", json=spec_with(model="next"))
+    assert response.status_code == 422, response.text
+    (error,) = response.json()["error"]["fields"]
+    assert error["field"] == "model"
+    assert "'linear_attention' layer" in error["message"]
+    assert "attention layers only" in error["message"]
+    assert api.client.get("/v1/runs").json()["runs"] == [] and api.launcher.submitted == []
+    save_family_config("llama", inputs_of(tmp_path) / "llama")
+    assert api.client.post("/v1/runs", json=spec_with(model="llama")).status_code == 201
 
 
 def test_built_in_models_stay_names(api: Api) -> None:

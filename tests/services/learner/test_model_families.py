@@ -15,6 +15,7 @@ what differs is only the summation order (measured: at most 7.6e-6 over the matr
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from services.learner.distributed import RankGroup
 from services.learner.sharding import build_policy
 from services.messages import Prompt, Response, ScoredGroup, ScoredResponse
 from services.spec import LearnerConfig
+from tests.services.learner.ranks import run_ranks
 from tests.services.model_families import FAMILIES, WINDOW, save_family_model
 
 TOLERANCE = 1e-5
@@ -42,9 +44,7 @@ PACKABLE = [name for name in FAMILIES if name != "gpt-oss"]
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Each family's random model, saved once for the module."""
-    return {
-        name: save_family_model(name, tmp_path_factory.mktemp(name)) for name in FAMILIES
-    }
+    return {name: save_family_model(name, tmp_path_factory.mktemp(name)) for name in FAMILIES}
 
 
 def token_groups(vocab_size: int) -> list[ScoredGroup]:
@@ -85,19 +85,32 @@ def reference_logprobs(model_dir: Path, responses: list[Response]) -> list[torch
     return out
 
 
-def learner_error(model_dir: Path, pack_rows: bool, **settings: object) -> float:
-    """Max |learner - reference| log-prob over the groups' response tokens."""
+def learner_logprobs(
+    group: RankGroup, model_dir: Path, pack_rows: bool, settings: dict[str, Any]
+) -> torch.Tensor:
+    """The learner's log-probs [B, T] of the groups' responses, on this rank of `group`."""
     vocab_size = AutoModelForCausalLM.from_pretrained(model_dir).config.vocab_size
-    groups = token_groups(vocab_size)
-    responses = [s.response for g in groups for s in g.responses]
-    expected = reference_logprobs(model_dir, responses)
-    learner = LearnerConfig(pack_rows=pack_rows, **settings)  # type: ignore[arg-type]
-    model = build_policy(str(model_dir), learner, RankGroup(), torch.device("cpu"))
+    learner = LearnerConfig(pack_rows=pack_rows, **settings)
+    model = build_policy(str(model_dir), learner, group, torch.device("cpu"))
     assert model.packed == pack_rows
-    batch = collate(groups, PAD, learner_version=0)
+    batch = collate(token_groups(vocab_size), PAD, learner_version=0)
     assert len(set(batch.prompt_lengths)) == 2 and len(set(batch.response_lengths)) == 3
     with torch.no_grad():
         logp, _ = model(batch, 1.0, with_entropy=False)
+    return logp
+
+
+def learner_error(model_dir: Path, pack_rows: bool, world_size: int = 0, **settings: Any) -> float:
+    """Max |learner - reference| log-prob over the groups' response tokens; `world_size`:
+    an FSDP2 learner of that many ranks (rank 0's), else a single one."""
+    vocab_size = AutoModelForCausalLM.from_pretrained(model_dir).config.vocab_size
+    responses = [s.response for g in token_groups(vocab_size) for s in g.responses]
+    expected = reference_logprobs(model_dir, responses)
+    if world_size:
+        settings = {**settings, "strategy": "fsdp2", "world_size": world_size}
+        logp = run_ranks(learner_logprobs, world_size, model_dir, pack_rows, settings)[0]
+    else:
+        logp = learner_logprobs(RankGroup(), model_dir, pack_rows, settings)
     return max(
         float((logp[row, : len(reference)] - reference).abs().max())
         for row, reference in enumerate(expected)
@@ -131,6 +144,17 @@ def test_compiled_packed_layers_score_each_family_as_transformers_does(
     torch._dynamo.reset()
     error = learner_error(family_dirs[family], pack_rows=True, compile=True)
     print(f"{family} packed and compiled: max |learner - transformers| {error:.1e}")
+    assert error < TOLERANCE
+
+
+@pytest.mark.parametrize(("family", "pack_rows"), [("gemma2", False), ("gemma3", True)])
+def test_fsdp2_ranks_score_each_family_as_transformers_does(
+    family_dirs: dict[str, Path], family: str, pack_rows: bool
+) -> None:
+    """Two gloo ranks sharding the decoder layers and the root (embedding, norm, soft-capped
+    head): padded with eager attention (Gemma 2), packed with a mask per layer type (Gemma 3)."""
+    error = learner_error(family_dirs[family], pack_rows=pack_rows, world_size=2)
+    print(f"{family} fsdp2 ({'packed' if pack_rows else 'padded'}): max error {error:.1e}")
     assert error < TOLERANCE
 
 

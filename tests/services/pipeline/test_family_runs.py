@@ -27,9 +27,7 @@ ON_POLICY_TOLERANCE = 1e-4
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_a_two_step_run_of_each_family_trains_on_ratios_of_one(
-    tmp_path: Path, family: str
-) -> None:
+def test_a_two_step_run_of_each_family_trains_on_ratios_of_one(tmp_path: Path, family: str) -> None:
     model_dir = save_family_model(family, tmp_path / "model")
     spec = tiny_spec(
         f"model={model_dir}",

@@ -15,15 +15,17 @@ from pathlib import Path
 import pytest
 import torch
 from torch import Tensor
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoConfig, Qwen2Config, Qwen2ForCausalLM
 
 from services.learner.batch import TrainingBatch, collate
 from services.learner.distributed import RankGroup
+from services.learner.packed_attention import varlen_takes_window
 from services.learner.sharding import build_policy, compute_context
 from services.messages import Prompt, Response, ScoredGroup, ScoredResponse
 from services.spec import LearnerConfig
 from tests.services.learner.conftest import make_core
 from tests.services.learner.ranks import run_ranks
+from tests.services.model_families import save_family_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -227,6 +229,27 @@ def test_packed_rows_give_the_log_probs_and_gradients_of_padded_rows(tmp_path: P
     assert float(difference) <= BF16_LOGP_ATOL, f"log-probs differ by up to {float(difference)}"
     assert (packed_logp[~mask] == 0).all()
     assert packed_grads.keys() == padded_grads.keys()
+    errors = {name: relative_error(packed_grads[name], padded_grads[name]) for name in padded_grads}
+    worst = max(errors, key=errors.__getitem__)
+    assert errors[worst] <= BF16_GRAD_RTOL, f"{worst}: relative gradient error {errors[worst]:.3g}"
+
+
+@pytest.mark.skipif(not varlen_takes_window(), reason="torch's varlen_attn takes no window here")
+@pytest.mark.parametrize("family", ["mistral-window", "qwen2-window", "gemma3"])
+def test_packed_rows_keep_each_layer_s_window_through_the_variable_length_kernel(
+    tmp_path: Path, family: str
+) -> None:
+    """Windows of 8 tokens (`tests/services/model_families.py`) on rows of up to 305: the
+    varlen kernel's `window_size` against the padded path's masks, per layer type."""
+    model_dir = save_family_model(family, tmp_path / family)
+    vocab = int(AutoConfig.from_pretrained(model_dir).vocab_size)
+    batch = varied_batch(ROW_LENGTHS, vocab)
+    padded_logp, padded_grads = forward_backward(model_dir, learner_config(pack_rows=False), batch)
+    packed_logp, packed_grads = forward_backward(model_dir, learner_config(pack_rows=True), batch)
+    mask = batch.response_mask
+    difference = float((packed_logp - padded_logp)[mask].abs().max())
+    print(f"{family}: max |packed - padded| log-prob {difference:.2e} (bfloat16)")
+    assert difference <= BF16_LOGP_ATOL
     errors = {name: relative_error(packed_grads[name], padded_grads[name]) for name in padded_grads}
     worst = max(errors, key=errors.__getitem__)
     assert errors[worst] <= BF16_GRAD_RTOL, f"{worst}: relative gradient error {errors[worst]:.3g}"

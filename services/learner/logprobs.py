@@ -123,8 +123,10 @@ class ResponseLogProbs(nn.Module):
     `policy` is the Hugging Face model, whose parameter names the checkpoints keep.
 
     `packed`: a micro-batch's rows are concatenated without padding (`_hidden`); the policy must
-    then attend within each row: loaded with `packed_attention.PACKED_ATTENTION`, or with
-    flash-attention (`flash`: it takes the rows' boundaries as keyword arguments).
+    then attend within each row: loaded with `packed_attention.LEARNER_ATTENTION`, or with
+    flash-attention (`flash`: it takes the rows' boundaries as keyword arguments). Padded, the
+    policy is loaded with `LEARNER_ATTENTION` too (eager where its family does not run under
+    SDPA): it then builds no mask of its own.
     `compiled`: the decoder layers are compiled, so packed lengths are rounded to few sizes.
 
     Every layer gets the mask its family takes (`services.model_layout`): padded, a mask per
@@ -269,7 +271,7 @@ class ResponseLogProbs(nn.Module):
                 "max_length_q": longest_row,
                 "max_length_k": longest_row,
             }
-        # No mask: `PACKED_ATTENTION` has no mask builder, so the decoder builds none.
+        # No mask: the decoder, loaded with `LEARNER_ATTENTION`, builds none.
         hidden = decoder(
             input_ids=input_ids.unsqueeze(0),
             attention_mask=None,
@@ -281,26 +283,26 @@ class ResponseLogProbs(nn.Module):
 
     def _padded_mask(
         self, batch: TrainingBatch
-    ) -> tuple[Tensor | dict[str, Tensor] | None, Tensor | None]:
+    ) -> tuple[Tensor | dict[str, Tensor] | None, Tensor]:
         """(attention_mask, position_ids) of a padded forward, built from host lengths.
 
-        No row padded (and not eager, which masks only what it is given): neither, so the
-        decoder builds each layer type's mask itself from integers (plain causal attention is
-        then SDPA's `is_causal`, its fastest kernels), and positions count from 0 in every row
-        as the batch's do. flash-attention: the 2-D mask, from which it builds its own. Else the
-        mask of each layer type (`ModelLayout.padded_masks`): one tensor for a decoder of one
-        layer type, a mapping keyed by type for a hybrid one; additive for eager attention.
+        flash-attention: the 2-D mask, from which it builds its own (windows included). No row
+        padded and no window narrower than the rows, under SDPA: no mask (plain causal
+        attention, SDPA's fastest kernels; the decoder, loaded with `LEARNER_ATTENTION`, builds
+        none). Else each layer type's mask (`ModelLayout.padded_masks`), additive for eager
+        attention (which masks only what it is given): one tensor for a decoder of one layer
+        type, a mapping keyed by type for a hybrid one.
         """
+        if self.flash:
+            return batch.attention_mask, batch.position_ids
         total, width_p = batch.input_ids.shape[1], batch.prompt_width
         implementation = self.policy.config._attn_implementation  # type: ignore[union-attr]
         eager = implementation == "eager"
         full = all(p == width_p for p in batch.prompt_lengths) and all(
             width_p + t == total for t in batch.response_lengths
         )
-        if full and not eager:
-            return None, None
-        if self.flash:
-            return batch.attention_mask, batch.position_ids
+        if full and not eager and not any(kind.binds(total) for kind in self.layout.layers):
+            return None, batch.position_ids
         real = batch.attention_mask.bool()
         left = [width_p - p for p in batch.prompt_lengths]
         left_padding = _to_device(torch.tensor(left, dtype=torch.long), batch.device)

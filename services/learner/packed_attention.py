@@ -1,4 +1,5 @@
-"""Attention over packed rows: a micro-batch's rows concatenated into one sequence, no padding.
+"""The learner's attention: packed rows (a micro-batch's rows concatenated into one sequence,
+no padding), and padded rows under the masks the learner builds.
 
 Padded rows cost the widest row's length for every row (a long-tailed batch spent 30% of its
 attention and MLP work on padding); packed, a micro-batch costs its real tokens. The rows'
@@ -6,7 +7,7 @@ boundaries (`PackedRows`: cumulative lengths, computed on the host from the batc
 copied once) travel to every layer as a keyword argument (`PACKED_ROWS`; transformers hands a
 decoder's keyword arguments down to each attention call), with the model's layout
 (`services.model_layout`), from which each layer takes its own mask by its index: causal, a
-sliding window, or chunks. The attention implementation registered here as `PACKED_ATTENTION`
+sliding window, or chunks. The attention implementation registered here as `LEARNER_ATTENTION`
 reads them:
 
 - on CUDA, `torch.nn.attention.varlen.varlen_attn` (torch 2.10+: flash-attention's
@@ -15,9 +16,12 @@ reads them:
 - elsewhere (the CPU reference that CI checks packed == padded with, and float32 on CUDA),
   each row on its own with its layer's mask, soft-capped where the family caps its attention.
 
-The implementation has no mask builder of its own in transformers' registry, so a decoder
-builds no mask for it (nor reads a padding mask back to decide whether it may skip one): a
-padded forward through a model loaded with it passes its masks explicitly, and they go to SDPA.
+A call without packed rows is a padded one: its mask goes to SDPA as given (None: plain causal
+attention, SDPA's `is_causal`). The implementation has no mask builder in transformers'
+registry, so a decoder loaded with it builds no mask of its own: it neither reads the padding
+mask back from the device to decide whether it may skip one (a host sync per forward) nor
+builds one the learner did not ask for. The learner passes every mask explicitly
+(`ResponseLogProbs`), so every family SDPA serves is loaded with it, padded or packed.
 """
 
 from __future__ import annotations
@@ -37,8 +41,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from services.model_layout import CHUNKED, LayerAttention, ModelLayout
 
 # No "sdpa" in the name: transformers checks any name holding it against the family's SDPA
-# support, which Gemma 2 (soft-capped attention) lacks though packed attention serves it.
-PACKED_ATTENTION = "kpo_packed"
+# support, which Gemma 2 (soft-capped attention) lacks though its packed rows are served here.
+LEARNER_ATTENTION = "kpo_learner"
 # The keyword argument that carries `PackedRows` from the decoder's call to every attention call.
 PACKED_ROWS = "kpo_packed_rows"
 
@@ -167,7 +171,7 @@ def _per_row(
     return torch.cat(outs) if outs else query.new_zeros(query.shape)
 
 
-def packed_attention(
+def learner_attention(
     module: nn.Module,
     query: Tensor,
     key: Tensor,
@@ -213,11 +217,11 @@ def _half_dtype(states: Tensor) -> torch.dtype | None:
     return dtype if dtype in (torch.float16, torch.bfloat16) else None
 
 
-def register_packed_attention() -> str:
-    """Make `PACKED_ATTENTION` a name `from_pretrained(attn_implementation=...)` accepts;
+def register_learner_attention() -> str:
+    """Make `LEARNER_ATTENTION` a name `from_pretrained(attn_implementation=...)` accepts;
     returns the name."""
-    AttentionInterface.register(PACKED_ATTENTION, packed_attention)
-    return PACKED_ATTENTION
+    AttentionInterface.register(LEARNER_ATTENTION, learner_attention)
+    return LEARNER_ATTENTION
 
 
 def varlen_available() -> bool:

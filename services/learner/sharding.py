@@ -33,7 +33,7 @@ from services.learner.distributed import RankGroup
 from services.learner.logprobs import ResponseLogProbs, decoder_of
 from services.learner.lora import apply_lora
 from services.learner.packed_attention import (
-    register_packed_attention,
+    register_learner_attention,
     varlen_available,
     varlen_takes_window,
 )
@@ -92,12 +92,16 @@ def pack_rows(learner: LearnerConfig, device: torch.device, layout: ModelLayout)
 
 
 def attention_implementation(learner: LearnerConfig, packed: bool, layout: ModelLayout) -> str:
-    """The policy's attention: flash-attention packs by itself; every other packed model
-    attends through `packed_attention`; a padded one as set, or eager where the family does not
-    run under SDPA (`ModelLayout.attention_for`)."""
-    if packed and not learner.attn_implementation.startswith("flash_attention"):
-        return register_packed_attention()
-    return layout.attention_for(learner.attn_implementation)
+    """The policy's attention: flash-attention as set (it packs by itself); packed rows, and
+    padded rows of a family that runs under SDPA, through `LEARNER_ATTENTION` (the masks are the
+    learner's own); eager where the family does not run under SDPA (`ModelLayout.attention_for`)
+    or where it is asked for."""
+    requested = learner.attn_implementation
+    if requested.startswith("flash_attention"):
+        return requested
+    if packed or layout.attention_for(requested) == "sdpa":
+        return register_learner_attention()
+    return layout.attention_for(requested)
 
 
 def compile_layers(policy: nn.Module) -> None:

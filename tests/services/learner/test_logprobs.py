@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from kpo_core.losses import token_entropy
 from services.learner.batch import TrainingBatch, collate
 from services.learner.logprobs import ResponseLogProbs, reference_logprobs, response_logprobs
-from services.learner.packed_attention import register_packed_attention
+from services.learner.packed_attention import register_learner_attention
 from tests.services.learner.conftest import sample_groups
 
 TOLERANCE = 5e-5
@@ -176,7 +176,7 @@ def test_nonfinite_logits_give_nan_logprobs_there_and_a_finite_gradient(
 
 def packed_policy(model_dir: Path) -> ResponseLogProbs:
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, attn_implementation=register_packed_attention()
+        model_dir, attn_implementation=register_learner_attention()
     )
     return ResponseLogProbs(model, 1024, packed=True)
 

@@ -14,6 +14,7 @@ what differs is only the summation order (measured: at most 7.6e-6 over the matr
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from services.generation.base import GroupRequest, SamplingSettings
 from services.generation.hf_backend import HFBackend
 from services.learner.batch import collate
 from services.learner.distributed import RankGroup
+from services.learner.host_reads import HostReads
 from services.learner.sharding import build_policy
 from services.messages import Prompt, Response, ScoredGroup, ScoredResponse
 from services.spec import LearnerConfig
@@ -145,6 +147,28 @@ def test_compiled_packed_layers_score_each_family_as_transformers_does(
     error = learner_error(family_dirs[family], pack_rows=True, compile=True)
     print(f"{family} packed and compiled: max |learner - transformers| {error:.1e}")
     assert error < TOLERANCE
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral-window", "gemma2", "gemma3", "llama4"])
+def test_the_learner_builds_each_family_s_masks_without_reading_the_device(
+    family_dirs: dict[str, Path], family: str
+) -> None:
+    """Padded, packed, and padded without padding (where the decoder would build its own masks
+    if it could, reading the padding mask back to decide whether to skip one): no forward
+    reads a device value (`HostReads`; on a GPU each read would stall the host)."""
+    model_dir = family_dirs[family]
+    vocab_size = AutoModelForCausalLM.from_pretrained(model_dir).config.vocab_size
+    groups = token_groups(vocab_size)
+    unpadded = [replace(groups[1], responses=groups[1].responses * 2)]
+    for pack_rows in (False, True):
+        model = build_policy(
+            str(model_dir), LearnerConfig(pack_rows=pack_rows), RankGroup(), torch.device("cpu")
+        )
+        for rows in (groups, unpadded):
+            batch = collate(rows, PAD, learner_version=0)
+            with HostReads() as reads, torch.no_grad():
+                model(batch, 1.0, with_entropy=False)
+            assert reads.total == 0, (pack_rows, dict(reads.by_name))
 
 
 @pytest.mark.parametrize(("family", "pack_rows"), [("gemma2", False), ("gemma3", True)])

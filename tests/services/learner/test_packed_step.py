@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.learner.packed_attention import PACKED_ATTENTION, varlen_takes_window
+from services.learner.packed_attention import LEARNER_ATTENTION, varlen_takes_window
 from services.learner.sharding import attention_implementation, pack_rows
 from services.messages import ScoredGroup
 from services.model_layout import ModelLayout
@@ -71,10 +71,13 @@ def test_rows_are_packed_by_default_only_where_a_variable_length_kernel_runs_the
     assert not pack_rows(LearnerConfig(device="cuda"), cuda, llama)  # float32: varlen needs 16 bits
     assert not pack_rows(LearnerConfig(attn_implementation="eager", device="cuda"), cuda, llama)
     assert pack_rows(LearnerConfig(attn_implementation="flash_attention_2"), cpu, llama)
-    assert attention_implementation(LearnerConfig(pack_rows=True), True, llama) == PACKED_ATTENTION
+    assert attention_implementation(LearnerConfig(pack_rows=True), True, llama) == LEARNER_ATTENTION
     flash = LearnerConfig(attn_implementation="flash_attention_2")
     assert attention_implementation(flash, True, llama) == "flash_attention_2"
-    assert attention_implementation(LearnerConfig(), False, llama) == "sdpa"
+    # Padded under SDPA, through the learner's attention too: it builds no mask of its own.
+    assert attention_implementation(LearnerConfig(), False, llama) == LEARNER_ATTENTION
+    eager = LearnerConfig(attn_implementation="eager")
+    assert attention_implementation(eager, False, llama) == "eager"
 
 
 def test_packing_follows_what_the_family_s_layout_allows() -> None:
@@ -99,4 +102,4 @@ def test_packing_follows_what_the_family_s_layout_allows() -> None:
         pack_rows(LearnerConfig(pack_rows=True), cpu, layout("gpt-oss"))
     # Gemma 2 does not run under SDPA: padded, it is loaded eager, as transformers would.
     assert attention_implementation(LearnerConfig(), False, layout("gemma2")) == "eager"
-    assert attention_implementation(LearnerConfig(), False, layout("gemma3")) == "sdpa"
+    assert attention_implementation(LearnerConfig(), False, layout("gemma3")) == LEARNER_ATTENTION

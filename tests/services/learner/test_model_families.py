@@ -87,32 +87,45 @@ def reference_logprobs(model_dir: Path, responses: list[Response]) -> list[torch
     return out
 
 
+def unpadded(groups: list[ScoredGroup]) -> list[ScoredGroup]:
+    """The second group's response twice: a batch of rows of one length, nothing padded."""
+    return [replace(groups[1], responses=groups[1].responses * 2)]
+
+
 def learner_logprobs(
-    group: RankGroup, model_dir: Path, pack_rows: bool, settings: dict[str, Any]
+    group: RankGroup,
+    model_dir: Path,
+    pack_rows: bool,
+    settings: dict[str, Any],
+    padding: bool = True,
 ) -> torch.Tensor:
     """The learner's log-probs [B, T] of the groups' responses, on this rank of `group`."""
     vocab_size = AutoModelForCausalLM.from_pretrained(model_dir).config.vocab_size
     learner = LearnerConfig(pack_rows=pack_rows, **settings)
     model = build_policy(str(model_dir), learner, group, torch.device("cpu"))
     assert model.packed == pack_rows
-    batch = collate(token_groups(vocab_size), PAD, learner_version=0)
-    assert len(set(batch.prompt_lengths)) == 2 and len(set(batch.response_lengths)) == 3
+    groups = token_groups(vocab_size)
+    batch = collate(groups if padding else unpadded(groups), PAD, learner_version=0)
     with torch.no_grad():
         logp, _ = model(batch, 1.0, with_entropy=False)
     return logp
 
 
-def learner_error(model_dir: Path, pack_rows: bool, world_size: int = 0, **settings: Any) -> float:
-    """Max |learner - reference| log-prob over the groups' response tokens; `world_size`:
-    an FSDP2 learner of that many ranks (rank 0's), else a single one."""
+def learner_error(
+    model_dir: Path, pack_rows: bool, world_size: int = 0, padding: bool = True, **settings: Any
+) -> float:
+    """Max |learner - reference| log-prob over the groups' response tokens (`padding`: the
+    rows of `token_groups`, left- and right-padded; else `unpadded`); `world_size`: an FSDP2
+    learner of that many ranks (rank 0's), else a single one."""
     vocab_size = AutoModelForCausalLM.from_pretrained(model_dir).config.vocab_size
-    responses = [s.response for g in token_groups(vocab_size) for s in g.responses]
+    groups = token_groups(vocab_size)
+    responses = [s.response for g in (groups if padding else unpadded(groups)) for s in g.responses]
     expected = reference_logprobs(model_dir, responses)
     if world_size:
         settings = {**settings, "strategy": "fsdp2", "world_size": world_size}
         logp = run_ranks(learner_logprobs, world_size, model_dir, pack_rows, settings)[0]
     else:
-        logp = learner_logprobs(RankGroup(), model_dir, pack_rows, settings)
+        logp = learner_logprobs(RankGroup(), model_dir, pack_rows, settings, padding)
     return max(
         float((logp[row, : len(reference)] - reference).abs().max())
         for row, reference in enumerate(expected)
@@ -149,6 +162,21 @@ def test_compiled_packed_layers_score_each_family_as_transformers_does(
     assert error < TOLERANCE
 
 
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", ["llama", "mistral-window", "gemma3"])
+def test_rows_without_padding_keep_their_family_s_masks(
+    family_dirs: dict[str, Path], family: str, attention: str
+) -> None:
+    """Nothing padded: SDPA's plain causal attention where no window is narrower than the rows,
+    the layers' masks where one is; eager attention, which masks only what it is given, always
+    gets them (it once got none here, and attended to the future)."""
+    error = learner_error(
+        family_dirs[family], pack_rows=False, padding=False, attn_implementation=attention
+    )
+    print(f"{family} unpadded, {attention}: max |learner - transformers| {error:.1e}")
+    assert error < TOLERANCE
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral-window", "gemma2", "gemma3", "llama4"])
 def test_the_learner_builds_each_family_s_masks_without_reading_the_device(
     family_dirs: dict[str, Path], family: str
@@ -159,12 +187,11 @@ def test_the_learner_builds_each_family_s_masks_without_reading_the_device(
     model_dir = family_dirs[family]
     vocab_size = AutoModelForCausalLM.from_pretrained(model_dir).config.vocab_size
     groups = token_groups(vocab_size)
-    unpadded = [replace(groups[1], responses=groups[1].responses * 2)]
     for pack_rows in (False, True):
         model = build_policy(
             str(model_dir), LearnerConfig(pack_rows=pack_rows), RankGroup(), torch.device("cpu")
         )
-        for rows in (groups, unpadded):
+        for rows in (groups, unpadded(groups)):
             batch = collate(rows, PAD, learner_version=0)
             with HostReads() as reads, torch.no_grad():
                 model(batch, 1.0, with_entropy=False)

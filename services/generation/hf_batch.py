@@ -139,7 +139,7 @@ def left_pad(
     return input_ids.to(device), attention_mask.to(device)
 
 
-def _full_attention_layers(cache: DynamicCache) -> list[DynamicLayer]:
+def _attention_layers(cache: DynamicCache) -> list[DynamicLayer]:
     layers: list[DynamicLayer] = []
     for index, layer in enumerate(cache.layers):
         if type(layer) not in (DynamicLayer, GrowingLayer):
@@ -196,7 +196,7 @@ class RunningBatch:
         """Append `other`'s rows after this batch's, left-padding the shorter of the two."""
         width = max(self.mask.shape[-1], other.mask.shape[-1])
         for mine, theirs in zip(
-            _full_attention_layers(self.cache), _full_attention_layers(other.cache), strict=True
+            _attention_layers(self.cache), _attention_layers(other.cache), strict=True
         ):
             assert mine.keys is not None and mine.values is not None
             assert theirs.keys is not None and theirs.values is not None
@@ -216,7 +216,7 @@ class RunningBatch:
         used = self.mask.any(dim=0).nonzero()
         first = int(used[0, 0]) if used.numel() else self.mask.shape[-1]
         if first > 0:
-            for layer in _full_attention_layers(self.cache):
+            for layer in _attention_layers(self.cache):
                 assert layer.keys is not None and layer.values is not None
                 layer.keys = layer.keys[..., first:, :]
                 layer.values = layer.values[..., first:, :]

@@ -132,8 +132,8 @@ class ResponseLogProbs(nn.Module):
     Every layer gets the mask its family takes (`services.model_layout`): padded, a mask per
     layer type (causal, sliding window, chunks) built with transformers' mask functions, handed
     over as one tensor to a decoder with one layer type and as a mapping keyed by type to a
-    hybrid one (which is the decoders that take one); packed, the rows' boundaries and the
-    layout, from which each layer takes its own.
+    hybrid one (hybrid decoders are the ones that take a mapping); packed, the rows' boundaries
+    and the layout, from which each layer takes its own.
     """
 
     def __init__(
@@ -231,11 +231,10 @@ class ResponseLogProbs(nn.Module):
         prompts, responses = batch.prompt_lengths, batch.response_lengths
         rows = range(batch.num_rows)
         if not self.packed:
-            mask, position_ids = self._padded_mask(batch)
             hidden = decoder(
                 input_ids=batch.input_ids,
-                attention_mask=mask,
-                position_ids=position_ids,
+                attention_mask=self._padded_mask(batch),
+                position_ids=batch.position_ids,
                 use_cache=False,
             ).last_hidden_state
             scored = _spans([r * total + width_p - 1 for r in rows], responses)
@@ -281,10 +280,8 @@ class ResponseLogProbs(nn.Module):
         ).last_hidden_state[0]
         return hidden, scored
 
-    def _padded_mask(
-        self, batch: TrainingBatch
-    ) -> tuple[Tensor | dict[str, Tensor] | None, Tensor]:
-        """(attention_mask, position_ids) of a padded forward, built from host lengths.
+    def _padded_mask(self, batch: TrainingBatch) -> Tensor | dict[str, Tensor] | None:
+        """The attention mask of a padded forward, built from host lengths.
 
         flash-attention: the 2-D mask, from which it builds its own (windows included). No row
         padded and no window narrower than the rows, under SDPA: no mask (plain causal
@@ -294,7 +291,7 @@ class ResponseLogProbs(nn.Module):
         type, a mapping keyed by type for a hybrid one.
         """
         if self.flash:
-            return batch.attention_mask, batch.position_ids
+            return batch.attention_mask
         total, width_p = batch.input_ids.shape[1], batch.prompt_width
         implementation = self.policy.config._attn_implementation  # type: ignore[union-attr]
         eager = implementation == "eager"
@@ -302,15 +299,13 @@ class ResponseLogProbs(nn.Module):
             width_p + t == total for t in batch.response_lengths
         )
         if full and not eager and not any(kind.binds(total) for kind in self.layout.layers):
-            return None, batch.position_ids
+            return None
         real = batch.attention_mask.bool()
         left = [width_p - p for p in batch.prompt_lengths]
         left_padding = _to_device(torch.tensor(left, dtype=torch.long), batch.device)
         additive = next(self.policy.parameters()).dtype if eager else None
         masks = self.layout.padded_masks(real, left_padding, additive)
-        if self.layout.hybrid:
-            return masks, batch.position_ids
-        return next(iter(masks.values())), batch.position_ids
+        return masks if self.layout.hybrid else next(iter(masks.values()))
 
 
 def response_logprobs(

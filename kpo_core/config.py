@@ -15,6 +15,7 @@ from typing import Annotated, ClassVar, Literal, get_args
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -30,6 +31,15 @@ LossAggMode = Literal[
 ]
 LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
 GradientMode = Literal["straight_through", "through_filter"]
+
+
+def _read_as_off(value: object) -> object:
+    """YAML 1.1 (PyYAML, and so run files and `--set`) reads an unquoted `off` as false: a
+    setting whose values include 'off' takes false as 'off', as the user meant it."""
+    return "off" if value is False else value
+
+
+VersionSwitch = Annotated[Literal["off", "reset", "inflate"], BeforeValidator(_read_as_off)]
 
 
 class StrictModel(BaseModel):
@@ -129,7 +139,7 @@ class KalmanEstimator(_ClippedEstimator):
         description="[low, high]: a token whose raw ratio leaves [1 - low, 1 + high] in the "
         "direction of its advantage also gets no gradient (PPO's token trust region as a backstop)",
     )
-    version_switch: Literal["off", "reset", "inflate"] = Field(
+    version_switch: VersionSwitch = Field(
         "off",
         description="at a model token sampled by another policy version than the previous model "
         "token of its response (in-flight weight updates): off: nothing; reset: the covariance "

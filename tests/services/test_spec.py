@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import inspect
+import typing
+from pathlib import Path
 from typing import Any
 
 import pytest
-from pydantic import ValidationError
+import yaml
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from kpo_core.config import describe_validation_error
 from services.generation.registry import backend_class, backend_names, backend_options
 from services.pipeline.evaluation import eval_sampling
+from services.pipeline.specs import load_run_spec
 from services.spec import PipelineConfig, RunSpec
 
 # A run spec, or part of one, as plain data.
@@ -561,3 +565,55 @@ def test_evaluation_may_truncate_its_sampling_while_training_does_not() -> None:
     assert plain.eval is not None
     sampling = eval_sampling(plain.eval, plain.generation, seed=0, step=1)
     assert (sampling.top_p, sampling.top_k) == (1.0, 0)
+
+
+DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
+
+
+def spec_models() -> list[type[BaseModel]]:
+    """Every pydantic model a run spec is made of (sections, estimators, nested settings)."""
+    found: list[type[BaseModel]] = []
+
+    def visit(annotation: Any) -> None:
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            if annotation not in found:
+                found.append(annotation)
+                for field in annotation.model_fields.values():
+                    visit(field.annotation)
+            return
+        for argument in typing.get_args(annotation):
+            visit(argument)
+
+    visit(RunSpec)
+    return found
+
+
+def literal_choices(annotation: Any) -> list[str]:
+    if typing.get_origin(annotation) is typing.Literal:
+        return [value for value in typing.get_args(annotation) if isinstance(value, str)]
+    return [choice for arg in typing.get_args(annotation) for choice in literal_choices(arg)]
+
+
+def test_every_setting_whose_values_yaml_reads_as_booleans_takes_them_unquoted() -> None:
+    """YAML 1.1 reads an unquoted `off`, `on`, `yes`, `no` as booleans: a user who writes
+    `--set algorithm.estimator.version_switch=off` means the value 'off'. Every enum setting of
+    the spec that has such a value takes the boolean YAML makes of it."""
+    checked = []
+    for model in spec_models():
+        for name, field in model.model_fields.items():
+            annotation = field.annotation
+            if field.metadata:
+                annotation = typing.Annotated[annotation, *field.metadata]
+            adapter = TypeAdapter(annotation)
+            for choice in literal_choices(field.annotation):
+                read = yaml.safe_load(choice)
+                if isinstance(read, bool):
+                    assert adapter.validate_python(read) == choice, (model.__name__, name)
+                    checked.append(f"{model.__name__}.{name}={choice}")
+    assert "KalmanEstimator.version_switch=off" in checked
+
+
+def test_version_switch_off_from_the_command_line_is_off() -> None:
+    """What a user types, on the demo's run file (KPO): `off` unquoted."""
+    spec = load_run_spec(DEMO, ["algorithm.estimator.version_switch=off"])
+    assert spec.algorithm.estimator.version_switch == "off"  # type: ignore[union-attr]

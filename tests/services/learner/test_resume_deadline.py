@@ -59,3 +59,23 @@ def test_ranks_that_answer_in_time_return_rank_0s_result(
         assert group.load_checkpoint(str(tmp_path / "learner")) == 0
     finally:
         group.kill()
+
+
+def test_a_wait_that_wakes_early_still_gives_the_ranks_their_whole_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ray.wait may return empty-handed a little before its timeout (its timer's granularity);
+    the deadline is a promise to the ranks, so `wait_all` waits out the rest of it."""
+    wakes = []
+
+    def early_wait(pending: list[object], num_returns: int, timeout: float) -> tuple[list, list]:
+        wakes.append(timeout)
+        return [], pending  # at once, whatever the timeout
+
+    monkeypatch.setattr("services.learner.group.ray.wait", early_wait)
+    deadline_s = 0.2
+    started = time.monotonic()
+    with pytest.raises(LearnerRanksSilent) as raised:
+        wait_all(["rank 0", "rank 1"], deadline_s, "load_checkpoint")
+    assert time.monotonic() - started >= deadline_s
+    assert len(wakes) > 1 and raised.value.ranks == [0, 1]

@@ -17,7 +17,9 @@ before gathering the next (services.learner.publish).
   reads and puts the buckets while the next step trains, whose first update waits until the
   weights are read (services.learner.publish; a sharded learner gathers first, with its peers,
   and the thread only puts); `offer`, in a concurrency group of its own, answers once the
-  buckets are in. A publish waits for the previous one.
+  buckets are in. A publish waits for the previous one's offer (an armed send's is answered
+  once it is armed, so two sends may be in flight); each publication reads under a fence of its
+  own (`publish.Fence`), so the late end of one can never free the next one's update.
 - `collective`: the offer is the manifest alone. Rank 0 serves the weight group
   (`open_weight_group`), waits for the receivers (`connect_weight_group`), and `send_weights`
   (called on every rank) broadcasts the current version bucket by bucket. With
@@ -49,7 +51,7 @@ from kpo_core.config import AlgorithmConfig
 from services.host_memory import release_free_heap
 from services.learner.distributed import RankGroup, rendezvous_address
 from services.learner.export import export_model
-from services.learner.publish import Handed, MiB, drain, handed_buckets, publish_point
+from services.learner.publish import Fence, Handed, MiB, drain, handed_buckets, publish_point
 from services.learner.step import LearnerCore
 from services.messages import ScoredGroup
 from services.spec import LearnerConfig
@@ -185,7 +187,7 @@ class LearnerImpl:
                 self._offers_changed.notify_all()
         try:
             for previous in earlier:
-                previous.exception()  # the next publish waits for the previous one
+                previous.exception()  # the previous publish's offer (an armed send's: armed)
             if version != self.core.version:
                 raise RuntimeError(
                     f"publish of version {version}, but the learner holds version "
@@ -202,13 +204,13 @@ class LearnerImpl:
             if self._sharded:
                 self._put_gathered(offer)
                 return
-            self.core.weights_read.arm()
+            fence = self.core.weights_read.arm()
             after = publish_point(self.core.device)
         except Exception as error:
             if not offer.done():  # a sharded publish's put may have failed first
                 offer.set_exception(error)
             raise
-        running = self._publisher.submit(self._put_overlapped, after)
+        running = self._publisher.submit(self._put_overlapped, fence, after)
         running.add_done_callback(lambda done: _settle(offer, done))
 
     def _publish_gathered(
@@ -259,27 +261,33 @@ class LearnerImpl:
         if self._sharded:
 
             def arm(buckets: Iterator[dict[str, torch.Tensor]]) -> None:
-                self._arm_send(manifest, lambda: buckets)
+                self._arm_send(manifest, lambda: buckets, None)
                 offer.set_result(published)
 
             self._publish_gathered(offer, manifest, arm)
             return
-        self.core.weights_read.arm()
+        fence = self.core.weights_read.arm()
         after = publish_point(self.core.device)
         device = self._weight_device()
         self._arm_send(
-            manifest, lambda: self.core.overlapped_weight_buckets(manifest, after, device)
+            manifest,
+            lambda: self.core.overlapped_weight_buckets(manifest, fence, after, device),
+            fence,
         )
         offer.set_result(published)
 
     def _arm_send(
-        self, manifest: WeightsManifest, buckets: Callable[[], Iterator[dict[str, torch.Tensor]]]
+        self,
+        manifest: WeightsManifest,
+        buckets: Callable[[], Iterator[dict[str, torch.Tensor]]],
+        fence: Fence | None,
     ) -> None:
         """Arm the send of `manifest`'s version, the one held: the publish thread broadcasts
-        `buckets()` once the driver starts it (`send`), or drops it (`cancel_send`)."""
+        `buckets()` once the driver starts it (`send`), or drops it (`cancel_send`); `fence`:
+        the publication's own, which a one-rank send reads the live weights under."""
         assert self._publisher is not None
         decision: Future[bool] = Future()
-        job = self._publisher.submit(self._send_armed, decision, manifest, buckets)
+        job = self._publisher.submit(self._send_armed, decision, manifest, buckets, fence)
         with self._offers_changed:
             self._armed[manifest.version] = _ArmedSend(decision, job)
 
@@ -288,6 +296,7 @@ class LearnerImpl:
         decision: Future[bool],
         manifest: WeightsManifest,
         buckets: Callable[[], Iterator[dict[str, torch.Tensor]]],
+        fence: Fence | None,
     ) -> None:
         """The publish thread's part of an armed send: once the driver said go, broadcast the
         buckets while the next step trains (on a GPU from a stream of this thread's own, so
@@ -308,7 +317,8 @@ class LearnerImpl:
                 self._close_weight_group()  # a receiver died or hung: form another
                 raise
         finally:
-            self.core.weights_read.release()  # a one-rank send: also when nothing was read
+            if fence is not None:  # a one-rank send's, also when nothing was read: its own
+                fence.release()
 
     @ray.method(concurrency_group="send")
     def send(self, version: int) -> None:
@@ -343,14 +353,15 @@ class LearnerImpl:
             with self._offers_changed:
                 self._offers.pop(version, None)
 
-    def _put_overlapped(self, after: torch.cuda.Event | None) -> WeightsOffer:
+    def _put_overlapped(self, fence: Fence, after: torch.cuda.Event | None) -> WeightsOffer:
         """The publish thread's part: read the weights while the next step trains, then put
-        (the version cannot move on before they are read: its update waits for them)."""
+        (the version cannot move on before they are read: its update waits for `fence`)."""
         try:
             manifest = self.core.weights_manifest(self._bucket_bytes)
-            return put_buckets(manifest, self.core.overlapped_weight_buckets(manifest, after))
+            buckets = self.core.overlapped_weight_buckets(manifest, fence, after)
+            return put_buckets(manifest, buckets)
         finally:
-            self.core.weights_read.release()  # also when nothing was read (a failed start)
+            fence.release()  # also when nothing was read (a failed start)
 
     def step(self, groups: list[ScoredGroup]) -> dict[str, float]:
         """One learner step: its metrics record (rank 0's; {} elsewhere), with the time the

@@ -17,12 +17,12 @@ What is published of a model is a `WeightView`: by default its own state dict
 
 An overlapped publish (`overlapped_buckets`, a learner of one unsharded rank) reads the live
 weights on a thread of its own while the next step trains: the step's forward and backward only
-read the weights, and its first optimiser update waits on the publish's `WeightsRead` until
-every tensor has been copied out. On a GPU the copies run on a side stream, into pinned host
-memory (object store) or straight into the bucket that is broadcast (collective), ordered
-after the last update by an event, and the update waits for them on the device (no host sync
-in the step). A bucket is handed on only once all of its copies are done, so no reader sees a
-half-written one.
+read the weights, and its first optimiser update waits on the publication's `Fence` (one per
+publication, held in the core's `WeightsRead`) until every tensor has been copied out. On a GPU
+the copies run on a side stream, into pinned host memory (object store) or straight into the
+bucket that is broadcast (collective), ordered after the last update by an event, and the update
+waits for them on the device (no host sync in the step). A bucket is handed on only once all of
+its copies are done, so no reader sees a half-written one.
 
 A sharded learner gathers with a collective of the training group, which must run in the same
 order as the step's own on every rank, so its overlapped publish gathers on the training thread
@@ -186,28 +186,28 @@ def iter_buckets(
         del bucket
 
 
-class WeightsRead:
-    """Whether an overlapped publish has read the live weights (every copy issued and, on a
-    GPU, `copied` recorded after them); a weight update waits on it (`wait`)."""
+class Fence:
+    """One publication's read of the live weights: released once every copy of it is issued
+    (`copied`: recorded after them on a GPU), or when the publication failed or was cancelled
+    (so that no update waits forever). Each publication has its own: a release that comes late
+    (a send's cleanup after its broadcast) can only release its own publication, never the
+    next one's. Only the first release counts: a later one must not drop the copies' event."""
 
     def __init__(self) -> None:
         self._issued = threading.Event()
-        self._issued.set()
         self._copied: torch.cuda.Event | None = None
-
-    def arm(self) -> None:
-        """A publish is about to read the weights: updates wait from now on."""
-        self._copied = None
-        self._issued.clear()
+        self._lock = threading.Lock()
 
     def release(self, copied: torch.cuda.Event | None = None) -> None:
-        """Every copy is issued (`copied`: recorded after them on the GPU); also what a failed
-        or cancelled publish calls, so that no update waits forever. Only the first release
-        after `arm` counts: a later one must not drop the event of the copies."""
-        if self._issued.is_set():
-            return
-        self._copied = copied
-        self._issued.set()
+        with self._lock:
+            if self._issued.is_set():
+                return
+            self._copied = copied
+            self._issued.set()
+
+    @property
+    def released(self) -> bool:
+        return self._issued.is_set()
 
     def wait(self) -> None:
         """Block until every copy is issued; on a GPU, make the current stream wait for them
@@ -215,6 +215,38 @@ class WeightsRead:
         self._issued.wait()
         if self._copied is not None:
             torch.cuda.current_stream().wait_event(self._copied)
+
+
+class WeightsRead:
+    """The fences of the publications that read the live weights while the next step trains;
+    a weight update waits for every one of them (`wait`)."""
+
+    def __init__(self) -> None:
+        self._fences: list[Fence] = []
+        self._lock = threading.Lock()
+
+    def arm(self) -> Fence:
+        """A publication is about to read the weights: updates wait for its fence from now on
+        (call it on the training thread, between two steps)."""
+        fence = Fence()
+        with self._lock:
+            self._fences.append(fence)
+        return fence
+
+    def wait(self) -> None:
+        """Wait for every armed fence (module doc); those released are let go of."""
+        with self._lock:
+            fences = list(self._fences)
+        for fence in fences:
+            fence.wait()
+        with self._lock:
+            self._fences = [fence for fence in self._fences if not fence.released]
+
+    @property
+    def armed(self) -> int:
+        """Fences an update would wait for now (released or not, until an update let go)."""
+        with self._lock:
+            return len(self._fences)
 
 
 def publish_point(device: torch.device) -> torch.cuda.Event | None:
@@ -230,15 +262,15 @@ def publish_point(device: torch.device) -> torch.cuda.Event | None:
 def overlapped_buckets(
     model: nn.Module | WeightView,
     manifest: WeightsManifest,
-    read: WeightsRead,
+    fence: Fence,
     after: torch.cuda.Event | None = None,
     device: torch.device | str = "cpu",
 ) -> Iterator[dict[str, Tensor]]:
     """`manifest`'s buckets of an unsharded `model`, on `device` (the host: pinned memory
     under a GPU learner; a GPU: the broadcast buffer itself), read on the calling thread while
-    another trains (module doc). `read` must be armed; it is released once the last copy is
-    issued, or when the walk stops early. `after` (GPU): the `publish_point` the copies wait
-    for. Each bucket is whole when yielded."""
+    another trains (module doc). `fence` is the publication's own (`WeightsRead.arm`); it is
+    released once the last copy is issued, or when the walk stops early. `after` (GPU): the
+    `publish_point` the copies wait for. Each bucket is whole when yielded."""
     view = _view(model)
     sources = view.tensors()
     # The actor's one visible GPU: the current device of this thread.
@@ -263,7 +295,7 @@ def overlapped_buckets(
                     del whole
                 copied = side.record_event() if side is not None else None
             if index == last:
-                read.release(copied)
+                fence.release(copied)
                 released = True
             if copied is not None:
                 copied.synchronize()  # this thread's wait, not the step's
@@ -271,7 +303,7 @@ def overlapped_buckets(
             del bucket
     finally:
         if not released:
-            read.release()
+            fence.release()
 
 
 def _source(sources: dict[str, Tensor], spec: TensorSpec) -> Tensor:

@@ -69,6 +69,7 @@ from services.learner.metrics import (
 )
 from services.learner.micro_batches import MicroBatch, plan_minibatch
 from services.learner.publish import (
+    Fence,
     WeightsRead,
     WeightView,
     full_weights,
@@ -688,13 +689,15 @@ class LearnerCore:
     def overlapped_weight_buckets(
         self,
         manifest: WeightsManifest,
+        fence: Fence,
         after: torch.cuda.Event | None,
         device: torch.device | str = "cpu",
     ) -> Iterator[dict[str, Tensor]]:
         """The buckets of `manifest`, on `device`, read on another thread while the next step
         trains (an unsharded learner; services.learner.publish): the step's first update waits
-        until they are read. Arm `weights_read` on the training thread first."""
-        return overlapped_buckets(self._published(), manifest, self.weights_read, after, device)
+        until they are read. `fence`: the publication's, armed on the training thread
+        (`weights_read.arm()`) before the step."""
+        return overlapped_buckets(self._published(), manifest, fence, after, device)
 
     def state_dict_for_publish(self) -> dict[str, Tensor]:
         """The full weights in the compute dtype on CPU, as a generation worker ends up with

@@ -40,16 +40,16 @@ def test_a_publish_read_beside_the_next_cuda_step_is_the_version_it_began_with(
     version_one = core.state_dict_for_publish()
     manifest = core.weights_manifest(MiB // 16)
     assert len(manifest.buckets) > 2
-    fence = GatedRead()
-    core.weights_read = fence
-    fence.arm()
-    buckets = core.overlapped_weight_buckets(manifest, publish_point(core.device), device)
+    read = GatedRead()
+    core.weights_read = read
+    fence = read.arm()
+    buckets = core.overlapped_weight_buckets(manifest, fence, publish_point(core.device), device)
     gate, got = threading.Event(), {}
     publisher = publish_in_thread(buckets, gate, got)
     stepper = threading.Thread(target=core.train_step, args=(groups,), daemon=True)
     stepper.start()
 
-    assert fence.reached.wait(WAIT_S)
+    assert read.reached.wait(WAIT_S)
     gate.set()
     check_version_one_published(core, (publisher, stepper), manifest, got, version_one)
     for tensor in got.values():

@@ -60,10 +60,9 @@ def test_the_next_step_updates_only_after_the_publish_read_every_tensor(
     version_one = core.state_dict_for_publish()
     manifest = core.weights_manifest(MiB // 16)
     assert manifest.version == 1 and len(manifest.buckets) > 2  # a walk the step can overtake
-    fence = GatedRead()
-    core.weights_read = fence
-    fence.arm()
-    buckets = core.overlapped_weight_buckets(manifest, None)
+    read = GatedRead()
+    core.weights_read = read
+    buckets = core.overlapped_weight_buckets(manifest, read.arm(), None)
     gate, got = threading.Event(), {}
     publisher = publish_in_thread(buckets, gate, got)
     stepper = threading.Thread(target=core.train_step, args=(groups,), daemon=True)
@@ -71,7 +70,7 @@ def test_the_next_step_updates_only_after_the_publish_read_every_tensor(
 
     # The step trained its first minibatch and reached its update while the publish is held
     # after one bucket: the weights are still version 1's.
-    assert fence.reached.wait(WAIT_S)
+    assert read.reached.wait(WAIT_S)
     assert stepper.is_alive()
     for name, tensor in live_weights(core).items():
         assert torch.equal(tensor, version_one[name]), name
@@ -107,8 +106,7 @@ def test_a_publish_stopped_early_releases_the_update(
     """A publish that fails (its reader gone after one bucket) must not hold the learner."""
     core = make_core(tiny_model_dir, "token", lr=1e-2)
     manifest = core.weights_manifest(MiB // 16)
-    core.weights_read.arm()
-    buckets = core.overlapped_weight_buckets(manifest, None)
+    buckets = core.overlapped_weight_buckets(manifest, core.weights_read.arm(), None)
     next(buckets)
     buckets.close()
     finished = threading.Thread(target=core.train_step, args=(groups,), daemon=True)

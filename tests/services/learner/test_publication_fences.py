@@ -1,0 +1,222 @@
+"""Armed collective sends with two publications in flight: every send delivers, bit for bit,
+the weights of the version it is labelled with, whatever the order of arm, send, cancel, the
+end of an earlier send's broadcast, the next step's update and a broken weight group.
+
+One learner rank (`LearnerImpl`, no Ray) over the tiny model, whose weights fit one bucket (the
+widest window: its walk ends at the first bucket). Its weight group is an in-memory channel
+whose sends walk their buckets and then hold their last broadcast. A seeded schedule decides,
+for each version, whether it is sent or cancelled, whether its broadcast breaks the group, and
+how its send runs:
+
+- `deferred`: it reads at once and holds its last broadcast until the next version has been
+  published; the test then ends it and waits for the send to return, before the next step;
+- `late`: it reads only once the next step's update has decided (it waits on an armed fence,
+  or it ran) and holds until then.
+
+What this catches: one publication's late release freeing the next one's fence. With one flag
+for every publication, send N's cleanup after its broadcast released the fence publication
+N + 1 had just armed; the next step's update went ahead, and send N + 1 then read the updated
+weights under version N + 1's label. Here, a deferred send N followed by a late send N + 1 is
+that interleaving, deterministically (a change that releases the newest fence at the end of a
+send fails this test on its first such schedule).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import suppress
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from kpo_core.config import AlgorithmConfig
+from services.learner.actor import LearnerImpl
+from services.learner.publish import Fence, WeightsRead
+from services.messages import ScoredGroup
+from services.spec import LearnerConfig
+from services.weights.base import WeightGroupError, WeightsManifest
+
+SCHEDULES = 200
+STEPS_PER_SCHEDULE = 3
+WAIT_S = 60.0
+
+
+class Signals:
+    """What the steps say, by the version a step trains from: `decided[v]`, its update has
+    decided (it waits on an armed fence, or it ran; a step that ended says so too);
+    `may_read[v]`, a late send of version v may read (the update waits on v's own fence, or
+    it ran)."""
+
+    def __init__(self) -> None:
+        self.decided: defaultdict[int, threading.Event] = defaultdict(threading.Event)
+        self.may_read: defaultdict[int, threading.Event] = defaultdict(threading.Event)
+        self.fence_versions: dict[int, int] = {}  # id(fence) -> its publication's version
+
+    def step_ended(self, version: int) -> None:
+        self.decided[version].set()
+        self.may_read[version].set()
+
+
+class ObservedRead(WeightsRead):
+    """The core's fences, saying which publications an update waits for (before it waits)."""
+
+    def __init__(self, signals: Signals, version: Callable[[], int]) -> None:
+        super().__init__()
+        self._signals = signals
+        self._version = version
+
+    def newest(self) -> Fence:
+        with self._lock:
+            return self._fences[-1]
+
+    def wait(self) -> None:
+        with self._lock:
+            unreleased = [fence for fence in self._fences if not fence.released]
+        for fence in unreleased:
+            waited = self._signals.fence_versions.get(id(fence))
+            if waited is not None:
+                self._signals.may_read[waited].set()
+        if unreleased:
+            self._signals.decided[self._version()].set()
+        super().wait()
+
+
+class HeldChannel:
+    """Rank 0's end of an in-memory weight group: a send of a `late` version reads once the
+    next update allows it; every send walks its buckets (a receiver's copy of each), then holds
+    its last broadcast (`end[version]`, or the next update's decision for a late one); a
+    version in `breaks` then fails as a dead receiver would."""
+
+    def __init__(self, signals: Signals) -> None:
+        self.delivered: dict[int, dict[str, Tensor]] = {}
+        self.end: defaultdict[int, threading.Event] = defaultdict(threading.Event)
+        self.breaks: set[int] = set()
+        self.late: set[int] = set()
+        self._signals = signals
+        self.group, self.rank, self.messages = None, 0, []
+
+    def send(self, manifest: WeightsManifest, buckets: Iterable[dict[str, Tensor]]) -> None:
+        version = manifest.version
+        if version in self.late:
+            assert self._signals.may_read[version].wait(WAIT_S)
+        received: dict[str, Tensor] = {}
+        for bucket in buckets:
+            received.update({name: tensor.clone() for name, tensor in bucket.items()})
+        held = self._signals.decided[version] if version in self.late else self.end[version]
+        assert held.wait(WAIT_S)
+        if version in self.breaks:
+            raise WeightGroupError(f"a receiver of version {version} died")
+        self.delivered[version] = received
+
+    def receive(self, manifest: WeightsManifest, device: object = None) -> Iterator[dict]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def in_thread(call: Callable[[], object]) -> threading.Thread:
+    """`call` on a thread of its own; a cancelled or broken send raises, as it should: what
+    was delivered is checked instead."""
+
+    def run() -> None:
+        with suppress(Exception):
+            call()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.fixture(scope="module")
+def learner(tiny_model_dir: Path) -> Iterator[tuple[LearnerImpl, Signals]]:
+    impl = LearnerImpl(
+        str(tiny_model_dir),
+        LearnerConfig(lr=1e-2),
+        AlgorithmConfig.model_validate({"estimator": {"name": "token"}}),
+        temperature=1.0,
+        seed=0,
+        weight_transport="collective",
+        weight_bucket_mb=1,
+        overlap_publish=True,
+    )
+    impl.setup("")
+    signals = Signals()
+    impl.core.weights_read = ObservedRead(signals, lambda: impl.core.version)
+    optimizer_step = impl.core.optimizer.step
+
+    def step_and_say(*args: object, **kwargs: object) -> object:
+        version = impl.core.version
+        result = optimizer_step(*args, **kwargs)
+        signals.step_ended(version)  # the update ran: what waits on it may go on
+        return result
+
+    impl.core.optimizer.step = step_and_say  # type: ignore[method-assign]
+    yield impl, signals
+
+
+def join(thread: threading.Thread) -> None:
+    thread.join(WAIT_S)
+    assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("seed", range(SCHEDULES))
+def test_every_armed_send_delivers_the_weights_of_its_version(
+    learner: tuple[LearnerImpl, Signals], groups: list[ScoredGroup], seed: int
+) -> None:
+    impl, signals = learner
+    read = impl.core.weights_read
+    assert isinstance(read, ObservedRead)
+    rng = random.Random(seed)
+    channel = HeldChannel(signals)
+    expected: dict[int, dict[str, Tensor]] = {}
+    deferred: list[tuple[int, threading.Thread]] = []
+    late: list[threading.Thread] = []
+    sent: set[int] = set()
+    for _ in range(STEPS_PER_SCHEDULE):
+        impl._channel = channel  # (re)formed between steps, as the driver does after a break
+        trained_from = impl.core.version
+        impl.step(groups)
+        signals.step_ended(trained_from)
+        version = impl.core.version
+        expected[version] = impl.published_state_dict()
+        if rng.random() < 0.25:
+            channel.breaks.add(version)
+        is_late = rng.random() < 0.5
+        if is_late:
+            channel.late.add(version)
+        impl.publish(version, send=True)
+        signals.fence_versions[id(read.newest())] = version
+        if rng.random() < 0.75:
+            sent.add(version)
+            thread = in_thread(lambda v=version: impl.send(v))
+        else:
+            thread = in_thread(lambda v=version: impl.cancel_send(v))
+        # The broadcasts deferred so far end now, after this publication armed its fence and
+        # before the next step: a late release would land on this one.
+        for held, held_thread in deferred:
+            channel.end[held].set()
+            join(held_thread)
+        deferred = []
+        if is_late:
+            late.append(thread)
+        else:
+            deferred.append((version, thread))
+    signals.step_ended(impl.core.version)  # no step follows the last publication
+    for held, held_thread in deferred:
+        channel.end[held].set()
+        join(held_thread)
+    for thread in late:
+        join(thread)
+    assert set(channel.delivered) <= sent - channel.breaks
+    for version, received in channel.delivered.items():
+        want = expected[version]
+        assert received and received.keys() <= want.keys()
+        for name, tensor in received.items():
+            assert torch.equal(tensor, want[name]), (seed, version, name)
+    assert read.armed <= 1  # released fences are let go of at the next update

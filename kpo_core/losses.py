@@ -36,7 +36,6 @@ from torch import Tensor
 from kpo_core.config import (
     LOSS_AGG_MODES,
     EstimatorConfig,
-    KalmanEstimator,
     LossAggMode,
     OffPolicyCorrection,
     describe_validation_error,
@@ -46,7 +45,6 @@ from kpo_core.ratios import (
     behaviour_weight_tensors,
     extreme_token_count,
     get_estimator,
-    kalman_ratio,
     masked_log_ratio,
     masked_mean_or,
     metric_floats,
@@ -391,10 +389,9 @@ def token_policy_loss(
     if behaviour_logp is not None:
         behaviour_logp = torch.where(mask, behaviour_logp, 0.0).detach()
     adv = torch.where(mask, adv, 0.0).detach()
-    if isinstance(config, KalmanEstimator):
-        estimate = kalman_ratio(logp, ref_logp, adv, mask, config, token_versions)
-    else:
-        estimate = get_estimator(config.name).estimate(logp, ref_logp, adv, mask, config)
+    estimate = get_estimator(config.name).estimate(
+        logp, ref_logp, adv, mask, config, token_versions
+    )
     per_token, clipped = clipped_surrogate(estimate, adv, mask)
     metrics = _loss_metrics(logp, ref_logp, estimate, clipped, mask)
     if behaviour_logp is not None:

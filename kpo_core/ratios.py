@@ -34,6 +34,7 @@ gradient. A valid token with |z| > `MAX_ABS_LOG_RATIO` is an extreme token
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -92,14 +93,34 @@ class RatioEstimate:
 
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
-EstimatorFn = Callable[[Tensor, Tensor, Tensor, Tensor, Any], RatioEstimate]
+EstimatorFn = Callable[..., RatioEstimate]
+EstimatorFnT = TypeVar("EstimatorFnT", bound=EstimatorFn)
 
 
 @dataclass(frozen=True)
 class RegisteredEstimator:
+    """An estimator function `fn(logp, ref_logp, advantages, mask, config)`, which may also
+    take `token_versions` by keyword (`reads_versions`: KPO's `version_switch` reads them)."""
+
     name: str
     config_type: type[BaseModel]
-    estimate: EstimatorFn
+    fn: EstimatorFn
+    reads_versions: bool
+
+    def estimate(
+        self,
+        logp: Tensor,
+        ref_logp: Tensor,
+        advantages: Tensor,
+        mask: Tensor,
+        config: Any,
+        token_versions: Tensor | None = None,
+    ) -> RatioEstimate:
+        """The estimate of `config`; `token_versions` [B, T] (the policy version that sampled
+        each token, None: one per row) reaches the estimators that read them."""
+        if self.reads_versions:
+            return self.fn(logp, ref_logp, advantages, mask, config, token_versions=token_versions)
+        return self.fn(logp, ref_logp, advantages, mask, config)
 
     def make_config(self, **options: Any) -> EstimatorConfig:
         """This estimator's config from `options`; pydantic's ValidationError if invalid."""
@@ -111,18 +132,16 @@ ESTIMATORS: dict[str, RegisteredEstimator] = {}
 
 def register_estimator(
     name: str, config_type: type[ConfigT]
-) -> Callable[
-    [Callable[[Tensor, Tensor, Tensor, Tensor, ConfigT], RatioEstimate]],
-    Callable[[Tensor, Tensor, Tensor, Tensor, ConfigT], RatioEstimate],
-]:
-    """Register an estimator function under `name` with its pydantic config type."""
+) -> Callable[[EstimatorFnT], EstimatorFnT]:
+    """Register an estimator function under `name` with its pydantic config type: it is called
+    as fn(logp, ref_logp, advantages, mask, config), with `token_versions=` too when its
+    signature names that parameter."""
 
-    def decorator(
-        fn: Callable[[Tensor, Tensor, Tensor, Tensor, ConfigT], RatioEstimate],
-    ) -> Callable[[Tensor, Tensor, Tensor, Tensor, ConfigT], RatioEstimate]:
+    def decorator(fn: EstimatorFnT) -> EstimatorFnT:
         if name in ESTIMATORS:
             raise ValueError(f"estimator {name!r} is already registered")
-        ESTIMATORS[name] = RegisteredEstimator(name, config_type, fn)
+        reads_versions = "token_versions" in inspect.signature(fn).parameters
+        ESTIMATORS[name] = RegisteredEstimator(name, config_type, fn, reads_versions)
         return fn
 
     return decorator
@@ -246,6 +265,7 @@ def _version_aware_filter(
     return torch.where(switched, x_switched, x), torch.where(switched, gains_switched, gains)
 
 
+@register_estimator("kalman", KalmanEstimator)
 def kalman_ratio(
     logp: Tensor,
     ref_logp: Tensor,
@@ -291,11 +311,6 @@ def kalman_ratio(
     return RatioEstimate(
         rho, torch.exp(-low * spread), torch.exp(high * spread), metrics=metrics, backstop=backstop
     )
-
-
-# Registered by a call, not as a decorator: the registry's signature has no token_versions,
-# which `kpo_core.losses` passes to this function directly.
-register_estimator("kalman", KalmanEstimator)(kalman_ratio)
 
 
 def token_backstop(

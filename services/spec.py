@@ -1019,6 +1019,32 @@ class RunSpec(StrictModel):
             raise ValidationError.from_exception_data("RunSpec", errors)
         return self
 
+    @model_validator(mode="after")
+    def _version_switch_needs_in_flight_updates(self) -> RunSpec:
+        # A response's tokens come from several policy versions only when weights load between
+        # decoding steps; without that every token of a response has one version, the switch
+        # never fires, and a setting that does nothing would be read as one that works.
+        switch = getattr(self.algorithm.estimator, "version_switch", "off")
+        if switch == "off" or self.pipeline.in_flight_updates:
+            return self
+        message = (
+            f"algorithm.estimator.version_switch: {switch} acts where a response's tokens were "
+            "sampled by several policy versions, which happens only with "
+            "pipeline.in_flight_updates: true; set it, or version_switch: off"
+        )
+        errors = [
+            InitErrorDetails(
+                type=PydanticCustomError("version_switch", message),
+                loc=loc,
+                input=value,
+            )
+            for loc, value in (
+                (("algorithm", "estimator", "version_switch"), switch),
+                (("pipeline", "in_flight_updates"), False),
+            )
+        ]
+        raise ValidationError.from_exception_data("RunSpec", errors)
+
     @property
     def overlaps_publish(self) -> bool:
         """Whether each publish runs beside the next learner step (`pipeline.overlap_publish`

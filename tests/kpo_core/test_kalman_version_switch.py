@@ -13,7 +13,7 @@ from kpo_core.kalman import (
     switch_process_noise,
     version_switches,
 )
-from kpo_core.ratios import kalman_ratio
+from kpo_core.ratios import get_estimator, kalman_ratio
 
 
 def switching_reference(z, valid, versions, q, r, p0, x0, mode, switch_q):
@@ -190,3 +190,21 @@ def test_reset_below_the_steady_state_covariance_is_refused_pointing_to_inflate(
     mask = torch.ones(1, 4, dtype=torch.bool)
     with pytest.raises(ValueError, match="version_switch 'inflate'"):
         switch_process_noise(mask, mask, 1e-2, 1.0, 0.0, "reset")
+
+
+def test_the_registry_hands_token_versions_to_the_estimators_that_read_them() -> None:
+    """KPO goes through the estimator registry like every estimator: its entry passes the
+    per-token versions on (a switch changes its ratio), the others' entries do not take them."""
+    cfg = KalmanEstimator(version_switch="reset", p0="diffuse", clipped=False)
+    torch.manual_seed(0)
+    logp, ref_logp = torch.randn(1, 64) * 0.3, torch.zeros(1, 64)
+    advantages, mask = torch.ones(1), torch.ones(1, 64, dtype=torch.bool)
+    kalman = get_estimator("kalman")
+    assert kalman.reads_versions and not get_estimator("token").reads_versions
+    one = kalman.estimate(logp, ref_logp, advantages, mask, cfg, None).ratio
+    switched = kalman.estimate(logp, ref_logp, advantages, mask, cfg, two_version_row()).ratio
+    direct = kalman_ratio(logp, ref_logp, advantages, mask, cfg, two_version_row()).ratio
+    assert torch.equal(switched, direct) and not torch.equal(switched, one)
+    token = get_estimator("token").make_config()
+    ratio = get_estimator("token").estimate(logp, ref_logp, advantages, mask, token, None).ratio
+    torch.testing.assert_close(ratio, logp.exp())

@@ -617,3 +617,20 @@ def test_version_switch_off_from_the_command_line_is_off() -> None:
     """What a user types, on the demo's run file (KPO): `off` unquoted."""
     spec = load_run_spec(DEMO, ["algorithm.estimator.version_switch=off"])
     assert spec.algorithm.estimator.version_switch == "off"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("switch", ["reset", "inflate"])
+def test_a_version_switch_without_in_flight_updates_is_refused_naming_both_keys(
+    switch: str,
+) -> None:
+    """Without in-flight updates every token of a response has one version: the switch would
+    never fire."""
+    estimator = {"name": "kalman", "version_switch": switch, "p0": "diffuse"}
+    with pytest.raises(ValidationError) as raised:
+        RunSpec.model_validate({"algorithm": {"estimator": estimator}})
+    described = describe_validation_error(raised.value, "run.yaml")
+    assert "algorithm.estimator.version_switch" in described
+    assert "pipeline.in_flight_updates" in described
+    in_flight = {"in_flight_updates": True, "weight_transport": "collective"}
+    spec = RunSpec.model_validate({"algorithm": {"estimator": estimator}, "pipeline": in_flight})
+    assert spec.algorithm.estimator.version_switch == switch  # type: ignore[union-attr]

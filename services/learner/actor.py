@@ -131,8 +131,12 @@ class LearnerImpl:
         self._core: LearnerCore | None = None
         self._transport: WeightTransportName = weight_transport
         self._bucket_bytes = weight_bucket_mb * MiB
+        # The weight group and rank 0's channel into it: formed and closed by the default
+        # thread, sent on (and closed on failure) by the publish thread, so read and replaced
+        # under `_group_lock` (never held during a send).
         self._channel: Channel | None = None
         self._weight_group: WeightGroup | None = None
+        self._group_lock = threading.Lock()
         self._weight_timeout_s = WEIGHT_GROUP_TIMEOUT_S
         self._weight_join_timeout_s = WEIGHT_GROUP_JOIN_TIMEOUT_S
         self._sharded = learner.strategy != "single"
@@ -304,7 +308,9 @@ class LearnerImpl:
         try:
             if not decision.result():
                 raise SendCancelled(f"the send of version {manifest.version} was cancelled")
-            if self._channel is None:
+            with self._group_lock:
+                channel = self._channel
+            if channel is None:
                 raise WeightGroupError(
                     f"no weight group to send version {manifest.version} to: the last one failed"
                 )
@@ -312,9 +318,9 @@ class LearnerImpl:
             side = torch.cuda.stream(torch.cuda.Stream()) if cuda else nullcontext()  # type: ignore[no-untyped-call]
             try:
                 with side:
-                    self._channel.send(manifest, buckets())
+                    channel.send(manifest, buckets())
             except WeightGroupError:
-                self._close_weight_group()  # a receiver died or hung: form another
+                self._close_weight_group(channel)  # a receiver died or hung: form another
                 raise
         finally:
             if fence is not None:  # a one-rank send's, also when nothing was read: its own
@@ -409,12 +415,12 @@ class LearnerImpl:
         self._rank_zero("open_weight_group")
         self._close_weight_group()
         backend: WeightGroupBackend = "nccl" if self._weight_device().type == "cuda" else "gloo"
-        self._weight_group = collective.open_weight_group(
-            world_size, backend, generation, timeout_s=timeout_s
-        )
+        group = collective.open_weight_group(world_size, backend, generation, timeout_s=timeout_s)
+        with self._group_lock:
+            self._weight_group = group
         self._weight_timeout_s = timeout_s
         self._weight_join_timeout_s = join_timeout_s
-        return self._weight_group
+        return group
 
     def connect_weight_group(self, group: WeightGroup) -> None:
         """Join `group` as its rank 0; blocks until every receiver has joined, or raises
@@ -422,30 +428,34 @@ class LearnerImpl:
         self._rank_zero("connect_weight_group")
         if group != self._weight_group:
             raise ValueError(f"weight group {group} is not the one this learner opened last")
-        self._channel = collective.connect(
+        channel = collective.connect(
             group,
             0,
             timeout_s=self._weight_timeout_s,
             join_timeout_s=self._weight_join_timeout_s,
         )
+        with self._group_lock:
+            self._channel = channel
 
     def send_weights(self) -> None:
         """Broadcast the current version to the weight group (every rank gathers, rank 0
         sends). The receivers must be receiving the manifest of this version's offer."""
         manifest = self.core.weights_manifest(self._bucket_bytes)
         buckets = self.core.weight_buckets(manifest, self._weight_device())
-        if self._channel is None:
+        with self._group_lock:
+            channel = self._channel
+        if channel is None:
             drain(buckets)  # rank 0 too: the other ranks' gathers need it
             if self._group.rank == 0:
                 raise RuntimeError("send_weights before connect_weight_group: no weight group")
             return
         try:
-            self._channel.send(manifest, buckets)
+            channel.send(manifest, buckets)
         except WeightGroupError:
             # A receiver died or hung: this group is done, but the learner is not. Finishing
             # the walk keeps the other ranks' gathers in step, so the driver can form a new
             # group and send again.
-            self._close_weight_group()
+            self._close_weight_group(channel)
             drain(buckets)
             raise
 
@@ -454,13 +464,19 @@ class LearnerImpl:
         For checks: publishing streams buckets instead."""
         return self.core.state_dict_for_publish()
 
-    def _close_weight_group(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
-        if self._weight_group is not None:
-            collective.stop_serving(self._weight_group)
-        self._channel = None
-        self._weight_group = None
+    def _close_weight_group(self, failed: Channel | None = None) -> None:
+        """Close the weight group; `failed`: only if that channel is still the group's (a send
+        that failed on the publish thread must not close a group formed since)."""
+        with self._group_lock:
+            if failed is not None and self._channel is not failed:
+                return
+            channel, group = self._channel, self._weight_group
+            self._channel = None
+            self._weight_group = None
+        if channel is not None:
+            channel.close()
+        if group is not None:
+            collective.stop_serving(group)
 
     def save_checkpoint(self, path: str) -> str:
         """Write this rank's part of the checkpoint directory at `path`; return its path."""

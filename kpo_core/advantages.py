@@ -59,6 +59,106 @@ def _check_1d(name: str, t: Tensor) -> None:
         raise ValueError(f"{name} must be 1-D with shape [N], got shape {tuple(t.shape)}")
 
 
+def _check_arguments(
+    rewards: Tensor,
+    group_ids: Tensor,
+    mode: str,
+    eps: float,
+    nonfinite: str,
+    num_groups: int | None,
+) -> None:
+    """`group_advantages`' argument checks (its Raises), but for the rewards' values."""
+    _check_1d("rewards", rewards)
+    _check_1d("group_ids", group_ids)
+    if group_ids.shape[0] != rewards.shape[0]:
+        raise ValueError(
+            f"group_ids must have the same length as rewards, got group_ids of length "
+            f"{group_ids.shape[0]} and rewards of length {rewards.shape[0]}"
+        )
+    if group_ids.device != rewards.device:
+        raise ValueError(
+            f"group_ids must be on the same device as rewards, got group_ids on "
+            f"{group_ids.device} and rewards on {rewards.device}"
+        )
+    if group_ids.is_floating_point() or group_ids.is_complex():
+        # Float ids invite silent grouping mistakes (0.1 + 0.2 != 0.3); demand exact labels.
+        raise ValueError(f"group_ids must be an integer tensor, got dtype {group_ids.dtype}")
+    if rewards.is_complex():
+        raise ValueError(f"rewards must be real, got dtype {rewards.dtype}")
+    if mode not in _MODES:
+        raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+    if nonfinite not in _NONFINITE:
+        raise ValueError(f"nonfinite must be one of {_NONFINITE}, got {nonfinite!r}")
+    if not (eps >= 0.0 and eps != float("inf")):  # written so that NaN fails too
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+    if num_groups is not None and num_groups < 0:
+        raise ValueError(f"num_groups must be >= 0, got {num_groups}")
+
+
+def _check_finite(rewards: Tensor, finite: Tensor) -> None:
+    """ValueError giving how many rewards are NaN/inf and the first, if any is."""
+    bad = ~finite
+    n_bad = int(bad.sum().item())
+    if n_bad:
+        first = int(torch.nonzero(bad)[0, 0].item())
+        raise ValueError(
+            f"rewards contains {n_bad} non-finite value(s) (NaN or inf) out of "
+            f"{rewards.shape[0]}; first at index {first} (value {rewards[first].item()})"
+        )
+
+
+def _constant_groups(r: Tensor, keep: Tensor, inverse: Tensor, num_groups: int) -> Tensor:
+    """[N] bool: whether response i's group has all-equal kept rewards (true of every group
+    of size 1, and of one without finite rewards).
+
+    A constant group's mean is not always exactly its value in floating point
+    (3 * 0.1 / 3 != 0.1), and with a tiny eps that rounding residue divided by an equally
+    tiny std would become an O(1) advantage. So constant groups are found exactly, by
+    min == max (min >= max: a group without finite rewards keeps the fills -inf / +inf).
+    """
+    g_max = torch.full((num_groups,), -torch.inf, dtype=r.dtype, device=r.device)
+    g_max = g_max.scatter_reduce(
+        0, inverse, torch.where(keep, r, -torch.inf), reduce="amax", include_self=True
+    )
+    g_min = torch.full((num_groups,), torch.inf, dtype=r.dtype, device=r.device)
+    g_min = g_min.scatter_reduce(
+        0, inverse, torch.where(keep, r, torch.inf), reduce="amin", include_self=True
+    )
+    return (g_min >= g_max)[inverse]
+
+
+def _scaled(
+    centred: Tensor,
+    counts: Tensor,
+    inverse: Tensor,
+    constant: Tensor,
+    mode: str,
+    eps: float,
+    std_unbiased: bool,
+) -> Tensor:
+    """[N] advantages of `mode` from the centred rewards r_i - mean_g (0 in constant groups),
+    the groups' finite-reward counts [K] and each response's group `inverse` [N]."""
+    if mode == "dr_grpo":
+        return centred
+    if mode == "rloo":
+        # G / (G - 1); groups of size 1 already have centred == 0, clamp only avoids 0 / 0.
+        scale = counts / (counts - 1.0).clamp_min(1.0)
+        return centred * scale[inverse]
+    # "grpo"
+    sq = torch.zeros(counts.shape[0], dtype=centred.dtype, device=centred.device).index_add_(
+        0, inverse, centred * centred
+    )  # [K], sum_i (r_i - mean_g)^2 over the finite rewards (dropped ones have centred 0)
+    # Bessel: divide by G - 1; a size-1 group (or, population std, a group without finite
+    # rewards) would give 0 / 0, but it is constant (above), so clamping its denominator
+    # to 1 only keeps NaN out of a value that is then masked.
+    denom = (counts - 1.0 if std_unbiased else counts).clamp_min(1.0)
+    std = (sq / denom).sqrt()  # [K]
+    # Constant groups have std 0 and centred 0: 0 / (0 + eps) is 0 for eps > 0, but
+    # 0 / 0 with eps = 0 -- so divide by 1 there instead.
+    divisor = torch.where(constant, torch.ones_like(centred), std[inverse] + eps)
+    return centred / divisor
+
+
 def group_advantages(
     rewards: Tensor,
     group_ids: Tensor,
@@ -101,43 +201,11 @@ def group_advantages(
             (the message gives how many and the first index), unknown ``mode`` or
             ``nonfinite``, ``eps`` negative or not finite, or ``num_groups`` negative.
     """
-    _check_1d("rewards", rewards)
-    _check_1d("group_ids", group_ids)
-    if group_ids.shape[0] != rewards.shape[0]:
-        raise ValueError(
-            f"group_ids must have the same length as rewards, got group_ids of length "
-            f"{group_ids.shape[0]} and rewards of length {rewards.shape[0]}"
-        )
-    if group_ids.device != rewards.device:
-        raise ValueError(
-            f"group_ids must be on the same device as rewards, got group_ids on "
-            f"{group_ids.device} and rewards on {rewards.device}"
-        )
-    if group_ids.is_floating_point() or group_ids.is_complex():
-        # Float ids invite silent grouping mistakes (0.1 + 0.2 != 0.3); demand exact labels.
-        raise ValueError(f"group_ids must be an integer tensor, got dtype {group_ids.dtype}")
-    if rewards.is_complex():
-        raise ValueError(f"rewards must be real, got dtype {rewards.dtype}")
-    if mode not in _MODES:
-        raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
-    if nonfinite not in _NONFINITE:
-        raise ValueError(f"nonfinite must be one of {_NONFINITE}, got {nonfinite!r}")
-    if not (eps >= 0.0 and eps != float("inf")):  # written so that NaN fails too
-        raise ValueError(f"eps must be finite and >= 0, got {eps}")
-    if num_groups is not None and num_groups < 0:
-        raise ValueError(f"num_groups must be >= 0, got {num_groups}")
-
+    _check_arguments(rewards, group_ids, mode, eps, nonfinite, num_groups)
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
     keep = torch.isfinite(rewards) if rewards.is_floating_point() else None
     if keep is not None and nonfinite == "raise":
-        bad = ~keep
-        n_bad = int(bad.sum().item())
-        if n_bad:
-            first = int(torch.nonzero(bad)[0, 0].item())
-            raise ValueError(
-                f"rewards contains {n_bad} non-finite value(s) (NaN or inf) out of "
-                f"{rewards.shape[0]}; first at index {first} (value {rewards[first].item()})"
-            )
+        _check_finite(rewards, keep)
     if rewards.shape[0] == 0:
         return torch.empty(0, dtype=out_dtype, device=rewards.device)
 
@@ -163,40 +231,10 @@ def group_advantages(
     mean = sums / counts.clamp_min(1.0)  # [K]; a group with no finite reward has mean 0
     centred = r - mean[inverse]  # [N], r_i - mean_g
 
-    # A constant group's mean is not always exactly its value in floating point
-    # (3 * 0.1 / 3 != 0.1), and with a tiny eps that rounding residue divided by an equally
-    # tiny std would become an O(1) advantage. Detect constant groups exactly via min == max
-    # (min >= max: a group without finite rewards keeps the fills -inf / +inf).
-    g_max = torch.full((num_groups,), -torch.inf, dtype=dtype, device=r.device)
-    g_max = g_max.scatter_reduce(
-        0, inverse, torch.where(keep, r, -torch.inf), reduce="amax", include_self=True
-    )
-    g_min = torch.full((num_groups,), torch.inf, dtype=dtype, device=r.device)
-    g_min = g_min.scatter_reduce(
-        0, inverse, torch.where(keep, r, torch.inf), reduce="amin", include_self=True
-    )
-    constant = (g_min >= g_max)[inverse]  # [N]; also True for every group of size 1
+    constant = _constant_groups(r, keep, inverse, num_groups)  # [N]
     centred = torch.where(constant | ~keep, torch.zeros_like(centred), centred)
 
-    if mode == "dr_grpo":
-        adv = centred
-    elif mode == "rloo":
-        # G / (G - 1); groups of size 1 already have centred == 0, clamp only avoids 0 / 0.
-        scale = counts / (counts - 1.0).clamp_min(1.0)
-        adv = centred * scale[inverse]
-    else:  # "grpo"
-        sq = torch.zeros(num_groups, dtype=dtype, device=r.device).index_add_(
-            0, inverse, centred * centred
-        )  # [K], sum_i (r_i - mean_g)^2 over the finite rewards (dropped ones have centred 0)
-        # Bessel: divide by G - 1; a size-1 group (or, population std, a group without finite
-        # rewards) would give 0 / 0, but it is constant (above), so clamping its denominator
-        # to 1 only keeps NaN out of a value that is then masked.
-        denom = (counts - 1.0 if std_unbiased else counts).clamp_min(1.0)
-        std = (sq / denom).sqrt()  # [K]
-        # Constant groups have std 0 and centred 0: 0 / (0 + eps) is 0 for eps > 0, but
-        # 0 / 0 with eps = 0 -- so divide by 1 there instead.
-        divisor = torch.where(constant, torch.ones_like(centred), std[inverse] + eps)
-        adv = centred / divisor
+    adv = _scaled(centred, counts, inverse, constant, mode, eps, std_unbiased)
     return adv.to(out_dtype)
 
 

@@ -419,16 +419,10 @@ class LearnerCore:
         self._version += 1
         self._steps += 1
         records, diagnostics = self._minibatch_records(steps, batch_stats, ratios)
-        every = self.learner.record_ratios_every
-        ratio_dir = self.ratio_dir if every and self._version % every == 0 else None
-        # Every rank's first-epoch rows, to rank 0 (a step that saves them only).
-        saved_rows = None if ratio_dir is None else self.group.gather(ratios.rows_on_host())
+        self._save_ratios(ratios)
         if self.group.rank != 0:
             return {}  # the group's record is rank 0's
         metrics, records = records[0], records[1:]
-        if ratio_dir is not None and saved_rows is not None:
-            every_rank = [row for rank_rows in saved_rows for row in rank_rows]
-            RatioLog.save(every_rank, ratio_file(ratio_dir, self._version - 1), self._version - 1)
         metrics.update(reduce_minibatches(records))
         metrics.update(diagnostics)
         for key in PER_PASS:
@@ -441,6 +435,19 @@ class LearnerCore:
             learner_world_size=float(self.group.world_size),
         )
         return metrics
+
+    def _save_ratios(self, ratios: RatioLog) -> None:
+        """Every `learner.record_ratios_every` steps, the first epoch's log-ratios of every
+        rank to the step's ratio file (`ratio_file`): every rank's rows are gathered to rank 0
+        (a collective: every rank calls this), which writes them."""
+        every = self.learner.record_ratios_every
+        if self.ratio_dir is None or not every or self._version % every:
+            return
+        saved_rows = self.group.gather(ratios.rows_on_host())
+        if self.group.rank == 0 and saved_rows is not None:
+            every_rank = [row for rank_rows in saved_rows for row in rank_rows]
+            version = self._version - 1
+            RatioLog.save(every_rank, ratio_file(self.ratio_dir, version), version)
 
     def _minibatch_records(
         self,

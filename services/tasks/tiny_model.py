@@ -21,7 +21,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -264,6 +264,48 @@ def tool_demonstration(prompt: Prompt, seed: int, fraction: float) -> Demonstrat
     return arith_tool.direct_solution(prompt)
 
 
+def _evaluator(
+    sampler: HFBackend,
+    model: Qwen2ForCausalLM,
+    eval_prompts: list[Prompt],
+    max_new_tokens: int,
+    tools: bool,
+) -> Callable[[], float | Evaluation]:
+    """The warm start's evaluation: the model's current weights loaded into `sampler`, then its
+    sampled accuracy on `eval_prompts` (with the tool's calls executed, for `tools`)."""
+    evaluations = 0
+
+    def evaluate() -> float | Evaluation:
+        nonlocal evaluations
+        evaluations += 1
+        sampler.load_weights(model.state_dict(), evaluations)
+        if not tools:
+            return sampled_accuracy(
+                sampler, eval_prompts, seed=EVAL_SAMPLING_SEED, max_new_tokens=max_new_tokens
+            )
+        measured = evaluate_with_tool(
+            sampler, eval_prompts, seed=EVAL_SAMPLING_SEED, max_new_tokens=max_new_tokens
+        )
+        return Evaluation(accuracy=measured.accuracy, details=measured.details())
+
+    return evaluate
+
+
+def _demonstrations(
+    settings: BuildSettings, seed: int, tools: bool
+) -> tuple[Iterator[Prompt], Callable[[Prompt], Demonstration]]:
+    """The warm start's training prompts and how each is solved: worked solutions, or for
+    `tools` a mix of answers that call the tool and answers that do not."""
+    if tools:
+        low, high = settings.train_difficulties or (settings.difficulty, settings.difficulty)
+
+        def solve(prompt: Prompt) -> Demonstration:
+            return tool_demonstration(prompt, seed, settings.tool_fraction)
+
+        return arith_tool.iter_mixed_prompts(seed, low, high, "train"), solve
+    return arith.iter_prompts(seed, settings.difficulty, "train"), arith.reference_solution
+
+
 def build_tiny_model(
     out: str | Path = DEFAULT_MODEL_DIR,
     seed: int = 0,
@@ -304,38 +346,8 @@ def build_tiny_model(
             tokenizer,
             ToolSettings(max_turns=settings.max_turns, call_format="fenced") if tools else None,
         )
-        evaluations = 0
-
-        def evaluate() -> float | Evaluation:
-            nonlocal evaluations
-            evaluations += 1
-            sampler.load_weights(model.state_dict(), evaluations)
-            if not tools:
-                return sampled_accuracy(
-                    sampler,
-                    eval_prompts,
-                    seed=EVAL_SAMPLING_SEED,
-                    max_new_tokens=longest + EVAL_MARGIN_TOKENS,
-                )
-            measured = evaluate_with_tool(
-                sampler,
-                eval_prompts,
-                seed=EVAL_SAMPLING_SEED,
-                max_new_tokens=longest + EVAL_MARGIN_TOKENS,
-            )
-            return Evaluation(accuracy=measured.accuracy, details=measured.details())
-
-        if tools:
-            low, high = settings.train_difficulties or (settings.difficulty, settings.difficulty)
-            prompts = arith_tool.iter_mixed_prompts(seed, low, high, "train")
-
-            def solve(prompt: Prompt) -> Demonstration:
-                return tool_demonstration(prompt, seed, settings.tool_fraction)
-
-        else:
-            prompts = arith.iter_prompts(seed, settings.difficulty, "train")
-            solve = arith.reference_solution
-
+        evaluate = _evaluator(sampler, model, eval_prompts, longest + EVAL_MARGIN_TOKENS, tools)
+        prompts, solve = _demonstrations(settings, seed, tools)
         try:
             result = warm_start(
                 model, tokenizer, prompts, solve, evaluate, settings.warm_start, progress=progress

@@ -51,7 +51,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -124,11 +123,11 @@ class SyncLearner(LearnerImpl, Memory):
         super().__init__(*args, **kwargs)
 
     def use_transport(self, transport: WeightTransportName) -> None:
-        self._transport = transport
+        self.publisher.switch(transport=transport)
 
     def use_overlap(self, overlap: bool) -> None:
         """Publish as `overlap_publish` would have it (this one rank)."""
-        self._publisher = ThreadPoolExecutor(1, "publish") if overlap else None
+        self.publisher.switch(overlap=overlap)
 
     @torch.no_grad()
     def new_version(self) -> None:

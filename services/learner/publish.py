@@ -18,7 +18,7 @@ What is published of a model is a `WeightView`: by default its own state dict
 An overlapped publish (`overlapped_buckets`, a learner of one unsharded rank) reads the live
 weights on a thread of its own while the next step trains: the step's forward and backward only
 read the weights, and its first optimiser update waits on the publication's `Fence` (one per
-publication, held in the core's `WeightsRead`) until every tensor has been copied out. On a GPU
+publication, held in the publisher's `WeightsRead`) until every tensor has been copied out. On a GPU
 the copies run on a side stream, into pinned host memory (object store) or straight into the
 bucket that is broadcast (collective), ordered after the last update by an event, and the update
 waits for them on the device (no host sync in the step). A bucket is handed on only once all of

@@ -70,7 +70,6 @@ from services.learner.metrics import (
 from services.learner.micro_batches import MicroBatch, plan_minibatch
 from services.learner.publish import (
     Fence,
-    WeightsRead,
     WeightView,
     full_weights,
     iter_buckets,
@@ -268,6 +267,10 @@ class RatioLog:
 RATIO_FILE_ROWS = ("log_ratio", "mask", "row", "staleness", "advantage", "token_versions")
 
 
+def _nothing() -> None:
+    """No publish reads the weights beside a step (a learner without a publisher)."""
+
+
 def ratio_file(ratio_dir: Path, version: int) -> Path:
     """Where the log-ratios of the step that started from version `version` are saved.
 
@@ -306,6 +309,7 @@ class LearnerCore:
         group: RankGroup | None = None,
         *,
         response_length: int | None = None,
+        before_update: Callable[[], None] | None = None,
     ) -> None:
         """Load the model and tokenizer from `model_path`; version 0 is those weights.
 
@@ -317,6 +321,9 @@ class LearnerCore:
         `response_length`: the run's response limit (generation.max_new_tokens), which KPO's
         `reference_length: auto` resolves to; it may be None only when `algorithm` needs no
         length (resolved already, as the learner group hands it, or another setting).
+        `before_update`: called before every change of the weights (an optimiser update, a
+        checkpoint load), on the training thread: the publisher's fences, so that a publish
+        reading the weights beside the next step has read them first.
         """
         if not temperature > 0:
             raise ValueError(
@@ -347,8 +354,7 @@ class LearnerCore:
         )
         self.scheduler = LambdaLR(self.optimizer, linear_warmup(learner.warmup_steps))
         self.generator = torch.Generator().manual_seed(seed)
-        # Released unless an overlapped publish is reading the weights (every update waits).
-        self.weights_read = WeightsRead()
+        self.before_update = before_update or _nothing
         self._version = 0
         self._steps = 0
 
@@ -596,7 +602,7 @@ class LearnerCore:
             return accumulator, outcome, len(plan)
         applied = math.isfinite(loss_value) and math.isfinite(norm)
         if applied:
-            self.weights_read.wait()  # an overlapped publish of the last version reads them
+            self.before_update()  # an overlapped publish of the last version may read them
             self.optimizer.step()
         else:
             self.optimizer.zero_grad(set_to_none=True)
@@ -702,8 +708,8 @@ class LearnerCore:
     ) -> Iterator[dict[str, Tensor]]:
         """The buckets of `manifest`, on `device`, read on another thread while the next step
         trains (an unsharded learner; services.learner.publish): the step's first update waits
-        until they are read. `fence`: the publication's, armed on the training thread
-        (`weights_read.arm()`) before the step."""
+        until they are read. `fence`: the publication's, armed on the training thread (in
+        the fences `before_update` waits on) before the step."""
         return overlapped_buckets(self._published(), manifest, fence, after, device)
 
     def state_dict_for_publish(self) -> dict[str, Tensor]:
@@ -741,7 +747,7 @@ class LearnerCore:
         """Restore weights (in place; with LoRA the adapters', onto the base model read from
         `model`), optimiser, schedule, RNGs and version; return the version."""
         adapters = isinstance(self.model.policy, PeftModel)
-        self.weights_read.wait()
+        self.before_update()
         state = checkpoint.load_checkpoint(
             path, self.model.policy, self._training_state(), adapters_only=adapters
         )

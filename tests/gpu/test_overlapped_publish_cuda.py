@@ -41,7 +41,7 @@ def test_a_publish_read_beside_the_next_cuda_step_is_the_version_it_began_with(
     manifest = core.weights_manifest(MiB // 16)
     assert len(manifest.buckets) > 2
     read = GatedRead()
-    core.weights_read = read
+    core.before_update = read.wait
     fence = read.arm()
     buckets = core.overlapped_weight_buckets(manifest, fence, publish_point(core.device), device)
     gate, got = threading.Event(), {}

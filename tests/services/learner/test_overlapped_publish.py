@@ -61,7 +61,7 @@ def test_the_next_step_updates_only_after_the_publish_read_every_tensor(
     manifest = core.weights_manifest(MiB // 16)
     assert manifest.version == 1 and len(manifest.buckets) > 2  # a walk the step can overtake
     read = GatedRead()
-    core.weights_read = read
+    core.before_update = read.wait
     buckets = core.overlapped_weight_buckets(manifest, read.arm(), None)
     gate, got = threading.Event(), {}
     publisher = publish_in_thread(buckets, gate, got)
@@ -106,7 +106,9 @@ def test_a_publish_stopped_early_releases_the_update(
     """A publish that fails (its reader gone after one bucket) must not hold the learner."""
     core = make_core(tiny_model_dir, "token", lr=1e-2)
     manifest = core.weights_manifest(MiB // 16)
-    buckets = core.overlapped_weight_buckets(manifest, core.weights_read.arm(), None)
+    read = WeightsRead()
+    core.before_update = read.wait
+    buckets = core.overlapped_weight_buckets(manifest, read.arm(), None)
     next(buckets)
     buckets.close()
     finished = threading.Thread(target=core.train_step, args=(groups,), daemon=True)

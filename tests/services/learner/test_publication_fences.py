@@ -147,7 +147,10 @@ def learner(tiny_model_dir: Path) -> Iterator[tuple[LearnerImpl, Signals]]:
     )
     impl.setup("")
     signals = Signals()
-    impl.core.weights_read = ObservedRead(signals, lambda: impl.core.version)
+    # The core's updates wait on these fences, and the publisher arms them.
+    read = ObservedRead(signals, lambda: impl.core.version)
+    impl.core.before_update = read.wait
+    impl.publisher.fences = read
     optimizer_step = impl.core.optimizer.step
 
     def step_and_say(*args: object, **kwargs: object) -> object:
@@ -170,7 +173,7 @@ def test_every_armed_send_delivers_the_weights_of_its_version(
     learner: tuple[LearnerImpl, Signals], groups: list[ScoredGroup], seed: int
 ) -> None:
     impl, signals = learner
-    read = impl.core.weights_read
+    read = impl.publisher.fences
     assert isinstance(read, ObservedRead)
     rng = random.Random(seed)
     channel = HeldChannel(signals)
@@ -179,7 +182,7 @@ def test_every_armed_send_delivers_the_weights_of_its_version(
     late: list[threading.Thread] = []
     sent: set[int] = set()
     for _ in range(STEPS_PER_SCHEDULE):
-        impl._channel = channel  # (re)formed between steps, as the driver does after a break
+        impl.publisher.attach_channel(channel)  # (re)formed between steps, as after a break
         trained_from = impl.core.version
         impl.step(groups)
         signals.step_ended(trained_from)

@@ -695,6 +695,14 @@ class PipelineConfig(StrictModel):
         "the weights are read) instead of before it; a sharded learner gathers before the next "
         "step and puts or broadcasts beside it; a sync run publishes before the next step",
     )
+    publish_in_flight: int = Field(
+        1,
+        ge=1,
+        le=MAX_STALENESS + 1,
+        description="a sharded learner's overlapped publishes whose gathered host copy of the "
+        "weights may be held at once (each until it is put or broadcast): the next publish "
+        "waits for room, so host memory holds at most this many copies beyond the shards",
+    )
     in_flight_updates: bool = Field(
         False,
         description="async only. Load new weights between decoding steps without waiting for "

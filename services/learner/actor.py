@@ -61,12 +61,14 @@ class LearnerImpl:
         weight_transport: WeightTransportName = "object_store",
         weight_bucket_mb: int = 256,
         overlap_publish: bool = False,
+        publish_in_flight: int = 1,
     ) -> None:
         """Remember the settings; `setup` joins the group and loads the model.
 
         `weight_transport` and `weight_bucket_mb` are the run's `pipeline` settings of the same
         names (how each version reaches generation); `overlap_publish`, whether a publish runs
-        while the next step trains (`RunSpec.overlaps_publish` decides: an async run).
+        while the next step trains (`RunSpec.overlaps_publish` decides: an async run);
+        `publish_in_flight`, the sharded publishes whose host copies may be held at once.
         """
         if weight_transport not in ("object_store", "collective"):
             raise ValueError(f"unknown weight_transport {weight_transport!r}")
@@ -77,7 +79,12 @@ class LearnerImpl:
         self._group = RankGroup(rank, learner.world_size)
         self._core: LearnerCore | None = None
         self._publisher: Publisher | None = None
-        self._publishing = (weight_transport, weight_bucket_mb * MiB, overlap_publish)
+        self._publishing = (
+            weight_transport,
+            weight_bucket_mb * MiB,
+            overlap_publish,
+            publish_in_flight,
+        )
         self._last_step_end: float | None = None
 
     def rendezvous_address(self) -> str:
@@ -104,9 +111,9 @@ class LearnerImpl:
             self._group,
             before_update=fences.wait,
         )
-        transport, bucket_bytes, overlap = self._publishing
+        transport, bucket_bytes, overlap, in_flight = self._publishing
         self._publisher = Publisher(
-            self._core, fences, self._group, transport, bucket_bytes, overlap
+            self._core, fences, self._group, transport, bucket_bytes, overlap, in_flight
         )
 
     @property

@@ -122,6 +122,7 @@ class LearnerGroup:
                     weight_transport=spec.pipeline.weight_transport,
                     weight_bucket_mb=spec.pipeline.weight_bucket_mb,
                     overlap_publish=self.overlaps_publish,
+                    publish_in_flight=spec.pipeline.publish_in_flight,
                 )
             )
 

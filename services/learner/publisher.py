@@ -37,10 +37,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from queue import SimpleQueue
+from typing import Any
 
 import torch
 
@@ -109,7 +110,10 @@ class Publisher:
         transport: WeightTransportName,
         bucket_bytes: int,
         overlap: bool,
+        in_flight: int = 1,
     ) -> None:
+        if in_flight < 1:
+            raise ValueError(f"publish_in_flight must be >= 1, got {in_flight}")
         self.core = core
         self.fences = fences
         self._group = group
@@ -118,6 +122,12 @@ class Publisher:
         self._sharded = core.learner.strategy != "single"
         self._thread = ThreadPoolExecutor(1, "publish") if overlap else None
         self._publications: dict[int, Publication] = {}
+        # Rank 0's sharded publishes whose gathered host copy is still held (until their put or
+        # broadcast ends): at most `in_flight`, the next gather waits for room.
+        self._in_flight = in_flight
+        self._holding: list[tuple[int, Future[Any]]] = []  # (version, its put or send job)
+        # Called when a gather waits for room, with the versions of the copies it waits on.
+        self.waits_for_room: Callable[[list[int]], None] = _ignore
         self._changed = threading.Condition()
         self._channel: Channel | None = None
         self._weight_group: WeightGroup | None = None
@@ -224,11 +234,14 @@ class Publisher:
         self,
         offer: Future[WeightsOffer | None],
         manifest: WeightsManifest,
-        start: Callable[[Buckets], None],
+        start: Callable[[Buckets], Future[Any]],
     ) -> None:
         """A sharded overlapped publish (services.learner.publish): every rank gathers here,
         with the others; rank 0 `start`s the publish thread's part on its buckets as they are
-        handed over (on the host: pinned under a GPU, by copies the host does not wait for)."""
+        handed over (on the host: pinned under a GPU, by copies the host does not wait for),
+        once fewer than `in_flight` earlier copies are still held."""
+        if self._group.rank == 0:
+            self._wait_for_room()
         cuda = self.core.device.type == "cuda"
         buckets = self.core.weight_buckets(manifest, "cpu", pinned=cuda)
         if self._group.rank != 0:
@@ -236,13 +249,22 @@ class Publisher:
             offer.set_result(None)
             return
         handed: SimpleQueue[Handed] = SimpleQueue()
-        start(handed_buckets(handed))
+        self._holding.append((manifest.version, start(handed_buckets(handed))))
         try:
             for bucket in buckets:
                 handed.put((bucket, publish_point(self.core.device)))
                 del bucket
         finally:
             handed.put(None)  # a gather that failed leaves the publish short: it fails
+
+    def _wait_for_room(self) -> None:
+        """Block until fewer than `in_flight` gathered copies are held (rank 0, before a
+        gather; the copies are let go of by the publish thread, which never waits on this)."""
+        self._holding = [(v, job) for v, job in self._holding if not job.done()]
+        while len(self._holding) >= self._in_flight:
+            self.waits_for_room([version for version, _ in self._holding])
+            wait([job for _, job in self._holding], return_when=FIRST_COMPLETED)
+            self._holding = [(v, job) for v, job in self._holding if not job.done()]
 
     def _put_gathered(self, offer: Future[WeightsOffer | None]) -> None:
         """A sharded overlapped publish over object_store: the publish thread puts the buckets
@@ -251,9 +273,10 @@ class Publisher:
         thread = self._thread
         manifest = self.core.weights_manifest(self._bucket_bytes)
 
-        def put(buckets: Buckets) -> None:
+        def put(buckets: Buckets) -> Future[WeightsOffer]:
             running = thread.submit(put_buckets, manifest, buckets)
             running.add_done_callback(lambda done: _settle(offer, done))
+            return running
 
         self._gather(offer, manifest, put)
 
@@ -270,9 +293,10 @@ class Publisher:
         published = WeightsOffer("collective", manifest) if self._group.rank == 0 else None
         if self._sharded:
 
-            def arm(buckets: Buckets) -> None:
-                self._arm(publication, manifest, lambda: buckets, None)
+            def arm(buckets: Buckets) -> Future[None]:
+                job = self._arm(publication, manifest, lambda: buckets, None)
                 offer.set_result(published)
+                return job
 
             self._gather(offer, manifest, arm)
             return
@@ -293,15 +317,17 @@ class Publisher:
         manifest: WeightsManifest,
         buckets: Callable[[], Buckets],
         fence: Fence | None,
-    ) -> None:
+    ) -> Future[None]:
         """Arm the send of `manifest`'s version, the one held: the publish thread broadcasts
         `buckets()` once the driver starts it (`send`), or drops it (`cancel_send`); `fence`:
-        the publication's own, which a one-rank send reads the live weights under."""
+        the publication's own, which a one-rank send reads the live weights under. Returns
+        the publish thread's job."""
         assert self._thread is not None
         decision: Future[bool] = Future()
         job = self._thread.submit(self._send_armed, decision, manifest, buckets, fence)
         with self._changed:
             publication.decision, publication.job = decision, job
+        return job
 
     def _send_armed(
         self,
@@ -420,6 +446,10 @@ class Publisher:
             channel.close()
         if group is not None:
             collective.stop_serving(group)
+
+
+def _ignore(versions: list[int]) -> None:
+    """No one watches a publish wait for room."""
 
 
 def _settle(offer: Future[WeightsOffer | None], done: Future[WeightsOffer]) -> None:

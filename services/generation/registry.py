@@ -22,7 +22,7 @@ _BACKENDS: dict[str, str] = {
 }
 
 # The constructor keywords of each backend that a run spec's `generation.options` may set: the
-# run spec checks option names against these (services/spec.py), and a test binds them to each
+# run spec checks option names against these (services/spec/generation.py), and a test binds them to each
 # constructor's signature so the two cannot drift apart. Keywords the pipeline sets from other
 # keys (the hf backend's `recompute_kv`, the vllm backend's `engine_kwargs`) are not listed.
 _OPTIONS: dict[str, frozenset[str]] = {

@@ -54,7 +54,7 @@ Decision = Literal["continue", "call"] | FinishReason
 
 @dataclass(frozen=True)
 class ToolSettings:
-    """The `tools` section of a run spec, as generation uses it (see services/spec.py)."""
+    """The `tools` section of a run spec, as generation uses it (see services/spec/tools.py)."""
 
     max_turns: int = 5
     max_calls: int | None = None  # None: max_turns - 1

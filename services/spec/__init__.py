@@ -1,0 +1,242 @@
+"""The run spec: what one run is made of, shared by YAML run files and the REST API.
+
+A `RunSpec` is the algorithm (`kpo_core.config.AlgorithmConfig`, the pure library's) plus what
+only the service knows: the model, the task, generation, reward, the learner, the pipeline,
+evaluation and tracking. Every model is strict (`extra="forbid"`): a typo in a key is an error
+naming the key, and a bad value is an error naming the field and the valid values. The names a
+field accepts (generation backends, verifiers, dataset formats) are read from the services'
+registries, so a bad name in a run file is a validation error listing the valid ones rather
+than a failure inside an actor, and no second list has to be kept in step.
+
+Every count, list and free-text string has an upper bound (the MAX_* constants of `bounds.py`):
+a run spec may come from any client of the API, and none may ask the cluster for an unbounded
+amount of work, memory, disk or scheduling. The bounds are far above what a run of a 4B-8B model
+on a large GPU cluster asks for; past one, the error names the field and the bound.
+
+One module per section (`task`, `generation`, `reward`, `learner`, `pipeline`, `tracking`,
+`eval`, `tools`); this one holds `RunSpec`, the checks across sections, and re-exports every
+section's names, so `from services.spec import ...` reads as before.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, ValidationError, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from kpo_core.config import AlgorithmConfig, StrictModel
+from services.spec.bounds import (
+    MAX_ACTORS,
+    MAX_BATCH_GROUPS,
+    MAX_BUFFER_GROUPS,
+    MAX_CPUS_PER_ACTOR,
+    MAX_CUSTOM_RESOURCE_AMOUNT,
+    MAX_CUSTOM_RESOURCES,
+    MAX_GPUS_PER_ACTOR,
+    MAX_GROUP_SIZE,
+    MAX_LIST_ITEMS,
+    MAX_NAME_CHARS,
+    MAX_PATH_CHARS,
+    MAX_PROMPTS_PER_BATCH,
+    MAX_RESPONSE_TOKENS,
+    MAX_SEED,
+    MAX_STALENESS,
+    MAX_STEPS,
+    MAX_TEMPERATURE,
+    MAX_TEXT_CHARS,
+    MAX_TOKEN_BUDGET,
+    RAY_BUILTIN_RESOURCES,
+    AttnImplementation,
+    CustomResources,
+    NameItem,
+    NameText,
+    PathText,
+)
+from services.spec.eval import EvalConfig
+from services.spec.generation import BackendName, BackendOption, GenerationConfig
+from services.spec.learner import LearnerConfig, LoraConfig
+from services.spec.pipeline import PipelineConfig
+from services.spec.reward import RewardConfig, VerifierName
+from services.spec.task import ArithTask, DatasetTask, JsonlTask, TaskConfig
+from services.spec.tools import (
+    MAX_TOOL_CONCURRENCY,
+    MAX_TOOL_OUTPUT_CHARS,
+    MAX_TOOL_TIMEOUT_S,
+    MAX_TOOL_TURNS,
+    EnvVarName,
+    SandboxUrl,
+    ToolsConfig,
+)
+from services.spec.tracking import (
+    MlflowTracking,
+    TensorboardTracking,
+    TrackingConfig,
+    WandbTracking,
+)
+
+
+class RunSpec(StrictModel):
+    """One RL run: the body of `POST /v1/runs` and the schema of a YAML run file."""
+
+    name: str = Field(
+        "run", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$", description="a label for the run"
+    )
+    seed: int = Field(0, ge=0, le=MAX_SEED)
+    model: PathText = Field(
+        "tiny-arith",
+        description="a built-in model name (tiny-arith), a local Hugging Face model directory, "
+        "or a hub id (org/name), downloaded once by the driver into the Hugging Face cache",
+    )
+    model_revision: NameText | None = Field(
+        None,
+        description="branch, tag or commit of a hub model (default: main)",
+    )
+    task: TaskConfig = Field(default_factory=ArithTask)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    eval: EvalConfig | None = Field(
+        None, description="held-out evaluation during the run (off when absent)"
+    )
+    tools: ToolsConfig = Field(
+        default_factory=ToolsConfig,
+        description="tool-integrated (multi-turn) rollouts with a sandboxed Python tool; off "
+        "by default",
+    )
+    tracking: TrackingConfig = Field(
+        default_factory=TrackingConfig,
+        description="experiment trackers (W&B, MLflow, TensorBoard) that mirror every metrics "
+        "record; none by default",
+    )
+
+    @model_validator(mode="after")
+    def _truncated_sampling_declared(self) -> RunSpec:
+        # The learner's log-probs are of the full softmax (services/learner/logprobs.py): with
+        # top-p/top-k the behaviour log-probs are of a renormalised subset, every on-policy
+        # ratio falls below 1, and the loss is biased without a word. So it is a choice.
+        if self.algorithm.off_policy.truncated_sampling == "allow":
+            return self
+        truncated = {
+            "top_p": (self.generation.top_p, self.generation.top_p < 1.0, "< 1"),
+            "top_k": (self.generation.top_k, self.generation.top_k > 0, "> 0"),
+        }
+        errors = [
+            InitErrorDetails(
+                type=PydanticCustomError(
+                    "truncated_sampling",
+                    "{value} {bound} truncates training sampling, but the learner's log-probs "
+                    "are of the full softmax, so every importance ratio is biased (below 1 even "
+                    "on-policy); sample training rollouts untruncated (top_p 1, top_k 0; "
+                    "eval.top_p / eval.top_k truncate evaluation only), or declare it with "
+                    "algorithm.off_policy.truncated_sampling: allow",
+                    {"value": value, "bound": bound},
+                ),
+                loc=("generation", name),
+                input=value,
+            )
+            for name, (value, is_truncated, bound) in truncated.items()
+            if is_truncated
+        ]
+        if errors:
+            raise ValidationError.from_exception_data("RunSpec", errors)
+        return self
+
+    @model_validator(mode="after")
+    def _version_switch_needs_in_flight_updates(self) -> RunSpec:
+        # A response's tokens come from several policy versions only when weights load between
+        # decoding steps; without that every token of a response has one version, the switch
+        # never fires, and a setting that does nothing would be read as one that works.
+        switch = getattr(self.algorithm.estimator, "version_switch", "off")
+        if switch == "off" or self.pipeline.in_flight_updates:
+            return self
+        message = (
+            f"algorithm.estimator.version_switch: {switch} acts where a response's tokens were "
+            "sampled by several policy versions, which happens only with "
+            "pipeline.in_flight_updates: true; set it, or version_switch: off"
+        )
+        errors = [
+            InitErrorDetails(
+                type=PydanticCustomError("version_switch", message),
+                loc=loc,
+                input=value,
+            )
+            for loc, value in (
+                (("algorithm", "estimator", "version_switch"), switch),
+                (("pipeline", "in_flight_updates"), False),
+            )
+        ]
+        raise ValidationError.from_exception_data("RunSpec", errors)
+
+    @property
+    def overlaps_publish(self) -> bool:
+        """Whether each publish runs beside the next learner step (`pipeline.overlap_publish`
+        where it applies: a sync run waits for every version to reach generation). A sharded
+        learner gathers before the next step (a collective of the training ranks, ordered with
+        the step's own) and puts or broadcasts beside it."""
+        pipe = self.pipeline
+        return pipe.overlap_publish and pipe.mode == "async"
+
+    @model_validator(mode="after")
+    def _minibatches_fit(self) -> RunSpec:
+        rows = self.pipeline.batch_groups * self.generation.group_size
+        if self.learner.minibatches > rows:
+            raise ValueError(
+                f"learner.minibatches ({self.learner.minibatches}) exceeds the responses in a "
+                f"batch (pipeline.batch_groups x generation.group_size = {rows})"
+            )
+        return self
+
+
+__all__ = [
+    "MAX_ACTORS",
+    "MAX_BATCH_GROUPS",
+    "MAX_BUFFER_GROUPS",
+    "MAX_CPUS_PER_ACTOR",
+    "MAX_CUSTOM_RESOURCES",
+    "MAX_CUSTOM_RESOURCE_AMOUNT",
+    "MAX_GPUS_PER_ACTOR",
+    "MAX_GROUP_SIZE",
+    "MAX_LIST_ITEMS",
+    "MAX_NAME_CHARS",
+    "MAX_PATH_CHARS",
+    "MAX_PROMPTS_PER_BATCH",
+    "MAX_RESPONSE_TOKENS",
+    "MAX_SEED",
+    "MAX_STALENESS",
+    "MAX_STEPS",
+    "MAX_TEMPERATURE",
+    "MAX_TEXT_CHARS",
+    "MAX_TOKEN_BUDGET",
+    "MAX_TOOL_CONCURRENCY",
+    "MAX_TOOL_OUTPUT_CHARS",
+    "MAX_TOOL_TIMEOUT_S",
+    "MAX_TOOL_TURNS",
+    "RAY_BUILTIN_RESOURCES",
+    "ArithTask",
+    "AttnImplementation",
+    "BackendName",
+    "BackendOption",
+    "CustomResources",
+    "DatasetTask",
+    "EnvVarName",
+    "EvalConfig",
+    "GenerationConfig",
+    "JsonlTask",
+    "LearnerConfig",
+    "LoraConfig",
+    "MlflowTracking",
+    "NameItem",
+    "NameText",
+    "PathText",
+    "PipelineConfig",
+    "RewardConfig",
+    "RunSpec",
+    "SandboxUrl",
+    "TaskConfig",
+    "TensorboardTracking",
+    "ToolsConfig",
+    "TrackingConfig",
+    "VerifierName",
+    "WandbTracking",
+]

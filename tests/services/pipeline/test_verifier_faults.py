@@ -15,7 +15,8 @@ import ray
 from services.messages import Response
 from services.pipeline import supervisor as supervisor_module
 from services.pipeline.actors import RunActors, start_verifier
-from services.pipeline.driver import VERIFIER_LOST, FaultBudgetExhausted, RunDriver, ScoringFailed
+from services.pipeline.calls import VERIFIER_LOST, ScoringFailed
+from services.pipeline.driver import FaultBudgetExhausted, RunDriver
 from services.pipeline.outputs import RunDirectory
 from tests.services.pipeline.conftest import tiny_spec
 

@@ -14,8 +14,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.learner.export import export_model
+from services.metrics import FAULT_COUNTERS, LEARNER_TOTALS
 from services.pipeline.checkpoints import LEARNER_DIR, latest_checkpoint, read_driver_state
-from services.pipeline.driver import FAULT_COUNTERS, LEARNER_TOTALS, RunDriver
+from services.pipeline.driver import RunDriver
 from services.pipeline.launch import execute_run
 from services.pipeline.outputs import RunDirectory, read_metrics
 from tests.services.pipeline.conftest import tiny_spec

@@ -177,9 +177,10 @@ class ModelLayout:
 
     def attention_for(self, requested: str) -> str:
         """The attention implementation to load the model with for `requested`: eager where
-        the family does not run under SDPA (Gemma 2's soft-capped attention), as transformers
-        itself chooses by default."""
-        if requested == "sdpa" and not self.supports_sdpa:
+        SDPA cannot run the family as it trains: soft-capped attention logits (Gemma 2; SDPA
+        has no soft-cap, and transformers before 5.2x let it run such a model without one), or
+        a family transformers says SDPA does not serve."""
+        if requested == "sdpa" and (not self.supports_sdpa or self.attention_softcap is not None):
             return "eager"
         return requested
 

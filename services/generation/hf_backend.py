@@ -97,12 +97,11 @@ class HFBackend(GenerationBackend):
         """
         self._device = torch.device(device)
         # Before the weights: a family whose cache the engine cannot batch is refused by name.
-        check_causal_lm(AutoConfig.from_pretrained(str(model_path)), str(model_path))
-        extra: dict[str, Any] = {}
-        if attn_implementation is not None:
-            extra["attn_implementation"] = attn_implementation
+        layout = check_causal_lm(AutoConfig.from_pretrained(str(model_path)), str(model_path))
+        # Default: SDPA, or eager for a family SDPA cannot run as it trains (as the learner).
+        attention = attn_implementation or layout.attention_for("sdpa")
         model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
-            str(model_path), dtype=_resolve_dtype(dtype), **extra
+            str(model_path), dtype=_resolve_dtype(dtype), attn_implementation=attention
         )
         # transformers declares `to` through functools.wraps(nn.Module.to), which mypy reads as
         # the unbound function.

@@ -22,9 +22,9 @@ _BACKENDS: dict[str, str] = {
 }
 
 # The constructor keywords of each backend that a run spec's `generation.options` may set: the
-# run spec checks option names against these (services/spec/generation.py), and a test binds them to each
-# constructor's signature so the two cannot drift apart. Keywords the pipeline sets from other
-# keys (the hf backend's `recompute_kv`, the vllm backend's `engine_kwargs`) are not listed.
+# run spec checks option names against these (services/spec/generation.py), and a test binds them
+# to each constructor's signature so the two cannot drift apart. Keywords the pipeline sets from
+# other keys (the hf backend's `recompute_kv`, the vllm backend's `engine_kwargs`) are not listed.
 _OPTIONS: dict[str, frozenset[str]] = {
     "hf": frozenset({"device", "dtype", "attn_implementation", "max_batch_rows"}),
     "vllm": frozenset(

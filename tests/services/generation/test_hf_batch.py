@@ -13,6 +13,8 @@ from services.positions import position_ids_for
 def decode(backend: HFBackend, cache: DynamicCache, steps: int) -> list[torch.Tensor]:
     """Greedy logits of a left-padded batch of three prompts: the prefill, then `steps` tokens."""
     model = backend.model
+    # The forward's cache argument under this transformers' name (`past_key_values` before 5.2x).
+    passing = {backend._cache_arg: cache}
     rows = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
     input_ids, mask = left_pad(rows, 0, torch.device("cpu"))
     out: list[torch.Tensor] = []
@@ -21,7 +23,7 @@ def decode(backend: HFBackend, cache: DynamicCache, steps: int) -> list[torch.Te
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=position_ids_for(mask),
-            cache=cache,
+            **passing,
             use_cache=True,
         ).logits[:, -1]
         out.append(logits)
@@ -32,7 +34,7 @@ def decode(backend: HFBackend, cache: DynamicCache, steps: int) -> list[torch.Te
                 input_ids=logits.argmax(dim=-1, keepdim=True),
                 attention_mask=mask,
                 position_ids=positions,
-                cache=cache,
+                **passing,
                 use_cache=True,
             ).logits[:, -1]
             out.append(logits)

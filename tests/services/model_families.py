@@ -82,6 +82,8 @@ FAMILIES: dict[str, Family] = {
             {"sliding_window": WINDOW, "sliding_window_pattern": 2, "query_pre_attn_scalar": 32},
         ),
         Family("phi3", "Phi3Config", {"sliding_window": WINDOW}),
+        # Granite: logits divided by logits_scaling after the head (and scaled residuals).
+        Family("granite", "GraniteConfig", {"logits_scaling": 4.0, "residual_multiplier": 0.5}),
         # SmolLM3: every fourth layer without rotary embeddings (NoPE; here every second).
         Family("smollm3", "SmolLM3Config", {"no_rope_layer_interval": 2}),
         # Llama 4 (text): chunked attention in its rotary layers, full attention without rotary

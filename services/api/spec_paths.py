@@ -19,9 +19,9 @@ that leaves the folder (absolute, `~`, `..`) either; `generation.engine` takes n
 (its allowlist, services/generation/engine_args.py, holds no argument that names a file).
 Trackers write only into the run's own directory (their folders left out) or to an MLflow
 server the operator allows (KPO_TRACKING_HOSTS). A model whose config the control plane can read
-(a folder in the inputs, a hub model already in its cache) is checked as `kpo run` checks it
-(`model_family_problem`): a family the learner cannot train is a 422 naming `model`, not a job
-that fails at its first step.
+(a folder in the inputs, a hub model already in its cache, and transformers installed) is
+checked as `kpo run` checks it (`model_family_problem`): a family the learner cannot train is a
+422 naming `model`, not a job that fails at its first step.
 """
 
 from __future__ import annotations
@@ -105,19 +105,24 @@ def _model_errors(spec: RunSpec, model_dir: Path | None) -> list[dict[str, Any]]
     here (`model_dir`, a folder in the inputs or a hub snapshot in the cache)."""
     if model_dir is None or not (model_dir / "config.json").is_file():
         return []  # read by the job's own check, before any actor starts
-    # Imported here: the check reads the config with transformers, which the control plane
-    # loads only when a spec names a model it can read.
     from services.pipeline.specs import model_family_problem
 
-    problem = model_family_problem(spec, model_dir)
+    try:
+        problem = model_family_problem(spec, model_dir)
+    except ImportError:
+        # A control plane installed from its lock has no transformers (nor torch): the job's
+        # own check reads the config instead, before any actor starts.
+        return []
     return [] if problem is None else [_error(("model",), problem)]
 
 
 def _cached_hub_model(repo_id: str, revision: str | None) -> Path | None:
     """The cached snapshot folder of hub model `repo_id` holding its config, if the control
     plane's Hugging Face cache has one (nothing is downloaded here)."""
-    from huggingface_hub import try_to_load_from_cache
-
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # a control plane installed from its lock: the job reads the config
+        return None
     cached = try_to_load_from_cache(repo_id, "config.json", revision=revision)
     return Path(cached).parent if isinstance(cached, str) else None
 

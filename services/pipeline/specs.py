@@ -10,13 +10,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 from pydantic import ValidationError
 
 from kpo_core.config import describe_validation_error
-from services.learner.sharding import packing_problem
-from services.model_layout import UnsupportedModel, check_causal_lm
 from services.pipeline.held_out import NoHeldOutPrompts, held_out_prompts
 from services.pipeline.prompts import PromptStream, chats_strings
 from services.spec import RunSpec
@@ -96,8 +93,13 @@ def model_family_problem(spec: RunSpec, model_dir: Path) -> str | None:
     """Why the run cannot train the model in `model_dir` (its family's layers, or packing it as
     `learner.pack_rows: true` asks), read from its config alone, no weights loaded; None if it
     can. The learner and the hf engine serve every family this passes."""
-    # Imported here: the API calls this for each new run, and most runs never need it.
+    # Imported here: the control plane (`kpo serve`, the API) runs without torch or
+    # transformers installed, and reaches this only for a spec whose model config it can read.
+    import torch
     from transformers import AutoConfig
+
+    from services.learner.sharding import packing_problem
+    from services.model_layout import UnsupportedModel, check_causal_lm
 
     try:
         config = AutoConfig.from_pretrained(model_dir)

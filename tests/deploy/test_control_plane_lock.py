@@ -120,6 +120,9 @@ def test_kpo_serve_serves_with_only_the_locked_packages_importable(tmp_path: Pat
             refused = client.post("/v1/runs", json={"learner": {"lr": "fast"}})
             assert refused.status_code == 422, refused.text
             assert "learner.lr" in refused.text
+            # A hub model: its family is checked where its config can be read (the job).
+            hub = client.post("/v1/runs", json={"model": "Qwen/Qwen3-4B"})
+            assert hub.status_code == 201, hub.text
     finally:
         server.send_signal(signal.SIGINT)
         _, stderr = server.communicate(timeout=60)

@@ -32,7 +32,7 @@ from services.metrics import (
     Source,
     markdown_table,
 )
-from services.pipeline import driver
+from services.pipeline import calls, driver
 from services.pipeline.outputs import RunDirectory
 from services.spec import LearnerConfig
 from services.tasks.models import resolve_model
@@ -181,11 +181,11 @@ def test_a_run_with_tools_records_the_tool_keys_of_its_batch(tmp_path: Path) -> 
 
 
 def test_the_drivers_totals_are_declared_counters_it_keeps() -> None:
-    assert driver.FAULT_COUNTERS is FAULT_COUNTERS and driver.LEARNER_TOTALS is LEARNER_TOTALS
-    fields = {f.name for f in dataclasses.fields(driver.Counters)}
+    assert calls.FAULT_COUNTERS is FAULT_COUNTERS and driver.LEARNER_TOTALS is LEARNER_TOTALS
+    fields = {f.name for f in dataclasses.fields(calls.Counters)}
     for key in (*FAULT_COUNTERS, *(f"{key}_total" for key in LEARNER_TOTALS)):
         assert BY_KEY[key].kind is Kind.COUNTER, key
-        assert key in fields, f"driver.Counters has no field {key}"
+        assert key in fields, f"the driver's Counters have no field {key}"
     for key in LEARNER_TOTALS:
         assert BY_KEY[key].source is Source.LEARNER and BY_KEY[key].kind is Kind.RECORD
 

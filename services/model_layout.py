@@ -51,13 +51,13 @@ class UnsupportedModel(ValueError):
 
 @dataclass(frozen=True)
 class LayerAttention:
-    """What one decoder layer attends to: `kind` (transformers' layer type), `span` (the window
-    of a sliding layer, the chunk of a chunked one, None for full attention), `rope` (whether
-    the layer rotates queries and keys by position)."""
+    """What one decoder layer attends to: `kind` (transformers' layer type) and `span` (the
+    window of a sliding layer, the chunk of a chunked one, None for full attention). A layer
+    without rotary embeddings takes the same masks: only its positions differ, which the
+    model reads from the row's position ids."""
 
     kind: str
     span: int | None = None
-    rope: bool = True
 
     def binds(self, length: int) -> bool:
         """Whether a row of `length` tokens sees fewer keys than plain causal attention."""
@@ -107,15 +107,7 @@ class ModelLayout:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         count = int(text.num_hidden_layers)
         kinds = list(getattr(text, "layer_types", None) or [_one_kind(text)] * count)
-        no_rope = getattr(text, "no_rope_layers", None)  # 1: rotary, 0: none (SmolLM3, Llama 4)
-        layers = tuple(
-            LayerAttention(
-                kind,
-                _span(text, kind),
-                rope=bool(no_rope[index]) if no_rope is not None else True,
-            )
-            for index, kind in enumerate(kinds[:count])
-        )
+        layers = tuple(LayerAttention(kind, _span(text, kind)) for kind in kinds[:count])
         multiplier = float(getattr(text, "logit_scale", None) or 1.0)
         scaling = getattr(text, "logits_scaling", None)
         if scaling:

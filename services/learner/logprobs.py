@@ -144,6 +144,7 @@ class ResponseLogProbs(nn.Module):
         packed: bool = False,
         flash: bool = False,
         compiled: bool = False,
+        layout: ModelLayout | None = None,
     ) -> None:
         super().__init__()
         self.policy = policy
@@ -152,7 +153,8 @@ class ResponseLogProbs(nn.Module):
         self.packed = packed
         self.flash = flash
         self.compiled = compiled
-        self.layout = ModelLayout.of(policy.config)  # type: ignore[arg-type]
+        # As the builder read it already, else from the policy's config.
+        self.layout = layout or ModelLayout.of(policy.config)  # type: ignore[arg-type]
 
     def forward(
         self, batch: TrainingBatch, temperature: float, with_entropy: bool

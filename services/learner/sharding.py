@@ -27,7 +27,7 @@ from torch.distributed._composable.checkpoint_activation import checkpoint as ch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from services.learner.distributed import RankGroup
 from services.learner.logprobs import ResponseLogProbs, decoder_of
@@ -114,10 +114,9 @@ def compile_layers(policy: nn.Module) -> None:
         layer.compile()
 
 
-def _load(model_path: str, on_meta: bool, attention: str) -> nn.Module:
+def _load(model_path: str, config: PretrainedConfig, on_meta: bool, attention: str) -> nn.Module:
     model: nn.Module
     if on_meta:
-        config = AutoConfig.from_pretrained(model_path)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
                 config, dtype=torch.float32, attn_implementation=attention
@@ -137,10 +136,11 @@ def build_policy(
     train (services.learner.lora)."""
     sharded = learner.strategy == "fsdp2"
     on_meta = sharded and group.rank != 0
-    layout = ModelLayout.of(AutoConfig.from_pretrained(model_path))
+    config = AutoConfig.from_pretrained(model_path)
+    layout = ModelLayout.of(config)
     packed = pack_rows(learner, device, layout)
     attention = attention_implementation(learner, packed, layout)
-    policy = _load(model_path, on_meta, attention).eval()
+    policy = _load(model_path, config, on_meta, attention).eval()
     if learner.lora is not None:
         # Before activation checkpointing and sharding, which wrap the modules PEFT replaces.
         policy = apply_lora(policy, learner.lora)
@@ -151,6 +151,7 @@ def build_policy(
         packed=packed,
         flash=learner.attn_implementation.startswith("flash_attention"),
         compiled=learner.compile,
+        layout=layout,
     )
     if learner.gradient_checkpointing:
         for layer in decoder_layers(policy):

@@ -36,7 +36,7 @@ from services.messages import Response
 from services.tasks.models import resolve_model
 from services.tasks.registry import get_task
 from services.tools.client import HttpSandbox, LocalSandbox
-from services.tools.rollout import ToolSettings
+from services.tools.config import ToolsConfig
 from services.tools.sandbox import SandboxLimits, SandboxRunner, find_python
 from services.tools.server import SandboxSettings
 from tests.services.tools.sandbox_server import ThreadServer
@@ -48,7 +48,7 @@ EXPECTED = str(123456789 * 987654321)
 # The generation part: the built-in tool model on its own task.
 MODEL = "tiny-arith-tool"
 TASK = "arith-tool"
-TOOLS = ToolSettings(max_turns=3, call_format="fenced", max_output_chars=64)
+TOOLS = ToolsConfig(enabled=True, max_turns=3, call_format="fenced", max_output_chars=64)
 
 
 def measure(call: Callable[[], str], seconds: float, clients: int) -> tuple[float, list[float]]:
@@ -106,7 +106,9 @@ def measure_generation(
     try:
         for name in ("no tools", "tools"):
             if name == "tools":
-                backend.enable_tools(TOOLS, sandbox)
+                backend.enable_tools(
+                    TOOLS.model_copy(update={"max_concurrent_calls": args.clients}), sandbox
+                )
                 sandbox.run(CODE)  # warm-up of the sandbox
             backend.generate(prompts[:2], 2, sampling)  # warm-up
             started = time.perf_counter()

@@ -14,7 +14,8 @@ from services.messages import Prompt, Response
 from services.weights.base import Channel, StateDictMismatchError, WeightGroup, WeightsManifest
 
 if TYPE_CHECKING:
-    from services.tools.rollout import ToolSettings
+    from services.tools.config import ToolsConfig
+    from services.tools.rollout import ToolRollout
     from services.tools.sandbox import ToolRunner
 
 # "processed": log-probs of the distribution actually sampled from (after temperature, top-k,
@@ -177,7 +178,7 @@ class GenerationBackend(ABC):
 
     # --- multi-turn rollouts ---------------------------------------------------------------------
 
-    def enable_tools(self, settings: ToolSettings, runner: ToolRunner) -> None:
+    def enable_tools(self, settings: ToolsConfig, runner: ToolRunner) -> None:
         """Generate multi-turn responses from now on: decoding stops at a tool call, `runner`
         runs it, its observation is appended and decoding continues (services/tools/rollout.py).
 
@@ -191,6 +192,17 @@ class GenerationBackend(ABC):
     def tool_call_counts(self) -> dict[str, int]:
         """Tool calls run since `enable_tools`, by result status (ok, error, timeout, ...)."""
         return {}
+
+    @property
+    def tools(self) -> ToolRollout | None:
+        """The multi-turn machinery, once `enable_tools` was called (None: single-turn)."""
+        return None
+
+    def close(self) -> None:
+        """Release what the backend holds: its tool calls and their runner's connections (and
+        its engine, where it has one of its own); the backend is unusable afterwards."""
+        if self.tools is not None:
+            self.tools.close()
 
     # --- weights --------------------------------------------------------------------------------
 

@@ -38,7 +38,8 @@ from services.generation.hf_engine import ContinuousBatcher, NonFiniteLogitsErro
 from services.generation.hf_sampling import processed_logprobs
 from services.messages import Prompt, Response
 from services.model_layout import check_causal_lm
-from services.tools.rollout import ToolRollout, ToolSettings
+from services.tools.config import ToolsConfig
+from services.tools.rollout import ToolRollout
 from services.tools.sandbox import ToolRunner
 from services.weights.base import StateDictMismatchError, WeightsManifest
 from services.weights.loading import check_manifest, load_buckets_into, module_shapes
@@ -144,7 +145,7 @@ class HFBackend(GenerationBackend):
         """Longest prompt + response the model takes (its position embeddings' length)."""
         return int(getattr(self._model.config, "max_position_embeddings", 2**31 - 1))
 
-    def enable_tools(self, settings: ToolSettings, runner: ToolRunner) -> None:
+    def enable_tools(self, settings: ToolsConfig, runner: ToolRunner) -> None:
         """Multi-turn rollouts from now on (see `GenerationBackend.enable_tools`)."""
         if self._engine.in_flight:
             raise RuntimeError("enable_tools needs an idle backend")

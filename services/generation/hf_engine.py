@@ -41,7 +41,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 import torch
@@ -52,21 +51,11 @@ from services.generation.hf_batch import RunningBatch, left_pad
 from services.generation.hf_sampling import sample_rows
 from services.messages import Response
 from services.positions import position_ids_for
-from services.tools.rollout import (
-    Decision,
-    IncrementalText,
-    ResponseTokens,
-    ResponseTurns,
-    ToolRollout,
-)
-from services.tools.sandbox import ToolResult
+from services.tools.rollout import Decision, IncrementalText, ToolRollout
+from services.tools.rows import ParkedRows, TurnRow, response_of
 
 # (input_ids, attention_mask, position_ids, cache) -> next-token logits (B, V); extends cache.
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, DynamicCache], torch.Tensor]
-
-# Longest a step waits for a tool call when every row in flight is waiting on one: short, so that
-# the engine's owner gets control back soon (to hand over new groups or load weights).
-TOOL_WAIT_S = 0.05
 
 
 class NonFiniteLogitsError(FloatingPointError):
@@ -99,23 +88,9 @@ class _Group:
 
 
 @dataclass(eq=False)
-class _Row(ResponseTokens):
+class _Row(TurnRow):
     group: _Group
     index: int  # within its group
-    # Multi-turn rows only: turn bookkeeping, the model text of the turn, the running call.
-    turns: ResponseTurns | None = None
-    text: IncrementalText | None = None
-    call: Future[ToolResult] | None = None
-
-    @property
-    def context(self) -> list[int]:
-        """Prompt and response tokens so far: what the model conditions on."""
-        return self.group.prompt_ids + self.tokens
-
-    @property
-    def context_length(self) -> int:
-        """len(context), without building it (read after every token)."""
-        return len(self.group.prompt_ids) + len(self.tokens)
 
 
 class ContinuousBatcher:
@@ -155,7 +130,8 @@ class ContinuousBatcher:
         self._stale_cache = False
         self._tools, self._decode_text = tools, decode_text
         self._context_limit = context_limit or 0
-        self._parked: list[_Row] = []  # rows waiting on a tool call, in the order they stopped
+        # Rows waiting on a tool call, in the order they stopped (multi-turn only).
+        self._parked: ParkedRows[_Row] | None = None if tools is None else ParkedRows(tools)
 
     @property
     def in_flight(self) -> int:
@@ -211,45 +187,20 @@ class ContinuousBatcher:
             else:
                 self._batch.merge(new_batch)
         if not self._rows:
-            if self._parked and not ended:
-                # Every row in flight waits on a call: wait for one (briefly, see TOOL_WAIT_S).
-                wait([r.call for r in self._parked if r.call], TOOL_WAIT_S, FIRST_COMPLETED)
+            if self._parked is not None and not ended:
+                self._parked.wait_for_a_call()
             return ended
         return ended + self._sample_and_retire(torch.cat(logits), version)
 
     def _resume_parked(self) -> tuple[list[list[Response]], list[_Row]]:
-        """Append the observation of every parked row whose call has ended. Returns the groups
-        that ended (a row whose observation does not fit its context ends there) and the rows
-        ready to decode again, oldest first; the others stay parked."""
-        ended: list[list[Response]] = []
-        ready: list[_Row] = []
-        waiting: list[_Row] = []
-        for row in self._parked:
-            if row.call is not None and not row.call.done():
-                waiting.append(row)
-                continue
-            if row.call is not None:  # the call ended: append its observation
-                self._observe(row, row.call.result())
-                row.call = None
-                if row.finish is not None:
-                    group = self._retire(row)
-                    if group is not None:
-                        ended.append(group)
-                    continue
-            ready.append(row)
-        self._parked = waiting
+        """Take the parked rows whose call ended: the groups that ended (a row whose
+        observation does not fit its context ends there) and the rows ready to decode again,
+        oldest first; the others stay parked."""
+        if self._parked is None:
+            return [], []
+        done, ready = self._parked.take_ready()
+        ended = [group for row in done if (group := self._retire(row)) is not None]
         return ended, ready
-
-    def _observe(self, row: _Row, result: ToolResult) -> None:
-        assert self._tools is not None and row.turns is not None and row.text is not None
-        self._tools.observe(
-            row,
-            result,
-            turns=row.turns,
-            text=row.text,
-            context_length=row.context_length,
-            chat=bool(row.group.request.prompt.messages),
-        )
 
     def _admit(self, resumed: list[_Row]) -> tuple[list[_Row], RunningBatch, torch.Tensor] | None:
         """Prefill the rows that fit: resumed rows first (their whole context; those that do
@@ -261,7 +212,8 @@ class ContinuousBatcher:
                 rows.append(row)
                 room = None if room is None else room - 1
             else:
-                self._parked.append(row)
+                assert self._parked is not None
+                self._parked.put_back(row)
         groups: list[_Group] = []
         while self._queue:
             size = self._queue[0].request.group_size
@@ -284,8 +236,9 @@ class ContinuousBatcher:
         return rows, RunningBatch(cache, mask), logits
 
     def _new_row(self, group: _Group, index: int) -> _Row:
-        row = _Row(group, index)
-        if self._tools is not None and group.request.prompt.takes_tools:
+        prompt = group.request.prompt
+        row = _Row(group, index, prompt_ids=group.prompt_ids, chat=bool(prompt.messages))
+        if self._tools is not None and prompt.takes_tools:
             assert self._decode_text is not None
             limit = group.request.sampling.max_new_tokens
             row.turns = self._tools.turns(limit, self._context_limit)
@@ -335,18 +288,13 @@ class ContinuousBatcher:
         for position, (row, token, logprob) in enumerate(
             zip(self._rows, tokens.tolist(), logprobs.tolist(), strict=True)
         ):
-            row.tokens.append(token)
-            row.logprobs.append(logprob)
-            row.versions.append(version)
-            row.observed.append(False)
+            row.append_model_token(token, logprob, version)
             decision = self._decide(row, token)
             if decision == "continue":
                 keep.append(position)
             elif decision == "call":
-                assert self._tools is not None and row.turns is not None
-                assert row.turns.call is not None
-                row.call = self._tools.calls.submit(row.turns.call)
-                self._parked.append(row)
+                assert self._parked is not None
+                self._parked.park(row)
             else:
                 row.finish = decision
                 group = self._retire(row)
@@ -374,9 +322,7 @@ class ContinuousBatcher:
             if self._context_limit and row.context_length >= self._context_limit:
                 return "length"  # the model's positions end here (vLLM ends it the same way)
             return "continue"
-        assert row.text is not None
-        piece = row.text.push(row.tokens)
-        return row.turns.after_model_token(piece, token in self._eos, row.context_length)
+        return row.turn_decision(eos=token in self._eos)
 
     def _retire(self, row: _Row) -> list[Response] | None:
         """Record an ended row; return its group's responses when it was the group's last."""
@@ -388,20 +334,8 @@ class ContinuousBatcher:
         self._running_groups -= 1
         rows = [r for r in group.ended if r is not None]
         texts = self._decode([r.tokens for r in rows])
-        return [self._response(group, r, text) for r, text in zip(rows, texts, strict=True)]
-
-    def _response(self, group: _Group, row: _Row, text: str) -> Response:
-        assert row.finish is not None
-        spans = any(v != row.versions[0] for v in row.versions)
-        return Response(
-            prompt_id=group.request.prompt.prompt_id,
-            prompt_token_ids=list(group.prompt_ids),
-            response_token_ids=row.tokens,
-            behaviour_logprobs=row.logprobs,
-            finish_reason=row.finish,
-            policy_version=row.versions[0],
-            text=text,
-            token_versions=row.versions if spans else [],
-            observation_mask=row.observed if any(row.observed) else [],
-            tool_calls=list(row.call_statuses),
-        )
+        prompt_id = group.request.prompt.prompt_id
+        return [
+            response_of(r, prompt_id, text, version=r.versions[0])
+            for r, text in zip(rows, texts, strict=True)
+        ]

@@ -62,7 +62,6 @@ import contextlib
 import ipaddress
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -83,7 +82,7 @@ from services.generation.vllm_checkpoint import (
     state_dict_buckets,
     ties_embeddings,
 )
-from services.generation.vllm_tools import TOOL_WAIT_S, MultiTurn, Segment, ToolGroup, ToolRow
+from services.generation.vllm_tools import MultiTurn, Segment, ToolGroup, ToolRow
 from services.generation.vllm_transfer import (
     group_to_wire,
     manifest_to_wire,
@@ -91,7 +90,8 @@ from services.generation.vllm_transfer import (
 )
 from services.generation.vllm_worker_extension import WeightLoadingExtension
 from services.messages import FinishReason, Prompt, Response
-from services.tools.rollout import ToolRollout, ToolSettings
+from services.tools.config import ToolsConfig
+from services.tools.rollout import ToolRollout
 from services.tools.sandbox import ToolRunner
 from services.weights.base import StateDictMismatchError, WeightGroup, WeightsManifest
 from services.weights.buckets import bucket_tensors
@@ -229,7 +229,6 @@ class VLLMBackend(GenerationBackend):
         # Multi-turn rollouts, once `enable_tools` was called.
         self._multi: MultiTurn | None = None
         self._segments: dict[str, ToolRow] = {}  # vLLM request id -> response it decodes
-        self._parked: list[ToolRow] = []  # responses waiting on a tool call
         self._tool_groups = 0  # multi-turn groups submitted and not yet returned
 
     @property
@@ -260,7 +259,7 @@ class VLLMBackend(GenerationBackend):
 
     # --- multi-turn rollouts --------------------------------------------------------------------
 
-    def enable_tools(self, settings: ToolSettings, runner: ToolRunner) -> None:
+    def enable_tools(self, settings: ToolsConfig, runner: ToolRunner) -> None:
         """Multi-turn rollouts from now on (see `GenerationBackend.enable_tools`)."""
         if self.in_flight:
             raise RuntimeError("enable_tools needs an idle backend")
@@ -330,11 +329,11 @@ class VLLMBackend(GenerationBackend):
                 "complete version before generating"
             )
         ended: list[list[Response]] = []
-        if self._parked:
-            ended += self._resume_parked()
+        if self._multi is not None:
+            ended += self._resume_parked(self._multi)
         if not self._groups and not self._segments:
-            if self._parked:  # every response in flight waits on a call: wait for one, briefly
-                wait([r.call for r in self._parked if r.call], TOOL_WAIT_S, FIRST_COMPLETED)
+            if self._multi is not None and not ended:
+                self._multi.parked.wait_for_a_call()
             return ended
         for output in self._llm.llm_engine.step():
             if not output.finished:
@@ -422,35 +421,16 @@ class VLLMBackend(GenerationBackend):
             self._submit_segments(multi, [row])
             return None
         if decision == "call":
-            assert row.turns.call is not None
-            row.call = multi.tools.calls.submit(row.turns.call)
-            self._parked.append(row)
+            multi.parked.park(row)
             return None
         row.finish = _finish_reason(completion) if decision is None else decision
         return self._retire(row)
 
-    def _resume_parked(self) -> list[list[Response]]:
-        """Append the observation of every parked row whose call ended and resubmit it (or end
-        it, when the observation does not fit); the groups that ended."""
-        multi = self._multi
-        assert multi is not None
-        ended: list[list[Response]] = []
-        ready: list[ToolRow] = []
-        waiting: list[ToolRow] = []
-        for row in self._parked:
-            if row.call is not None and not row.call.done():
-                waiting.append(row)
-                continue
-            if row.call is not None:
-                multi.observe(row, row.call.result())
-                row.call = None
-            if row.finish is not None:
-                group = self._retire(row)
-                if group is not None:
-                    ended.append(group)
-            else:
-                ready.append(row)
-        self._parked = waiting
+    def _resume_parked(self, multi: MultiTurn) -> list[list[Response]]:
+        """Resubmit every parked row whose call ended (its observation appended), or end it
+        when the observation does not fit; the groups that ended."""
+        done, ready = multi.parked.take_ready()
+        ended = [group for row in done if (group := self._retire(row)) is not None]
         self._submit_segments(multi, ready)
         return ended
 
@@ -683,9 +663,9 @@ class VLLMBackend(GenerationBackend):
         self._staged_version = None
 
     def close(self) -> None:
-        """Shut the engine down, its processes included; the backend is unusable afterwards."""
-        if self._multi is not None:
-            self._multi.tools.close()
+        """Shut the engine down, its processes included (and close the tool calls, as every
+        backend does); the backend is unusable afterwards."""
+        super().close()
         llm = self.__dict__.pop("_llm", None)
         if llm is not None:
             engine_core = getattr(llm.llm_engine, "engine_core", None)

@@ -21,10 +21,10 @@ The first token whose decision is not "continue" ends the turn there (tokens vLL
 it are dropped: they were sampled after it, so the kept ones are distributed as if decoding had
 stopped there). Then:
 
-- "call": the call runs on the `ToolRollout`'s threads; the response is parked (other requests
-  keep decoding); once the result is in (polled at every step) its observation tokens, encoded by
-  the same `ObservationEncoder` as in `hf`, are appended with log-prob 0.0 and the previous model
-  token's version, and the next segment is submitted;
+- "call": the call runs on the `ToolRollout`'s threads; the response is parked (`ParkedRows`,
+  as in `hf`; other requests keep decoding); once the result is in (polled at every step) its
+  observation tokens, encoded by the same `ObservationEncoder` as in `hf`, are appended with
+  log-prob 0.0 and the previous model token's version, and the next segment is submitted;
 - "continue" after a stop string that did not close a call (an opening fence, a stray marker):
   the next segment is submitted at once and decoding goes on;
 - otherwise the response ends with that finish reason.
@@ -39,24 +39,13 @@ re-prefill is computed by the weights that then sample.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from services.generation.base import GroupRequest, derive_seed
 from services.messages import Response
 from services.tools.calls import FENCE_CLOSE, HERMES_CLOSE
-from services.tools.rollout import (
-    Decision,
-    IncrementalText,
-    ResponseTokens,
-    ResponseTurns,
-    ToolRollout,
-)
-from services.tools.sandbox import ToolResult
-
-# Longest a step waits for a tool call when every response in flight is waiting on one: short,
-# so that the backend's owner gets control back soon (to hand over new groups or load weights).
-TOOL_WAIT_S = 0.05
+from services.tools.rollout import Decision, IncrementalText, ToolRollout
+from services.tools.rows import ParkedRows, TurnRow, response_of
 
 
 @dataclass(eq=False)
@@ -72,25 +61,13 @@ class ToolGroup:
 
 
 @dataclass(eq=False)
-class ToolRow(ResponseTokens):
+class ToolRow(TurnRow):
     """One response of a multi-turn group, decoded segment by segment."""
 
     group: ToolGroup
     index: int  # within its group
-    turns: ResponseTurns
-    text: IncrementalText
-    call: Future[ToolResult] | None = None  # the call it is parked on
     segments: int = 0  # vLLM requests submitted for it
     submitted_version: int = 0  # the version loaded when its current segment was submitted
-
-    @property
-    def context(self) -> list[int]:
-        """Prompt and response tokens so far: the next segment's prompt."""
-        return self.group.prompt_ids + self.tokens
-
-    @property
-    def context_length(self) -> int:
-        return len(self.group.prompt_ids) + len(self.tokens)
 
 
 @dataclass(frozen=True)
@@ -117,6 +94,7 @@ class MultiTurn:
         """`decode_text`: one sequence's text, special tokens kept (call markers may be special
         tokens); `context_limit`: the engine's `max_model_len`."""
         self.tools = tools
+        self.parked: ParkedRows[ToolRow] = ParkedRows(tools)
         self._decode_text = decode_text
         self._context_limit = context_limit
 
@@ -135,8 +113,10 @@ class MultiTurn:
             ToolRow(
                 group,
                 index,
-                self.tools.turns(limit, self._context_limit),
-                IncrementalText(self._decode_text),
+                prompt_ids=prompt_ids,
+                chat=bool(request.prompt.messages),
+                turns=self.tools.turns(limit, self._context_limit),
+                text=IncrementalText(self._decode_text),
             )
             for index in range(count)
         ]
@@ -146,6 +126,7 @@ class MultiTurn:
     def next_segment(self, row: ToolRow) -> tuple[list[int], int, int | None]:
         """The next segment's prompt, `max_tokens` and seed (None: unseeded)."""
         sampling = row.group.request.sampling
+        assert row.turns is not None
         model_tokens = row.turns.model_tokens
         budget = sampling.max_new_tokens - model_tokens
         room = self._limit(row) - row.context_length
@@ -170,28 +151,13 @@ class MultiTurn:
         (an aborted request)."""
         count = len(segment.token_ids)
         for position, token in enumerate(segment.token_ids):
-            row.tokens.append(int(token))
-            row.logprobs.append(float(segment.logprobs[position]))
-            row.versions.append(int(segment.versions[position]))
-            row.observed.append(False)
-            piece = row.text.push(row.tokens)
-            eos = segment.eos and position == count - 1
-            decision = row.turns.after_model_token(piece, eos, row.context_length)
+            row.append_model_token(
+                int(token), float(segment.logprobs[position]), int(segment.versions[position])
+            )
+            decision = row.turn_decision(eos=segment.eos and position == count - 1)
             if decision != "continue":
                 return decision
         return "continue" if segment.stop_string else None
-
-    def observe(self, row: ToolRow, result: ToolResult) -> None:
-        """Append the observation of the call `row` stopped at; sets `row.finish` instead when
-        it leaves no room for another model token."""
-        self.tools.observe(
-            row,
-            result,
-            turns=row.turns,
-            text=row.text,
-            context_length=row.context_length,
-            chat=bool(row.group.request.prompt.messages),
-        )
 
     def retire(self, row: ToolRow, decode: Callable[[list[int]], str]) -> list[Response] | None:
         """Record an ended row; its group's G responses when it was the group's last."""
@@ -201,24 +167,8 @@ class MultiTurn:
             return None
         texts = [decode(r.tokens) for r in group.rows]
         rows = len(group.rows)  # 1 for a greedy group, repeated G times
+        prompt_id = group.request.prompt.prompt_id
         return [
-            _response(group, group.rows[i % rows], texts[i % rows])
+            response_of(group.rows[i % rows], prompt_id, texts[i % rows], group.version)
             for i in range(group.request.group_size)
         ]
-
-
-def _response(group: ToolGroup, row: ToolRow, text: str) -> Response:
-    assert row.finish is not None
-    spans = any(v != row.versions[0] for v in row.versions)
-    return Response(
-        prompt_id=group.request.prompt.prompt_id,
-        prompt_token_ids=list(group.prompt_ids),
-        response_token_ids=list(row.tokens),
-        behaviour_logprobs=list(row.logprobs),
-        finish_reason=row.finish,
-        policy_version=row.versions[0] if row.versions else group.version,
-        text=text,
-        token_versions=list(row.versions) if spans else [],
-        observation_mask=list(row.observed) if any(row.observed) else [],
-        tool_calls=list(row.call_statuses),
-    )

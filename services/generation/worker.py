@@ -62,7 +62,8 @@ from services.generation.base import (
 )
 from services.generation.registry import create_backend
 from services.messages import Prompt, Response
-from services.tools.rollout import SandboxTarget, ToolSettings, build_runner
+from services.tools.config import ToolsConfig
+from services.tools.rollout import build_runner
 from services.weights.base import TensorSpec, WeightGroup, WeightsManifest, WeightsOffer
 from services.weights.buckets import plan_buckets
 from services.weights.object_store import fetch_buckets, put_buckets
@@ -157,23 +158,22 @@ class GenerationWorkerImpl:
         *,
         in_flight_updates: bool = False,
         recompute_kv: bool = False,
-        tools: ToolSettings | None = None,
-        sandbox: SandboxTarget | None = None,
+        tools: ToolsConfig | None = None,
         **options: Any,
     ) -> None:
         """Construct backend `backend` for `model_path` with its options and start the engine.
 
-        `tools`: multi-turn rollouts, the calls running where `sandbox` says (a local pool by
-        default); the runner is built here, so a sandbox token is read from this process's
-        environment.
+        `tools`: multi-turn rollouts (when enabled), the calls running where it says (sandboxed
+        processes of this worker by default); the runner is built here, so a sandbox token is
+        read from this process's environment.
         """
         if recompute_kv and not in_flight_updates:
             raise ValueError("recompute_kv applies to in_flight_updates: set that too")
         self._backend_name = backend
         self._backend = create_backend(backend, model_path, **options)
         self._backend.recompute_kv = recompute_kv
-        if tools is not None:
-            self._backend.enable_tools(tools, build_runner(sandbox or SandboxTarget()))
+        if tools is not None and tools.enabled:
+            self._backend.enable_tools(tools, build_runner(tools))
         self._in_flight_updates = in_flight_updates
         self._cv = threading.Condition()
         self._waiting: deque[GroupRequest] = deque()
@@ -563,11 +563,13 @@ class GenerationWorkerImpl:
         )
 
     def close(self) -> None:
-        """Stop the engine thread (groups in flight are dropped); for use outside Ray."""
+        """Stop the engine thread (groups in flight are dropped) and close the backend (its
+        tool calls' client with it); for use outside Ray."""
         with self._cv:
             self._closing = True
             self._cv.notify_all()
         self._thread.join()
+        self._backend.close()
 
 
 # Applied as a call, not as a class decorator, so that type checkers see an actor class

@@ -22,7 +22,6 @@ from services.learner.group import LearnerGroup, wait_all
 from services.local_ray import NO_METRICS_EXPORTERS
 from services.reward.actor import start_verifier_actor
 from services.spec import RunSpec
-from services.tools.rollout import SandboxTarget, ToolSettings
 
 log = logging.getLogger(__name__)
 
@@ -201,29 +200,9 @@ def generation_worker_args(spec: RunSpec, model_dir: Path) -> GenerationWorkerAr
 
 
 def tool_options(spec: RunSpec) -> dict[str, Any]:
-    """The worker's `tools` and `sandbox` arguments when `tools.enabled` (else none): how its
-    rollouts call the tool, and where the calls run (the token stays in the worker's
-    environment, named by `sandbox_token_env`)."""
-    tools = spec.tools
-    if not tools.enabled:
-        return {}
-    return {
-        "tools": ToolSettings(
-            max_turns=tools.max_turns,
-            max_calls=tools.max_calls,
-            max_context_tokens=tools.max_context_tokens,
-            max_output_chars=tools.max_output_chars,
-            call_format=tools.call_format,
-            max_concurrent_calls=tools.max_concurrent_calls,
-        ),
-        "sandbox": SandboxTarget(
-            url=None if tools.sandbox_url is None else str(tools.sandbox_url),
-            token_env=tools.sandbox_token_env,
-            timeout_s=tools.timeout_s,
-            max_output_chars=tools.max_output_chars,
-            max_concurrency=tools.max_concurrent_calls,
-        ),
-    }
+    """The worker's `tools` argument when `tools.enabled` (else none): the spec's section as
+    is (the sandbox token stays in the worker's environment, named by `sandbox_token_env`)."""
+    return {"tools": spec.tools} if spec.tools.enabled else {}
 
 
 def start_generation_worker(spec: RunSpec, model_dir: Path) -> Any:

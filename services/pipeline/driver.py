@@ -24,19 +24,12 @@ for its responses in flight. At the end of a run (or a cancel) the final checkpo
 as a Hugging Face model to `RUN_DIR/model/`. Checkpoints are written beside the loop
 (`CheckpointWriter`): generation and scoring go on meanwhile.
 
-Faults (docs/reliability.md's fault policy). What a generation worker absorbs: a request its
-backend refuses (a prompt too long for the engine's context, one that encodes to nothing) comes
-back as a refusal, and its prompt is dropped and counted (`groups_dropped_invalid`); a failed
-weight load is retried once by the worker, and only a second failure reaches the driver, which
-replaces the worker (its prompts issued again, without counting against them). What the driver
-handles, by the `ActorSupervisor`: a generation actor that dies, raises, or returns nothing past
-its stall deadline is replaced and its prompts are issued again (a prompt whose generation
-raised on two actors fails the run, naming the actor and the error); a
-verifier actor that dies, raises or hangs past `reward.call_timeout_s` is replaced and its groups
-are scored again (twice failed: its responses are marked unverified, reward 0). Both draw on
-`pipeline.actor_replacements`. A learner rank that dies takes the attempt with it: every actor
-is stopped and the run resumes from its last checkpoint, up to `pipeline.learner_restarts`
-times. Nothing is trained twice: results of the lost attempt are dropped with it.
+Faults (docs/reliability.md's fault policy): `ActorFaults` (services/pipeline/faults.py) decides
+what a failed generation worker or verifier actor costs, and the `ActorSupervisor` replaces it.
+A learner rank that dies takes the attempt with it: every actor is stopped and the run resumes
+from its last checkpoint, up to `pipeline.learner_restarts` times. Nothing is trained twice:
+results of the lost attempt are dropped with it. The driver's part of a checkpoint, as written
+and as read back, is services/pipeline/driver_state.py's.
 """
 
 from __future__ import annotations
@@ -45,7 +38,6 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import asdict
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -53,8 +45,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from services.generation.base import GroupRequest, Refusal, SamplingSettings, StreamedGroups
-from services.generation.worker import WeightSwapError
+from services.generation.base import GroupRequest, SamplingSettings, StreamedGroups
 from services.messages import Prompt, Response
 from services.metrics import LEARNER_TOTALS
 from services.observers import MetricsRecord, RunObserver, RunState
@@ -70,11 +61,9 @@ from services.pipeline.calls import (
     PingCall,
     PollCall,
     ScoringCall,
-    ScoringFailed,
     SubmitCall,
     Throughput,
     sampling_seed,
-    unverified,
 )
 from services.pipeline.checkpoint_writer import CheckpointWriter
 from services.pipeline.checkpoints import (
@@ -84,16 +73,16 @@ from services.pipeline.checkpoints import (
     read_driver_state,
 )
 from services.pipeline.curves import CurveDrawer
-from services.pipeline.evaluation import Evaluator
-from services.pipeline.held_out import held_out_prompts
-from services.pipeline.outputs import EVAL_FILE, RunDirectory, json_safe_record
-from services.pipeline.prompts import PromptStream, chats_strings
-from services.pipeline.records import (
-    group_from_json,
-    group_to_json,
-    prompt_from_json,
-    prompt_to_json,
+from services.pipeline.driver_state import (
+    capture_driver_state,
+    in_flight_prompts,
+    restore_driver_state,
 )
+from services.pipeline.evaluation import Evaluator
+from services.pipeline.faults import ActorFaults
+from services.pipeline.held_out import held_out_prompts
+from services.pipeline.outputs import EVAL_FILE, RunDirectory
+from services.pipeline.prompts import PromptStream, chats_strings
 from services.pipeline.signals import on_stop_signals
 from services.pipeline.streams import WorkerStream
 from services.pipeline.supervisor import ActorSupervisor, FaultBudgetExhausted
@@ -109,12 +98,8 @@ WAIT_SECONDS = 0.5  # longest the loop sleeps without news (it then checks for a
 CHECKPOINT_POLL_SECONDS = 0.05  # how often the loop looks at a checkpoint being written
 FINAL_EVAL_TIMEOUT_S = 1800.0  # a final evaluation call longer than this is given up (logged)
 POLL_SECONDS = 5.0  # longest a worker's next_groups waits before answering with nothing
-SCORING_ATTEMPTS = 2  # a batch whose verifier actor failed this often is marked unverified
-GENERATION_ATTEMPTS = 2  # a prompt whose generation failed this often fails the run
-# A worker that does not answer a ping (PingCall) in this long is taken for hung.
-PING_TIMEOUT_S = 10.0
 
-__all__ = ["FaultBudgetExhausted", "RunDriver"]
+__all__ = ["FaultBudgetExhausted", "GenerationFailed", "RunDriver"]
 
 
 class RunDriver:
@@ -128,7 +113,6 @@ class RunDriver:
         self.observers = [run_dir, *observers]
         self._pending: dict[Any, PendingCall] = {}
         self._streams: list[WorkerStream] = []
-        self._failed_generations: dict[str, int] = {}  # prompt_id -> generation attempts failed
         self._next_verifier = 0
         self._throughput = Throughput()
         self._started = time.perf_counter()
@@ -145,6 +129,7 @@ class RunDriver:
             lambda: self._model_dir,
             lambda pids: self.run_dir.update_details(actors=pids),
         )
+        self.faults = ActorFaults(spec.generation, self.supervisor)
         self.weights = WeightSync(spec.pipeline.weight_transport, spec.overlaps_publish)
         self.evals = (
             Evaluator(spec.eval, spec.generation, spec.seed, run_dir.path / EVAL_FILE)
@@ -171,26 +156,15 @@ class RunDriver:
         if found is None:
             return None
         step, path = found
-        state = read_driver_state(path)
-        self.counters = Counters(**state["counters"])
-        self.prompts = PromptStream(
-            self.spec.task,
-            self.spec.seed,
-            state["prompt_position"],
-            [prompt_from_json(p) for p in state["handed_back"]],
-        )
-        groups = [group_from_json(g) for g in state["buffer"]]
-        pipe = self.spec.pipeline
-        self.buffer = RolloutBuffer(pipe.buffer_groups, pipe.max_staleness, groups)
-        self.buffer.dropped_groups = self.counters.groups_dropped_stale
-        self.buffer.dropped_responses = self.counters.rollouts_dropped_stale
+        state = restore_driver_state(self.spec, read_driver_state(path))
+        self.counters, self.prompts, self.buffer = state.counters, state.prompts, state.buffer
         self._resume_path = path
         self._last_checkpoint_step = step
         self.run_dir.keep_metrics_through(step)
         # The checkpointed step's record is emitted only once its checkpoint is written: a driver
         # killed in between left a checkpoint whose step nobody recorded. Recorded now, from the
         # checkpoint (the store ignores a record it holds already).
-        held = state.get("record")
+        held = state.record
         if held is not None and all(r["step"] != step for r in self.run_dir.read_metrics(["step"])):
             self._emit(held)
         return step
@@ -473,10 +447,8 @@ class RunDriver:
         except (RayActorError, RayTaskError) as error:
             if isinstance(call, SubmitCall | PollCall | PingCall):
                 self._on_worker_failed(actors, call.worker, call.actor, error)
-            elif isinstance(call, ScoringCall) and isinstance(error, RayTaskError):
-                self._on_scoring_raised(actors, call, error)
             elif isinstance(call, ScoringCall):
-                self._on_scoring_lost(actors, call, error)
+                self._on_scoring_failed(actors, call, error)
             else:
                 raise  # the learner's: its death ends the attempt (see run), its error the run
             return
@@ -496,7 +468,7 @@ class RunDriver:
             return  # the answer of an actor replaced meanwhile
         self._poll(actors, call.worker)
         for refusal in result.refused:
-            self._drop_refused(stream, refusal)
+            self.faults.drop_refused(stream, refusal, self.counters, self.buffer)
         groups = result.groups
         if not groups:
             return
@@ -507,25 +479,10 @@ class RunDriver:
         self.counters.tokens_generated_total += tokens
         self._throughput.tokens += tokens
         self._throughput.group_seconds.extend(now - submitted[p.prompt_id] for p in prompts)
-        for prompt in prompts:
-            self._failed_generations.pop(prompt.prompt_id, None)
+        self.faults.generated(prompts)
         verifier = self._next_verifier % len(actors.verifiers)
         self._next_verifier += 1
         self._score(actors, verifier, prompts, groups)
-
-    def _drop_refused(self, stream: WorkerStream, refusal: Refusal) -> None:
-        """The worker did not generate this prompt and never will (docs/reliability.md): it is
-        dropped and counted, not retried, and the worker goes on."""
-        prompt = stream.dropped(refusal.prompt_id)
-        if prompt is None:
-            return
-        log.warning("prompt %r dropped (%s): %s", prompt.prompt_id, refusal.reason, refusal.message)
-        self.buffer.release(1)
-        self._failed_generations.pop(prompt.prompt_id, None)
-        self.counters.groups_dropped_invalid += 1
-        self.counters.rollouts_dropped_invalid += self.spec.generation.group_size
-        if refusal.reason == "prompt_too_long":
-            self.counters.prompts_too_long += 1
 
     def _score(
         self,
@@ -541,7 +498,7 @@ class RunDriver:
             verifier, actor, prompts, groups, time.perf_counter(), attempt
         )
 
-    # --- faults of generation and verifier actors ---------------------------------------------
+    # --- faults of generation and verifier actors (their rules: services/pipeline/faults.py) ---
 
     def _on_worker_failed(
         self, actors: RunActors, index: int, actor: Any, error: BaseException
@@ -551,19 +508,7 @@ class RunDriver:
         if stream.actor is not actor:
             return  # this actor was replaced at an earlier failed call
         prompts = stream.take_all()
-        if isinstance(error, RayTaskError) and not isinstance(error, WeightSwapError):
-            # The worker raised (its engine failed), which may be the prompts' doing: retried
-            # once on another actor, then the run fails naming the actor and the error. A weight
-            # load it gave up on is the worker's fault, not its prompts'.
-            for prompt in prompts:
-                failed = self._failed_generations.get(prompt.prompt_id, 0) + 1
-                self._failed_generations[prompt.prompt_id] = failed
-                if failed >= GENERATION_ATTEMPTS:
-                    raise GenerationFailed(
-                        f"generation of prompt {prompt.prompt_id!r} failed on "
-                        f"{failed} actors; the last, generation worker {index}, raised: "
-                        f"{getattr(error, 'cause', error)!r}"
-                    ) from error
+        self.faults.charge(index, prompts, error)  # a prompt's second strike fails the run
         replacement = self.supervisor.replace(actors, "generation", index, actor, error)
         self.prompts.give_back(prompts)
         self.buffer.release(len(prompts))
@@ -574,71 +519,17 @@ class RunDriver:
         self.weights.on_replaced(actors, index, self._streams[index])
         self._poll(actors, index)
 
-    def _on_scoring_lost(
+    def _on_scoring_failed(
         self, actors: RunActors, call: ScoringCall, error: RayActorError | RayTaskError
     ) -> None:
-        """Replace the failed (or hung) verifier and score the batch again, or give up on it."""
-        self.supervisor.replace(actors, "verifier", call.verifier, call.actor, error)
-        if call.attempt >= SCORING_ATTEMPTS:
-            # The batch itself may be what kills verifiers: it must not take the run with it.
-            log.warning(
-                "%d groups failed scoring %d times: their responses are marked unverified",
-                len(call.groups),
-                call.attempt,
-            )
-            self.counters.unverified_groups += len(call.groups)
-            self.buffer.add(unverified(call), reserved=len(call.prompts))
-            return
-        self.counters.rescored_groups += len(call.groups)
-        self._score(actors, call.verifier, call.prompts, call.groups, call.attempt + 1)
-
-    def _on_scoring_raised(self, actors: RunActors, call: ScoringCall, error: RayTaskError) -> None:
-        """A verifier raised (it is alive): score the groups once more on another verifier
-        actor; a second error fails the run, naming the actor and the error."""
-        if call.attempt >= SCORING_ATTEMPTS:
-            raise ScoringFailed(
-                f"scoring {len(call.groups)} groups failed {call.attempt} times; the last, "
-                f"verifier actor {call.verifier}, raised: {getattr(error, 'cause', error)!r}"
-            ) from error
-        log.warning("verifier actor %d raised %r: scoring again", call.verifier, error)
-        self.counters.rescored_groups += len(call.groups)
-        other = (call.verifier + 1) % len(actors.verifiers)
-        self._score(actors, other, call.prompts, call.groups, call.attempt + 1)
+        """Score the groups of a failed verifier call again where the fault rules say so."""
+        verifier = self.faults.scoring_failed(actors, call, error, self.counters, self.buffer)
+        if verifier is not None:
+            self._score(actors, verifier, call.prompts, call.groups, call.attempt + 1)
 
     def _stop_hung(self, actors: RunActors) -> None:
-        scoring = [
-            (call.actor, call.verifier, call.started)
-            for call in self._pending.values()
-            if isinstance(call, ScoringCall)
-        ]
-        self.supervisor.stop_hung_verifiers(scoring)
-        gen = self.spec.generation
-        now = time.perf_counter()
-        pinged = {
-            call.worker: call for call in self._pending.values() if isinstance(call, PingCall)
-        }
-        for index, stream in enumerate(self._streams):
-            ping = pinged.get(index)
-            if ping is not None and ping.actor is stream.actor:
-                if now - ping.started > PING_TIMEOUT_S:
-                    self.supervisor.kill_as_hung(
-                        stream.actor,
-                        f"generation worker {index} acknowledged no weights and did not answer "
-                        f"a ping in {PING_TIMEOUT_S:.0f} s",
-                    )
-                continue
-            if not stream.stalled(now, gen.max_new_tokens, gen.first_group_timeout_s):
-                continue
-            if stream.unacknowledged:  # a delivery is overdue: a peer of the group may block it
-                ref = stream.actor.policy_version.remote()
-                self._pending[ref] = PingCall(index, stream.actor, now)
-                continue
-            deadline = stream.stall_deadline(gen.max_new_tokens, gen.first_group_timeout_s)
-            self.supervisor.kill_as_hung(
-                stream.actor,
-                f"generation worker {index} returned no group in {deadline:.0f} s holding "
-                f"{len(stream.outstanding)} prompts",
-            )
+        """Kill the actors taken for hung; wait on the pings of workers that may be blocked."""
+        self._pending.update(self.faults.stop_hung(self._pending.values(), self._streams))
 
     # --- learner steps, weights, checkpoints ---------------------------------------------------
 
@@ -701,37 +592,16 @@ class RunDriver:
     def _elapsed(self) -> float:
         return self.counters.elapsed_seconds + time.perf_counter() - self._started
 
-    def _in_flight_prompts(self) -> list[Prompt]:
-        prompts: list[Prompt] = []
-        for stream in self._streams:
-            prompts.extend(prompt for prompt, _ in stream.outstanding.values())
-        for call in self._pending.values():
-            if isinstance(call, ScoringCall):
-                prompts.extend(call.prompts)
-        return prompts
-
-    def _driver_state(self) -> dict[str, Any]:
-        in_flight = self._in_flight_prompts()
-        counters = Counters(**asdict(self.counters))
-        counters.elapsed_seconds = self._elapsed()
-        counters.groups_issued -= len(in_flight)  # counted again when they are re-issued
-        return {
-            "counters": asdict(counters),
-            "prompt_position": self.prompts.position,
-            # Prompts still being generated or scored are re-issued by a resumed run.
-            "handed_back": [prompt_to_json(p) for p in [*in_flight, *self.prompts.handed_back]],
-            "buffer": [group_to_json(g) for g in self.buffer.groups],
-        }
-
     def _start_checkpoint(self, actors: RunActors) -> None:
         """Checkpoint the current step beside the loop (the learner is idle between steps)."""
 
         def write_learner(path: Path) -> Callable[[], None]:
             return actors.learner.save_checkpoint(str(path))
 
-        state = self._driver_state()
-        if self._held_record is not None:  # the step's record, for a driver killed before it
-            state["record"] = json_safe_record(self._held_record)
+        in_flight = in_flight_prompts(self._streams, self._pending.values())
+        state = capture_driver_state(
+            self.counters, self._elapsed(), self.prompts, self.buffer, in_flight, self._held_record
+        )
         self._checkpoints.start(
             self.run_dir.checkpoints,
             self.counters.step,

@@ -57,7 +57,13 @@ from services.spec.learner import LearnerConfig, LoraConfig
 from services.spec.pipeline import PipelineConfig
 from services.spec.reward import RewardConfig, VerifierName
 from services.spec.task import ArithTask, DatasetTask, JsonlTask, TaskConfig
-from services.spec.tools import (
+from services.spec.tracking import (
+    MlflowTracking,
+    TensorboardTracking,
+    TrackingConfig,
+    WandbTracking,
+)
+from services.tools.config import (
     MAX_TOOL_CONCURRENCY,
     MAX_TOOL_OUTPUT_CHARS,
     MAX_TOOL_TIMEOUT_S,
@@ -65,12 +71,6 @@ from services.spec.tools import (
     EnvVarName,
     SandboxUrl,
     ToolsConfig,
-)
-from services.spec.tracking import (
-    MlflowTracking,
-    TensorboardTracking,
-    TrackingConfig,
-    WandbTracking,
 )
 
 

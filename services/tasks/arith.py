@@ -21,20 +21,18 @@ that ordinary precedence and the left-to-right steps agree: `(3+4)*2-5=` is work
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
-from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from itertools import islice
-from typing import Literal, TypeVar, get_args
 
 from services.messages import Prompt
 from services.tasks.answers import ANSWER_MARKER
 
-Split = Literal["train", "eval"]
-SPLITS: tuple[Split, ...] = get_args(Split)
-Level = TypeVar("Level")
+# The splits live with the shared prompt streams; re-exported for the callers that name them here.
+from services.tasks.prompt_streams import SPLITS as SPLITS
+from services.tasks.prompt_streams import PromptStreams
+from services.tasks.prompt_streams import Split as Split
+from services.tasks.prompt_streams import prompt_split as prompt_split
 
 TASK_NAME = "arith"
 LINE_END = ";"
@@ -62,85 +60,10 @@ LEVELS: dict[int, ArithLevel] = {
 }
 DEFAULT_DIFFICULTY = 3
 
-# A prompt belongs to the eval split when the first byte of its digest is below this (1 in 8).
-# Membership is a property of the text alone, so train and eval never share a prompt, whatever
-# the seeds.
-_EVAL_BUCKET = 32
-
 _CANONICAL = re.compile(r"[()\d+\-*]+")
 _TERM = re.compile(r"([+\-*]?)(\d+)")
 
 Step = tuple[str, int]  # (operator, operand) applied to the running value
-
-
-def prompt_split(text: str) -> Split:
-    """Which split a prompt text belongs to (a stable digest of the text, not `hash()`)."""
-    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
-    return "eval" if digest[0] < _EVAL_BUCKET else "train"
-
-
-def _stream_seed(task: str, seed: int, difficulty: int, split: Split) -> int:
-    """An integer seed for one task's (seed, difficulty, split) stream, stable across processes."""
-    key = f"{task}|{seed}|{difficulty}|{split}".encode()
-    return int.from_bytes(hashlib.sha256(key).digest()[:8], "big")
-
-
-def seeded_prompts(
-    task: str,
-    seed: int,
-    difficulty: int,
-    split: Split,
-    levels: Mapping[int, Level],
-    draw: Callable[[random.Random, Level], tuple[str, str]],
-) -> Iterator[Prompt]:
-    """An endless, deterministic stream of one task's prompts of one split and difficulty.
-
-    `draw` turns the stream's generator and the level into one prompt text and its answer; a
-    text of the other split is drawn again, so each split keeps to its own part of the space.
-    """
-    if difficulty not in levels:
-        raise ValueError(f"difficulty must be one of {sorted(levels)}, got {difficulty}")
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
-    level = levels[difficulty]
-    rng = random.Random(_stream_seed(task, seed, difficulty, split))
-    index = 0
-    while True:
-        text, answer = draw(rng, level)
-        if prompt_split(text) != split:
-            continue
-        yield Prompt(
-            prompt_id=f"{task}/{split}/d{difficulty}/s{seed}/{index}",
-            text=text,
-            answer=answer,
-            meta={"task": task, "difficulty": str(difficulty), "split": split, "seed": str(seed)},
-        )
-        index += 1
-
-
-def mixed_prompts(
-    task: str,
-    seed: int,
-    low: int,
-    high: int,
-    split: Split,
-    stream: Callable[[int, int, Split], Iterator[Prompt]],
-) -> Iterator[Prompt]:
-    """An endless, deterministic stream whose every prompt has a difficulty drawn uniformly
-    from low..high: each level's own `stream(seed, level, split)`, interleaved by a seeded
-    choice."""
-    streams = {level: stream(seed, level, split) for level in range(low, high + 1)}
-    rng = random.Random(_stream_seed(task, seed, low * 10 + high, split) ^ 0x5EED)
-    levels = list(streams)
-    while True:
-        yield next(streams[rng.choice(levels)])
-
-
-def first_prompts(n: int, prompts: Iterator[Prompt]) -> list[Prompt]:
-    """The first `n` prompts of a stream."""
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
-    return list(islice(prompts, n))
 
 
 def apply_op(value: int, op: str, operand: int) -> int:
@@ -256,21 +179,10 @@ def _draw_prompt(rng: random.Random, level: ArithLevel) -> tuple[str, str]:
     return format_expression(first, steps), str(final_value(first, steps))
 
 
-def iter_prompts(
-    seed: int, difficulty: int = DEFAULT_DIFFICULTY, split: Split = "train"
-) -> Iterator[Prompt]:
-    """An endless, deterministic stream of prompts of one split and difficulty."""
-    return seeded_prompts(TASK_NAME, seed, difficulty, split, LEVELS, _draw_prompt)
-
-
-def iter_mixed_prompts(seed: int, low: int, high: int, split: Split = "train") -> Iterator[Prompt]:
-    """An endless, deterministic stream whose every prompt has a difficulty drawn uniformly
-    from low..high: each level's own stream, interleaved by a seeded choice."""
-    return mixed_prompts(TASK_NAME, seed, low, high, split, iter_prompts)
-
-
-def generate_prompts(
-    n: int, seed: int = 0, difficulty: int = DEFAULT_DIFFICULTY, split: Split = "train"
-) -> list[Prompt]:
-    """The first `n` prompts of the (seed, difficulty, split) stream."""
-    return first_prompts(n, iter_prompts(seed, difficulty, split))
+# The task's seeded streams (services/tasks/prompt_streams.py): `iter_prompts(seed, difficulty,
+# split)`, `iter_mixed_prompts(seed, low, high, split)` and `generate_prompts(n, seed, difficulty,
+# split)`, the same arguments always giving the same prompts.
+_STREAMS = PromptStreams(TASK_NAME, LEVELS, _draw_prompt, DEFAULT_DIFFICULTY)
+iter_prompts = _STREAMS.iter_prompts
+iter_mixed_prompts = _STREAMS.iter_mixed_prompts
+generate_prompts = _STREAMS.generate_prompts

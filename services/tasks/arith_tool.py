@@ -19,21 +19,20 @@ with the fenced call and the observation exactly as the multi-turn rollout write
 
 The direct response, `####293862`, is the one the model has to compute itself: right for
 one-digit operands, out of its reach for long ones. Difficulty is the number of digits of the
-operands (`LEVELS`). Train and eval prompts never overlap (the split is a property of the text,
-as in `arith`).
+operands (`LEVELS`). Train and eval prompts never overlap (the split is a property of the text:
+`services.tasks.prompt_streams`).
 """
 
 from __future__ import annotations
 
 import random
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from services.messages import Prompt
 from services.tasks.answers import ANSWER_MARKER
-from services.tasks.arith import Split, first_prompts, mixed_prompts, seeded_prompts
 from services.tasks.demonstration import Segment
+from services.tasks.prompt_streams import PromptStreams
 
 TASK_NAME = "arith-tool"
 
@@ -142,28 +141,17 @@ def format_prompt(left: int, op: str, right: int) -> str:
 
 
 def _draw_prompt(rng: random.Random, level: ArithToolLevel) -> tuple[str, str]:
+    """One prompt and its answer, each operation drawn with probability 1/2."""
     op = rng.choice(OPERATORS)
     digits = level.multiply if op == "*" else level.divide
     left, right = _operand(rng, digits[0]), _operand(rng, digits[1])
     return format_prompt(left, op, right), str(apply(left, op, right))
 
 
-def iter_prompts(
-    seed: int, difficulty: int = DEFAULT_DIFFICULTY, split: Split = "train"
-) -> Iterator[Prompt]:
-    """An endless, deterministic stream of prompts of one split and difficulty (each operation
-    drawn with probability 1/2)."""
-    return seeded_prompts(TASK_NAME, seed, difficulty, split, LEVELS, _draw_prompt)
-
-
-def iter_mixed_prompts(seed: int, low: int, high: int, split: Split = "train") -> Iterator[Prompt]:
-    """An endless, deterministic stream whose every prompt has a difficulty drawn uniformly
-    from low..high: each level's own stream, interleaved by a seeded choice."""
-    return mixed_prompts(TASK_NAME, seed, low, high, split, iter_prompts)
-
-
-def generate_prompts(
-    n: int, seed: int = 0, difficulty: int = DEFAULT_DIFFICULTY, split: Split = "train"
-) -> list[Prompt]:
-    """The first `n` prompts of the (seed, difficulty, split) stream."""
-    return first_prompts(n, iter_prompts(seed, difficulty, split))
+# The task's seeded streams (services/tasks/prompt_streams.py): `iter_prompts(seed, difficulty,
+# split)`, `iter_mixed_prompts(seed, low, high, split)` and `generate_prompts(n, seed, difficulty,
+# split)`, the same arguments always giving the same prompts.
+_STREAMS = PromptStreams(TASK_NAME, LEVELS, _draw_prompt, DEFAULT_DIFFICULTY)
+iter_prompts = _STREAMS.iter_prompts
+iter_mixed_prompts = _STREAMS.iter_mixed_prompts
+generate_prompts = _STREAMS.generate_prompts

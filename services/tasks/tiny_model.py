@@ -40,7 +40,7 @@ from services.tasks.sampling_eval import sampled_accuracy
 from services.tasks.tokenizer import build_tokenizer, save_tokenizer
 from services.tasks.tool_eval import ArithmeticRunner, evaluate_with_tool
 from services.tasks.warmstart import EvalPoint, Evaluation, WarmStartSettings, warm_start
-from services.tools.rollout import ToolSettings
+from services.tools.config import ToolsConfig
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ def _save(
 
 
 def sampling_backend(
-    model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, tools: ToolSettings | None
+    model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, tools: ToolsConfig | None
 ) -> HFBackend:
     """An `hf` backend holding a copy of `model` (load its weights into it before sampling),
     with `tools` enabled through an `ArithmeticRunner` when given. The global RNG is left as
@@ -344,7 +344,11 @@ def build_tiny_model(
         sampler = sampling_backend(
             model,
             tokenizer,
-            ToolSettings(max_turns=settings.max_turns, call_format="fenced") if tools else None,
+            (
+                ToolsConfig(enabled=True, max_turns=settings.max_turns, call_format="fenced")
+                if tools
+                else None
+            ),
         )
         evaluate = _evaluator(sampler, model, eval_prompts, longest + EVAL_MARGIN_TOKENS, tools)
         prompts, solve = _demonstrations(settings, seed, tools)

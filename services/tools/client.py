@@ -1,7 +1,7 @@
 """The two ToolRunners the rollouts use: `HttpSandbox` (a sandbox server, over HTTP) and
-`LocalSandbox` (a bounded pool of sandboxed processes in this process, for single-machine
-runs). Neither ever raises into the run: whatever goes wrong becomes a ToolResult whose status
-says what (and is counted in `counts`).
+`LocalSandbox` (sandboxed processes of this process, for single-machine runs). Neither ever
+raises into the run: whatever goes wrong becomes a ToolResult whose status says what (and is
+counted in `counts`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import random
 import threading
 import time
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -92,6 +91,10 @@ class HttpSandbox:
     @property
     def counts(self) -> dict[str, int]:
         return self._counts.snapshot()
+
+    @property
+    def closed(self) -> bool:
+        return self._client.is_closed
 
     def close(self) -> None:
         self._client.close()
@@ -181,9 +184,11 @@ def _parse(payload: dict[str, Any]) -> ToolResult:
 
 
 class LocalSandbox:
-    """A ToolRunner without a server: `max_concurrency` sandboxed calls at once in a thread
-    pool of this process (single-machine runs). `run` blocks for one call; `submit` returns a
-    future, for callers that keep other responses decoding meanwhile."""
+    """A ToolRunner without a server: each call a sandboxed process of this process
+    (single-machine runs). `run` blocks its caller for one call; at most `max_concurrency` run
+    at once (a further caller waits for a slot). The threads are the caller's: rollouts call it
+    from `ToolCalls`, whose pool has as many threads as this has slots, so the pool's bound is
+    the only one a call meets."""
 
     def __init__(
         self,
@@ -196,20 +201,13 @@ class LocalSandbox:
         self._runner = SandboxRunner(
             backend, limits, allow_unsafe_process=allow_unsafe_process, slots=max_concurrency
         )
-        self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="local-sandbox")
         self._counts = _Counts()
 
     @property
     def counts(self) -> dict[str, int]:
         return self._counts.snapshot()
 
-    def submit(self, code: str) -> Future[ToolResult]:
-        return self._pool.submit(self._run_one, code)
-
     def run(self, code: str) -> ToolResult:
-        return self.submit(code).result()
-
-    def _run_one(self, code: str) -> ToolResult:
         try:
             result = self._runner.run(code)
         except Exception as exc:  # never into the run
@@ -219,7 +217,7 @@ class LocalSandbox:
         return result
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """Nothing to release: each call's process ends with the call."""
 
     def __enter__(self) -> LocalSandbox:
         return self

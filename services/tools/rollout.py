@@ -5,8 +5,9 @@ each sampled token whether decoding goes on, ends (and with which finish reason)
 tool call; `ToolCalls` runs the calls on threads of its own through a `ToolRunner`, so the
 decoding thread only polls futures (responses not waiting on a call keep decoding while one
 runs); `ObservationEncoder` turns a call's result into the observation tokens appended to the
-context. The backend owns the loop: feeding tokens, parking a response while its call runs,
-resuming it over the whole context.
+context. services/tools/rows.py holds a response as both backends decode it (its tokens, its
+turns, the call it is parked on) and the rows parked on calls; each backend keeps only what
+talks to its engine: feeding tokens, and resuming a row over its whole context.
 
 Limits, each with its finish reason (checked in this order after every model token):
 - "stop": the model sampled an end-of-sequence token;
@@ -38,10 +39,10 @@ from services.tools.calls import (
     PYTHON_TOOL,
     CallDetector,
     CallFormat,
-    CallFormatSetting,
     ToolCall,
     resolve_call_format,
 )
+from services.tools.config import ToolsConfig
 from services.tools.sandbox import ToolResult, ToolRunner, observation_text
 
 OUTPUT_OPEN = "<output>\n"
@@ -52,61 +53,19 @@ TRUNCATED = "\n[output truncated]"
 Decision = Literal["continue", "call"] | FinishReason
 
 
-@dataclass(frozen=True)
-class ToolSettings:
-    """The `tools` section of a run spec, as generation uses it (see services/spec/tools.py)."""
-
-    max_turns: int = 5
-    max_calls: int | None = None  # None: max_turns - 1
-    max_context_tokens: int | None = None  # None: the model's context length
-    max_output_chars: int = 1000
-    call_format: CallFormatSetting = "auto"
-    max_concurrent_calls: int = 4
-
-    def __post_init__(self) -> None:
-        if self.max_turns < 1:
-            raise ValueError(f"tools.max_turns must be >= 1, got {self.max_turns}")
-        if self.max_calls is not None and self.max_calls < 0:
-            raise ValueError(f"tools.max_calls must be >= 0, got {self.max_calls}")
-        if self.max_context_tokens is not None and self.max_context_tokens < 1:
-            raise ValueError(
-                f"tools.max_context_tokens must be >= 1, got {self.max_context_tokens}"
-            )
-        if self.max_output_chars < 1:
-            raise ValueError(f"tools.max_output_chars must be >= 1, got {self.max_output_chars}")
-        if self.max_concurrent_calls < 1:
-            raise ValueError(
-                f"tools.max_concurrent_calls must be >= 1, got {self.max_concurrent_calls}"
-            )
-
-    @property
-    def calls_allowed(self) -> int:
-        return self.max_turns - 1 if self.max_calls is None else self.max_calls
-
-
-@dataclass(frozen=True)
-class SandboxTarget:
-    """Where a generation worker's calls run (`tools.sandbox_url` and friends in the spec)."""
-
-    url: str | None = None  # None: a local pool in the worker's process
-    token_env: str = "KPO_SANDBOX_TOKEN"  # the variable holding the server's token
-    timeout_s: float = 5.0
-    max_output_chars: int = 1000
-    max_concurrency: int = 4
-
-
-def build_runner(settings: SandboxTarget) -> ToolRunner:
-    """The ToolRunner of `settings`: the sandbox server's client, or a local pool. The token
-    is read here, in the process that calls, from its environment: it never travels in a
-    spec or a message."""
+def build_runner(config: ToolsConfig) -> ToolRunner:
+    """Where `config`'s calls run: the sandbox server's client, or sandboxed processes of this
+    process. The token is read here, in the process that calls, from its environment: it never
+    travels in a spec or a message. Either runner blocks its caller for one call; `ToolCalls`
+    owns the threads (and so the one bound on calls in flight)."""
     from services.tools.client import HttpSandbox, LocalSandbox
     from services.tools.sandbox import SandboxLimits
 
-    if settings.url is not None:
-        token = os.environ.get(settings.token_env) or None
-        return HttpSandbox(settings.url, token, settings.timeout_s)
-    limits = SandboxLimits(timeout_s=settings.timeout_s, max_output_chars=settings.max_output_chars)
-    return LocalSandbox(limits=limits, max_concurrency=settings.max_concurrency)
+    if config.sandbox_url is not None:
+        token = os.environ.get(config.sandbox_token_env) or None
+        return HttpSandbox(config.sandbox_url, token, config.timeout_s)
+    limits = SandboxLimits(timeout_s=config.timeout_s, max_output_chars=config.max_output_chars)
+    return LocalSandbox(limits=limits, max_concurrency=config.max_concurrent_calls)
 
 
 def truncate_observation(text: str, max_chars: int) -> str:
@@ -118,7 +77,7 @@ class ResponseTurns:
     """Turn bookkeeping of one response: what each model token means for it."""
 
     def __init__(
-        self, call_format: CallFormat, settings: ToolSettings, max_new_tokens: int, context: int
+        self, call_format: CallFormat, settings: ToolsConfig, max_new_tokens: int, context: int
     ) -> None:
         self._format = call_format
         self._settings = settings
@@ -270,7 +229,7 @@ class ToolCalls:
     """
 
     def __init__(self, runner: ToolRunner, max_concurrent: int, max_output_chars: int) -> None:
-        self._runner = runner
+        self.runner = runner
         self._max_output_chars = max_output_chars
         self._pool = ThreadPoolExecutor(max_concurrent, thread_name_prefix="tool-call")
         self._lock = threading.Lock()
@@ -286,7 +245,7 @@ class ToolCalls:
 
     def _run(self, code: str) -> ToolResult:
         try:
-            result = self._runner.run(code)
+            result = self.runner.run(code)
         except Exception:  # the observation says the sandbox failed; the run goes on
             result = ToolResult(output="", status="unavailable", seconds=0.0)
         self._count(result)
@@ -313,25 +272,11 @@ class ToolCalls:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-@dataclass(eq=False, kw_only=True)
-class ResponseTokens:
-    """A response as a backend builds it (each backend's row extends this): per token its
-    log-prob, the weights version that sampled it and whether it is an observation token; each
-    call's `ToolResult.status`; the finish reason once it ended."""
-
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    observed: list[bool] = field(default_factory=list)  # per token: an observation token
-    call_statuses: list[str] = field(default_factory=list)  # each call's ToolResult.status
-    finish: FinishReason | None = None
-
-
 class ToolRollout:
     """What a backend needs for multi-turn rollouts: settings, the resolved call format, the
     observation encoder and the call runner (one per backend)."""
 
-    def __init__(self, settings: ToolSettings, runner: ToolRunner, tokenizer: Any) -> None:
+    def __init__(self, settings: ToolsConfig, runner: ToolRunner, tokenizer: Any) -> None:
         self.settings = settings
         self.call_format: CallFormat = resolve_call_format(settings.call_format, tokenizer)
         self.encoder = ObservationEncoder(tokenizer, declare_tools=self.call_format == "hermes")
@@ -347,32 +292,9 @@ class ToolRollout:
             context_limit if limit is None else min(limit, context_limit),
         )
 
-    def observe(
-        self,
-        row: ResponseTokens,
-        result: ToolResult,
-        *,
-        turns: ResponseTurns,
-        text: IncrementalText,
-        context_length: int,
-        chat: bool,
-    ) -> None:
-        """Append the observation of the call `row` stopped at (log-prob 0.0, the version of
-        the token before, flagged observed); sets `row.finish` to "max_context" instead when it
-        leaves no room for another model token. `context_length` is prompt + response so far;
-        `chat`: the prompt is a chat."""
-        row.call_statuses.append(result.status)
-        ids = self.encoder.encode(self.calls.observation(result), chat=chat)
-        if not turns.fits(context_length, len(ids)):
-            row.finish = "max_context"
-            return
-        version = row.versions[-1]
-        row.tokens.extend(ids)
-        row.logprobs.extend([0.0] * len(ids))
-        row.versions.extend([version] * len(ids))
-        row.observed.extend([True] * len(ids))
-        turns.observed()
-        text.restart(len(row.tokens))
-
     def close(self) -> None:
+        """End the calls in flight and close the runner (an HTTP client's connections)."""
         self.calls.close()
+        close = getattr(self.calls.runner, "close", None)
+        if close is not None:
+            close()

@@ -48,14 +48,14 @@ LAYERS: dict[str, frozenset[str]] = {
     "model_layout": may(),
     # Building blocks with no knowledge of a run.
     "store": may(),
-    "tools": may("messages", "http_listener"),
+    "tools": may("kpo_core", "messages", "http_listener"),
     "weights": may(),
     "generation": may("messages", "positions", "model_layout", "tools", "weights"),
     # The built-in models' warm start measures them through the generation backend.
     "tasks": may("messages", "tools", "generation"),
     "reward": may("messages", "tasks"),
     # The run spec reads the registries (backends, verifiers, dataset formats, built-in models).
-    "spec": may("kpo_core", "generation", "reward", "tasks"),
+    "spec": may("kpo_core", "tools", "generation", "reward", "tasks"),
     # What a run is made of above the spec: the learner group, the trackers.
     "learner": may(
         "kpo_core",

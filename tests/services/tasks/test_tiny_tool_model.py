@@ -28,7 +28,8 @@ from services.tasks.tiny_model import (
     is_model_dir,
 )
 from services.tasks.tool_eval import ArithmeticRunner, evaluate_with_tool, run_arithmetic
-from services.tools.rollout import ObservationEncoder, ToolSettings
+from services.tools.config import ToolsConfig
+from services.tools.rollout import ObservationEncoder
 
 CALL = "```python\nprint(3417*86)\n```"
 OBSERVATION = "<output>\n293862\n</output>\n"
@@ -123,7 +124,8 @@ def test_sampled_with_calls_executed_it_sometimes_calls(
     # Through the hf backend with its tool rollout, as RL samples it (and as its warm start
     # measured it); prompts of another seed than the build's evaluation.
     backend = HFBackend(TOOL_MODEL_DIR)
-    backend.enable_tools(ToolSettings(max_turns=3, call_format="fenced"), ArithmeticRunner())
+    tools = ToolsConfig(enabled=True, max_turns=3, call_format="fenced")
+    backend.enable_tools(tools, ArithmeticRunner())
     prompts = arith_tool.generate_prompts(48, seed=1, difficulty=4, split="eval")
     samples = sample_responses(backend, prompts, seed=0, max_new_tokens=64)
     calling = [s for s in samples if s.tool_calls]

@@ -1,4 +1,5 @@
-"""The clients: retries and their bound, refusals, never raising; the local pool."""
+"""The clients: retries and their bound, refusals, never raising; local calls under the one
+call pool."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import time
 
 import httpx
 
+from services.tools.calls import ToolCall
 from services.tools.client import HttpSandbox, LocalSandbox
+from services.tools.rollout import ToolCalls
 from services.tools.sandbox import SandboxLimits, ToolResult, observation_text
 from tests.services.tools.conftest import TOKEN
 from tests.services.tools.sandbox_server import ThreadServer, free_port, needs_bwrap
@@ -84,14 +87,19 @@ def test_http_sandbox_against_the_real_server(server: ThreadServer) -> None:
 
 
 @needs_bwrap
-def test_local_pool_runs_calls_concurrently_and_bounded() -> None:
+def test_local_calls_run_concurrently_bounded_by_the_one_call_pool() -> None:
     limits = SandboxLimits(timeout_s=5.0)
     with LocalSandbox(limits=limits, max_concurrency=2) as sandbox:
-        # Four 0.5 s calls on 2 workers: two rounds, so ~1 s rather than ~2 s or ~0.5 s.
+        calls = ToolCalls(sandbox, max_concurrent=2, max_output_chars=100)
+        # Four 0.5 s calls on 2 threads: two rounds, so ~1 s rather than ~2 s or ~0.5 s.
         started = time.monotonic()
-        futures = [sandbox.submit(f"import time; time.sleep(0.5); print({i})") for i in range(4)]
+        futures = [
+            calls.submit(ToolCall(code=f"import time; time.sleep(0.5); print({i})", text=""))
+            for i in range(4)
+        ]
         outputs = [future.result().output for future in futures]
         elapsed = time.monotonic() - started
+        calls.close()
         assert outputs == ["0", "1", "2", "3"]
         assert 1.0 <= elapsed < 1.9
         assert sandbox.run("1/0").output == "ZeroDivisionError: division by zero"

@@ -6,13 +6,13 @@ import pytest
 
 from services.tasks.tokenizer import build_tokenizer
 from services.tools.calls import ToolCall
+from services.tools.config import ToolsConfig
 from services.tools.rollout import (
     TRUNCATED,
     IncrementalText,
     ObservationEncoder,
     ResponseTurns,
     ToolCalls,
-    ToolSettings,
 )
 from services.tools.sandbox import ToolResult
 
@@ -20,7 +20,7 @@ CALL = "```python\nprint(1)\n```"
 
 
 def turns(max_new_tokens: int = 100, context: int = 1000, **settings: int) -> ResponseTurns:
-    return ResponseTurns("fenced", ToolSettings(**settings), max_new_tokens, context)
+    return ResponseTurns("fenced", ToolsConfig(enabled=True, **settings), max_new_tokens, context)
 
 
 def feed(response: ResponseTurns, text: str, context_start: int = 10) -> list[str]:
@@ -73,9 +73,9 @@ def test_an_observation_fits_only_with_room_for_one_more_model_token() -> None:
 
 def test_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="max_turns"):
-        ToolSettings(max_turns=0)
+        ToolsConfig(enabled=True, max_turns=0)
     with pytest.raises(ValueError, match="max_output_chars"):
-        ToolSettings(max_output_chars=0)
+        ToolsConfig(enabled=True, max_output_chars=0)
 
 
 def test_incremental_text_waits_for_a_whole_character() -> None:

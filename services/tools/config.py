@@ -1,4 +1,8 @@
-"""The `tools` section: tool-integrated reasoning (tool calls run in the sandbox)."""
+"""The `tools` section of a run spec, and the one settings type of tool-integrated rollouts.
+
+The spec validates it; the generation worker receives it as is and its backends read it (call
+format, limits, where calls run): one type from the spec down, nothing re-validated on the way.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,6 @@ from pydantic import (
 )
 
 from kpo_core.config import StrictModel
-from services.spec.bounds import MAX_NAME_CHARS, MAX_PATH_CHARS
 
 MAX_TOOL_TURNS = 256
 # Characters of one tool observation: 1M characters is some 250K tokens, more than any context.
@@ -22,6 +25,9 @@ MAX_TOOL_OUTPUT_CHARS = 1_000_000
 MAX_TOOL_CONCURRENCY = 1024
 # Seconds of one sandbox call: a call blocks its response, and an hour already stalls a run.
 MAX_TOOL_TIMEOUT_S = 3600.0
+# A sandbox URL (scheme, host, port) and an environment variable's name: far above any real one.
+MAX_URL_CHARS = 2048
+MAX_ENV_NAME_CHARS = 256
 
 
 def _sandbox_url(value: str) -> str:
@@ -44,10 +50,12 @@ def _env_var_name(value: str) -> str:
 
 
 SandboxUrl = Annotated[
-    str, StringConstraints(max_length=MAX_PATH_CHARS), AfterValidator(_sandbox_url)
+    str, StringConstraints(max_length=MAX_URL_CHARS), AfterValidator(_sandbox_url)
 ]
 EnvVarName = Annotated[
-    str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_env_var_name)
+    str,
+    StringConstraints(min_length=1, max_length=MAX_ENV_NAME_CHARS),
+    AfterValidator(_env_var_name),
 ]
 
 
@@ -121,3 +129,8 @@ class ToolsConfig(StrictModel):
         if self.max_calls is None:
             object.__setattr__(self, "max_calls", self.max_turns - 1)
         return self
+
+    @property
+    def calls_allowed(self) -> int:
+        """Calls run per response (`max_calls`, which defaults to one per turn but the last)."""
+        return self.max_turns - 1 if self.max_calls is None else self.max_calls

@@ -133,7 +133,7 @@ def create_run(
     the server's inputs folder, `KPO_DATA_DIR/inputs`: give them relative to it (the stored spec
     holds the absolute path). Absolute paths elsewhere, `..` and `~` are a 422.
     """
-    data = confined_spec(spec, inputs, settings.tracking_servers())
+    data = confined_spec(spec, inputs, settings.allowlist())
     max_active = None
     if settings.max_active_runs:
         max_active = settings.max_active_runs - len(_lingering_jobs(store, launcher))

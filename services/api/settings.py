@@ -12,6 +12,8 @@ from pathlib import Path
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.api.spec_paths import OperatorAllowlist, SandboxUrlRefused, sandbox_origin
+
 # Tokens that appear in examples and templates: never accepted as a real secret.
 PLACEHOLDER_TOKENS = frozenset({"changeme", "change-me", "secret", "token", "password", "kpo"})
 MIN_TOKEN_LENGTH = 16
@@ -119,6 +121,18 @@ class ApiSettings(TokenSettings):
         description="comma-separated tracking servers (host or host:port) a run sent over the "
         "API may name; none by default",
     )
+    sandbox_urls: str = Field(
+        "",
+        validation_alias="KPO_SANDBOX_URLS",
+        description="comma-separated sandbox servers (scheme://host:port) a run sent over the "
+        "API may name in tools.sandbox_url; none by default (the chart sets its own)",
+    )
+    sandbox_token_envs: str = Field(
+        "KPO_SANDBOX_TOKEN",
+        validation_alias="KPO_SANDBOX_TOKEN_ENVS",
+        description="comma-separated environment variables a run sent over the API may name in "
+        "tools.sandbox_token_env (the workers send the variable's value to the sandbox)",
+    )
     max_active_runs: int = Field(
         16, ge=0, validation_alias="KPO_MAX_ACTIVE_RUNS", description="queued + running; 0: no cap"
     )
@@ -161,6 +175,11 @@ class ApiSettings(TokenSettings):
     @model_validator(mode="after")
     def _trusted_proxies_parse(self) -> ApiSettings:
         self.proxy_networks()  # a typo is a settings error at start, not a proxy ignored
+        return self
+
+    @model_validator(mode="after")
+    def _sandbox_urls_parse(self) -> ApiSettings:
+        self.allowlist()  # a typo is a settings error at start, not every tool run refused
         return self
 
     @model_validator(mode="after")
@@ -219,6 +238,23 @@ class ApiSettings(TokenSettings):
         environment, so a client that could name any host could have them sent there (or have
         the cluster call its cloud metadata address): only the operator's servers are allowed."""
         return frozenset(host.lower() for host in _entries(self.tracking_hosts))
+
+    def allowlist(self) -> OperatorAllowlist:
+        """What a run sent over the API may name beyond the inputs folder: the tracking servers
+        (KPO_TRACKING_HOSTS), the sandbox servers (KPO_SANDBOX_URLS) and the variables a sandbox
+        token is read from (KPO_SANDBOX_TOKEN_ENVS). Raises ValueError naming the setting for a
+        sandbox URL that is not scheme://host[:port]."""
+        servers = []
+        for entry in _entries(self.sandbox_urls):
+            origin = sandbox_origin(entry)
+            if isinstance(origin, SandboxUrlRefused):
+                raise ValueError(f"KPO_SANDBOX_URLS: {entry!r}: {origin}")
+            servers.append(origin)
+        return OperatorAllowlist(
+            tracking_servers=self.tracking_servers(),
+            sandbox_servers=frozenset(servers),
+            sandbox_token_envs=frozenset(_entries(self.sandbox_token_envs)),
+        )
 
     def trusted_hosts(self, has_token: bool, bind_host: str) -> list[str]:
         """The Host header values the API answers (any other is a 400), against DNS rebinding.

@@ -18,15 +18,21 @@ never a client's. The other string options of the generation backend may not loo
 that leaves the folder (absolute, `~`, `..`) either; `generation.engine` takes no path at all
 (its allowlist, services/generation/engine_args.py, holds no argument that names a file).
 Trackers write only into the run's own directory (their folders left out) or to an MLflow
-server the operator allows (KPO_TRACKING_HOSTS). A model whose config the control plane can read
-(a folder in the inputs, a hub model already in its cache, and transformers installed) is
-checked as `kpo run` checks it (`model_family_problem`): a family the learner cannot train is a
-422 naming `model`, not a job that fails at its first step.
+server the operator allows (KPO_TRACKING_HOSTS). Tool calls go only to a sandbox server the
+operator lists (KPO_SANDBOX_URLS: scheme, host and port; no credentials, path, query or
+fragment), carrying only a token variable the operator allows (KPO_SANDBOX_TOKEN_ENVS,
+`KPO_SANDBOX_TOKEN` by default): the generation workers send that variable's value as a bearer
+token to that URL, so a client that could name both would have any worker secret sent anywhere.
+A model whose config the control plane can read (a folder in the inputs, a hub model already in
+its cache, and transformers installed) is checked as `kpo run` checks it
+(`model_family_problem`): a family the learner cannot train is a 422 naming `model`, not a job
+that fails at its first step.
 """
 
 from __future__ import annotations
 
 import unicodedata
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import urlsplit
@@ -46,6 +52,22 @@ class PathRefused(ValueError):
     """A path field of a spec sent over HTTP that the API does not read; says why."""
 
 
+class SandboxUrlRefused(str):
+    """Why a sandbox URL is not a server's origin (returned, not raised, by sandbox_origin)."""
+
+
+@dataclass(frozen=True)
+class OperatorAllowlist:
+    """What a spec sent over HTTP may name outside the inputs folder (services/api/settings.py
+    reads it from the server's environment): MLflow servers (`host` or `host:port`, lowercase),
+    sandbox servers (origins, as `sandbox_origin` writes them) and the environment variables a
+    sandbox token may be read from."""
+
+    tracking_servers: frozenset[str] = frozenset()
+    sandbox_servers: frozenset[str] = frozenset()
+    sandbox_token_envs: frozenset[str] = frozenset({"KPO_SANDBOX_TOKEN"})
+
+
 def inputs_dir(data_dir: Path) -> Path:
     """Where paths of specs sent over HTTP are read: `<data dir>/inputs`, as jobs see it.
 
@@ -55,12 +77,12 @@ def inputs_dir(data_dir: Path) -> Path:
 
 
 def confined_spec(
-    spec: RunSpec, inputs: Path, tracking_servers: frozenset[str] = frozenset()
+    spec: RunSpec, inputs: Path, allowed: OperatorAllowlist = OperatorAllowlist()
 ) -> dict[str, Any]:
     """`spec` as JSON, with each path made absolute inside `inputs`.
 
     Raises RequestValidationError (a 422 naming each refused field) for a path outside it, or
-    a tracking server not in `tracking_servers` (`host` or `host:port`, lowercase).
+    a tracking server, sandbox server or sandbox token variable that `allowed` does not list.
     """
     data = spec.model_dump(mode="json")
     errors: list[dict[str, Any]] = []
@@ -94,7 +116,8 @@ def confined_spec(
         elif isinstance(value, str) and _leaves_folder(value):
             message = "not a path option: it may not be absolute or hold '~', '..' or '\\'"
             errors.append(_error(loc, message))
-    errors.extend(_tracking_errors(spec, tracking_servers))
+    errors.extend(_tracking_errors(spec, allowed.tracking_servers))
+    errors.extend(_sandbox_errors(spec, allowed))
     if errors:
         raise RequestValidationError(errors)
     return data
@@ -149,6 +172,51 @@ def _tracking_errors(spec: RunSpec, servers: frozenset[str]) -> list[dict[str, A
         if refused:
             errors.append(_error(("tracking", "mlflow", "tracking_uri"), refused))
     return errors
+
+
+def _sandbox_errors(spec: RunSpec, allowed: OperatorAllowlist) -> list[dict[str, Any]]:
+    """The worker sends the variable `sandbox_token_env` names to `sandbox_url` with every
+    call: over the API both must be the operator's (checked whether or not tools are enabled,
+    so that a stored spec never holds a pair that a later edit could switch on)."""
+    errors = []
+    tools = spec.tools
+    if tools.sandbox_url is not None:
+        origin = sandbox_origin(tools.sandbox_url)
+        if isinstance(origin, SandboxUrlRefused):
+            errors.append(_error(("tools", "sandbox_url"), origin))
+        elif origin not in allowed.sandbox_servers:
+            listed = (
+                ", ".join(sorted(allowed.sandbox_servers)) or "none (KPO_SANDBOX_URLS is unset)"
+            )
+            message = f"{origin} is not one of the sandbox servers the operator allows: {listed}"
+            errors.append(_error(("tools", "sandbox_url"), message))
+    if tools.sandbox_token_env not in allowed.sandbox_token_envs:
+        listed = ", ".join(sorted(allowed.sandbox_token_envs)) or "none"
+        message = (
+            f"{tools.sandbox_token_env} is not a sandbox token variable the operator allows "
+            f"(KPO_SANDBOX_TOKEN_ENVS): {listed}"
+        )
+        errors.append(_error(("tools", "sandbox_token_env"), message))
+    return errors
+
+
+def sandbox_origin(url: str) -> str | SandboxUrlRefused:
+    """`url` as `scheme://host:port` (host lowercase, an IPv6 address in brackets, the
+    scheme's port when none is given), or why it is not a sandbox server's address: only a
+    scheme, a host and a port, with no credentials, path, query or fragment."""
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port
+    except ValueError as error:  # a port that is not a number, a bracket left open
+        return SandboxUrlRefused(f"not a valid URL: {error}")
+    if parts.scheme not in ("http", "https") or not host:
+        return SandboxUrlRefused("a sandbox server is http(s)://host:port")
+    if parts.username is not None or parts.password is not None:
+        return SandboxUrlRefused("credentials do not go in the URL")
+    if parts.path not in ("", "/") or parts.query or parts.fragment or "?" in url or "#" in url:
+        return SandboxUrlRefused("a sandbox server's URL has no path, query or fragment")
+    name = f"[{host}]" if ":" in host else host
+    return f"{parts.scheme}://{name}:{port or (443 if parts.scheme == 'https' else 80)}"
 
 
 def _refused_server(uri: str, servers: frozenset[str]) -> str | None:

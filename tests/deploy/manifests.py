@@ -55,8 +55,9 @@ def helm_template(
 
     `secrets`: "existing", from the Secret an install creates first (EXISTING_SECRETS, before
     `values_files`), as the chart requires by default; "generated", made by the chart
-    (`secrets.requireExisting=false`, what `helm install` can keep); "chart", neither (the
-    chart's own defaults, which refuse to render without the Secrets)."""
+    (`secrets.requireExisting=false`, what `helm install` can keep), including those the values
+    files leave to the operator's `kpo-secrets` (every ci/*.yaml names it, so that each renders
+    on its own); "chart", neither: the values files as they are."""
     command = [
         helm,
         "template",
@@ -69,6 +70,7 @@ def helm_template(
     ]
     if secrets == "generated":
         command += ["--set", "secrets.requireExisting=false"]
+        command += [f"--set={path}=" for path in operator_secret_paths(values_files)]
     elif secrets == "existing":
         command += ["--values", str(EXISTING_SECRETS)]
     for path in values_files:
@@ -76,6 +78,30 @@ def helm_template(
     for assignment in sets:
         command += ["--set", assignment]
     return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+
+
+# The Secret docs/deploy.md (step 3) has an operator create, and where the values name it.
+OPERATOR_SECRET = "kpo-secrets"
+SECRET_PATHS = (
+    "apiToken.existingSecret",
+    "redis.auth.existingSecret",
+    "ray.auth.existingSecret",
+    "sandbox.token.existingSecret",
+)
+
+
+def operator_secret_paths(values_files: Sequence[Path]) -> list[str]:
+    """The SECRET_PATHS that `values_files` set to OPERATOR_SECRET (the last file wins)."""
+    found: dict[str, object] = {}
+    for path in values_files:
+        values = yaml.safe_load(path.read_text()) or {}
+        for dotted in SECRET_PATHS:
+            node: object = values
+            for key in dotted.split("."):
+                node = node.get(key) if isinstance(node, dict) else None
+            if node is not None:
+                found[dotted] = node
+    return [dotted for dotted, value in found.items() if value == OPERATOR_SECRET]
 
 
 def render(

@@ -103,6 +103,15 @@ def test_control_plane_target_has_no_cuda() -> None:
     assert "kpo serve" in " ".join(yaml.safe_load(stage.values("CMD")[0]))
 
 
+def test_control_plane_target_has_the_sandboxs_init() -> None:
+    """The chart runs the sandbox under `tini` (a zombie per call otherwise, until calls stop
+    starting at the uid's process limit): the image installs it beside bubblewrap."""
+    runs = " ".join(stages()["control-plane"].values("RUN"))
+    installed = re.search(r"apt-get install -y --no-install-recommends ([^\\&]+)", runs)
+    assert installed is not None, runs
+    assert {"bubblewrap", "tini"} <= set(installed.group(1).split())
+
+
 def test_gpu_worker_target_is_cuda_with_the_projects_vllm() -> None:
     stage = stages()["gpu-worker"]
     assert re.fullmatch(r"nvidia/cuda:\d+\.\d+\.\d+-[a-z0-9.-]+", stage.base), stage.base

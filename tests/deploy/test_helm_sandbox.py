@@ -118,7 +118,8 @@ def test_service_selects_the_sandbox_pods_on_the_containers_port(
     assert port["targetPort"] == container_port["name"] == "http"
     assert port["port"] == container_port["containerPort"] == 8090
     command = container(sandbox_on)["command"]
-    assert command[:3] == ["kpo", "sandbox", "serve"]
+    # Under an init that reaps (the image's tini): bwrap leaves a zombie per call otherwise.
+    assert command[:5] == ["tini", "--", "kpo", "sandbox", "serve"]
     assert command[command.index("--port") + 1] == "8090"
     assert command[command.index("--host") + 1] == "0.0.0.0"
     # The URL a run puts in tools.sandbox_url is printed by the install notes.
@@ -294,11 +295,11 @@ def test_probes_hit_healthz(sandbox_on: list[Manifest]) -> None:
 
 def test_token_comes_from_a_secret_never_a_literal(sandbox_on: list[Manifest]) -> None:
     secret = one(sandbox_on, "Secret", TOKEN_SECRET)
-    token = base64.b64decode(secret["data"]["token"]).decode()
+    token = base64.b64decode(secret["data"]["sandbox-token"]).decode()
     assert len(token) >= 32
     entry = env_of(container(sandbox_on))["KPO_SANDBOX_TOKEN"]
     assert "value" not in entry
-    assert entry["valueFrom"]["secretKeyRef"] == {"name": TOKEN_SECRET, "key": "token"}
+    assert entry["valueFrom"]["secretKeyRef"] == {"name": TOKEN_SECRET, "key": "sandbox-token"}
     # The generation workers send the same token: every Ray container has it from the Secret.
     seen = set()
     for where, ray in ray_containers(sandbox_on):
@@ -307,7 +308,10 @@ def test_token_comes_from_a_secret_never_a_literal(sandbox_on: list[Manifest]) -
         seen.add(where)
         ray_entry = env_of(ray)["KPO_SANDBOX_TOKEN"]
         assert "value" not in ray_entry, where
-        assert ray_entry["valueFrom"]["secretKeyRef"] == {"name": TOKEN_SECRET, "key": "token"}
+        assert ray_entry["valueFrom"]["secretKeyRef"] == {
+            "name": TOKEN_SECRET,
+            "key": "sandbox-token",
+        }
     assert seen == {"head", "worker-gpu"}
     # The token is nowhere in plain text but in its Secret.
     text = str([m for m in sandbox_on if m is not secret])

@@ -39,6 +39,7 @@ from tests.deploy.manifests import (
     CI_VALUES,
     EXISTING_SECRETS,
     NAMESPACE,
+    RELEASE,
     REPO,
     Manifest,
     autoscaler_pod,
@@ -407,6 +408,9 @@ def test_require_existing_refuses_generated_secrets(helm: str) -> None:
         f"kubectl -n {NAMESPACE} create secret generic kpo-secrets "
         '--from-literal=token="$(openssl rand -hex 32)"' in result.stderr
     ), result.stderr
+    # One command, a distinct value for each key the chart reads by default.
+    keys = re.findall(r'--from-literal=([\w-]+)=\\?"\$\(openssl rand -hex 32\)', result.stderr)
+    assert sorted(keys) == ["auth_token", "redis-password", "sandbox-token", "token"], keys
     partial = helm_template(helm, sets=["apiToken.existingSecret=api"], secrets="chart")
     assert partial.returncode != 0
     assert "set redis.auth.existingSecret, ray.auth.existingSecret:" in partial.stderr
@@ -445,7 +449,7 @@ def test_install_docs_create_the_secrets_the_chart_requires() -> None:
     command = " ".join(lines)
     keys = set(re.findall(r"--from-literal=([\w-]+)=", command))
     values = yaml.safe_load(EXISTING_SECRETS.read_text(encoding="utf-8"))
-    assert keys == {"token", "redis-password", "auth_token"}
+    assert keys == {"token", "redis-password", "auth_token", "sandbox-token"}
     assert values["apiToken"]["existingSecret"] == "kpo-secrets"
     assert values["redis"]["auth"]["existingSecret"] == "kpo-secrets"
     assert values["ray"]["auth"]["existingSecret"] == "kpo-secrets"
@@ -592,6 +596,51 @@ def test_reads_guarded_docs_off_and_runs_capped(rendered: dict[str, list[Manifes
     assert config["KPO_MAX_ACTIVE_RUNS"] == "8"
     assert ApiSettings.model_validate(config).auth_reads is True
     assert ApiSettings.model_validate(config).tracking_servers() == frozenset()
+
+
+@pytest.mark.parametrize("path", CI_VALUES, ids=[p.name for p in CI_VALUES])
+def test_every_ci_values_file_renders_on_its_own(helm: str, path: Path) -> None:
+    """As chart-testing runs them (`ct lint`/`ct install` over ci/*.yaml, one file each): no
+    overlay, the chart's defaults (secrets.requireExisting), every object valid."""
+    manifests = render(helm, [path], secrets="chart")
+    assert manifests
+    for manifest in manifests:
+        validate(manifest)
+
+
+def test_the_sandbox_token_has_a_key_of_its_own(helm: str) -> None:
+    on = ["sandbox.enabled=true"]
+    manifests = render(helm, sets=on)
+    deployment = one(manifests, "Deployment", CONTROL_PLANE)["spec"]["template"]["spec"]
+    [api_volume] = [v for v in deployment["volumes"] if v["name"] == "api-token"]
+    sandbox = one(manifests, "Deployment", f"{RELEASE}-sandbox")["spec"]["template"]["spec"]
+    sandbox_ref = env_of(sandbox["containers"][0])["KPO_SANDBOX_TOKEN"]["valueFrom"]
+    # One Secret, two keys: the API reads `token` (the file its volume mounts), the sandbox
+    # and every Ray pod `sandbox-token`.
+    assert api_volume["secret"]["secretName"] == sandbox_ref["secretKeyRef"]["name"]
+    assert api_volume["secret"]["secretName"] == "kpo-secrets"
+    assert sandbox_ref["secretKeyRef"]["key"] == "sandbox-token"
+    same = helm_template(helm, sets=[*on, "sandbox.token.secretKey=token"])
+    assert same.returncode != 0 and "sandbox.token names the API token" in same.stderr
+    generated = render(helm, sets=on, secrets="generated")
+    names = {m["metadata"]["name"] for m in named(generated, "Secret")}
+    assert {"kpo-api-token", f"{RELEASE}-sandbox-token"} <= names
+
+
+def test_sandbox_urls_reach_the_control_plane(helm: str) -> None:
+    """The API accepts the chart's own sandbox (and the operator's others) in a run's
+    tools.sandbox_url, and no other."""
+    extra = "controlPlane.sandboxUrls={https://tools.example:8443}"
+    manifests = render(helm, sets=["sandbox.enabled=true", extra])
+    config = one(manifests, "ConfigMap", CONTROL_PLANE)["data"]
+    own = f"http://{RELEASE}-sandbox.{NAMESPACE}.svc:8090"
+    assert config["KPO_SANDBOX_URLS"] == f"{own},https://tools.example:8443"
+    allowed = ApiSettings.model_validate(config).allowlist().sandbox_servers
+    assert allowed == {own, "https://tools.example:8443"}
+    off = one(render(helm), "ConfigMap", CONTROL_PLANE)["data"]
+    assert ApiSettings.model_validate(off).allowlist().sandbox_servers == frozenset()
+    bad = helm_template(helm, sets=["controlPlane.sandboxUrls={http://x:1/path}"])
+    assert bad.returncode != 0 and "sandboxUrls" in bad.stderr
 
 
 def test_tracking_hosts_reach_the_control_plane(helm: str) -> None:

@@ -200,6 +200,16 @@ container (the server checks it) and on every Ray container (the generation work
 {{- end }}
 {{- end }}
 
+{{/*
+The sandbox servers runs sent over the API may name (`KPO_SANDBOX_URLS`): the chart's own
+Service when sandbox.enabled, then `controlPlane.sandboxUrls`.
+*/}}
+{{- define "kpo.sandboxUrls" -}}
+{{- $urls := list -}}
+{{- if .Values.sandbox.enabled }}{{ $urls = append $urls (include "kpo.sandboxUrl" .) }}{{ end -}}
+{{- join "," (concat $urls .Values.controlPlane.sandboxUrls) -}}
+{{- end }}
+
 {{/* The sandbox server's URL inside the cluster, for a run's `tools.sandbox_url`. */}}
 {{- define "kpo.sandboxUrl" -}}
 {{- printf "http://%s.%s.svc:%v" (include "kpo.componentName" (dict "ctx" . "component" "sandbox")) .Release.Namespace .Values.sandbox.port }}
@@ -690,7 +700,13 @@ generated ones and would make new ones each time.
 {{- if and .Values.ray.auth.enabled (not .Values.ray.auth.existingSecret) }}{{ $missing = append $missing "ray.auth.existingSecret" }}{{ end }}
 {{- if and .Values.sandbox.enabled (not .Values.sandbox.token.existingSecret) }}{{ $missing = append $missing "sandbox.token.existingSecret" }}{{ end }}
 {{- if $missing }}
-{{- fail (printf "secrets.requireExisting is true, so set %s: rendered without the cluster (helm template, Argo CD, Flux), the chart cannot read back the secrets it generates and would make new ones on every render. Create them first, e.g. kubectl -n %s create secret generic kpo-secrets --from-literal=token=\"$(openssl rand -hex 32)\" --from-literal=redis-password=\"$(openssl rand -hex 32)\" --from-literal=auth_token=\"$(openssl rand -hex 32)\", and set each of those values to kpo-secrets (docs/deploy.md, step 3); or set secrets.requireExisting=false to have the chart generate them" (join ", " $missing) .Release.Namespace) }}
+{{- fail (printf "secrets.requireExisting is true, so set %s: rendered without the cluster (helm template, Argo CD, Flux), the chart cannot read back the secrets it generates and would make new ones on every render. Create them first, each value distinct, with one command: kubectl -n %s create secret generic kpo-secrets --from-literal=token=\"$(openssl rand -hex 32)\" --from-literal=redis-password=\"$(openssl rand -hex 32)\" --from-literal=auth_token=\"$(openssl rand -hex 32)\" --from-literal=sandbox-token=\"$(openssl rand -hex 32)\", and set each of those values to kpo-secrets (the keys are the chart's defaults; docs/deploy.md, step 3); or set secrets.requireExisting=false to have the chart generate them" (join ", " $missing) .Release.Namespace) }}
+{{- end }}
+{{- end }}
+{{- if .Values.sandbox.enabled }}
+{{- $apiSecret := include "kpo.apiTokenSecretName" . }}
+{{- if and (eq (include "kpo.sandboxTokenSecretName" .) $apiSecret) (eq .Values.sandbox.token.secretKey .Values.apiToken.secretKey) }}
+{{- fail (printf "sandbox.token names the API token (Secret %s, key %s): every Ray pod carries the sandbox token, so the API token would be on them too; give the sandbox a key of its own (sandbox.token.secretKey: sandbox-token)" $apiSecret .Values.apiToken.secretKey) }}
 {{- end }}
 {{- end }}
 {{- end }}

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from services.api.settings import ApiSettings
 from services.api.spec_paths import INPUTS_DIR_NAME
 from services.pipeline.prompts import PromptStream
 from services.pipeline.specs import parse_run_spec
@@ -269,3 +270,79 @@ def test_without_tracking_hosts_no_tracking_server_may_be_named(api: Api) -> Non
     # The operator's own default (MLFLOW_TRACKING_URI in the server's environment) still serves.
     default = {"mlflow": {"experiment": "e"}}
     assert api.client.post("/v1/runs", json=spec_with(tracking=default)).status_code == 201
+
+
+SANDBOX = "http://kpo-sandbox.kpo.svc:8000"
+
+
+def test_a_spec_that_sends_a_worker_secret_to_its_own_url_is_refused(
+    api_factory: ApiFactory,
+) -> None:
+    # What the third hardening pass reproduced: a listener of the submitter's choosing, and the
+    # variable holding Ray's own token. Both fields are named; nothing is stored or launched.
+    exfiltration = {
+        "enabled": True,
+        "sandbox_url": "http://attacker.example:9000/collect?x=1",
+        "sandbox_token_env": "RAY_AUTH_TOKEN",
+    }
+    with api_factory(KPO_SANDBOX_URLS=SANDBOX) as api:
+        response = api.client.post("/v1/runs", json=spec_with(tools=exfiltration))
+        assert response.status_code == 422, response.text
+        fields = {f["field"]: f["message"] for f in response.json()["error"]["fields"]}
+        assert set(fields) == {"tools.sandbox_url", "tools.sandbox_token_env"}
+        assert "no path, query or fragment" in fields["tools.sandbox_url"]
+        assert "RAY_AUTH_TOKEN is not a sandbox token variable" in fields["tools.sandbox_token_env"]
+        assert api.launcher.submitted == [] and api.client.get("/v1/runs").json()["runs"] == []
+
+        # The operator's own server, with the default variable, is accepted as given.
+        tools = {"enabled": True, "sandbox_url": "http://KPO-sandbox.kpo.svc:8000/"}
+        response = api.client.post("/v1/runs", json=spec_with(tools=tools))
+        assert response.status_code == 201, response.text
+        assert response.json()["spec"]["tools"]["sandbox_token_env"] == "KPO_SANDBOX_TOKEN"
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("http://attacker.example:8000", "attacker.example:8000 is not one of the sandbox"),
+        ("http://kpo-sandbox.kpo.svc:8001", "kpo-sandbox.kpo.svc:8001 is not one"),
+        ("https://kpo-sandbox.kpo.svc:8000", "https://kpo-sandbox.kpo.svc:8000 is not one"),
+        ("http://user:pw@kpo-sandbox.kpo.svc:8000", "credentials do not go in the URL"),
+        ("http://kpo-sandbox.kpo.svc:8000/v1", "no path, query or fragment"),
+        ("http://kpo-sandbox.kpo.svc:8000#x", "no path, query or fragment"),
+        ("http://kpo-sandbox.kpo.svc:x", "not a valid URL"),
+        ("http://169.254.169.254", "169.254.169.254:80 is not one of the sandbox servers"),
+    ],
+)
+def test_a_sandbox_outside_the_operators_list_is_refused(
+    api_factory: ApiFactory, url: str, why: str
+) -> None:
+    with api_factory(KPO_SANDBOX_URLS=f"{SANDBOX}, http://[fd00::1]:8000") as api:
+        response = api.client.post("/v1/runs", json=spec_with(tools={"sandbox_url": url}))
+        assert response.status_code == 422, response.text
+        (error,) = response.json()["error"]["fields"]
+        assert error["field"] == "tools.sandbox_url" and why in error["message"]
+        ipv6 = {"sandbox_url": "http://[FD00::1]:8000", "enabled": True}
+        assert api.client.post("/v1/runs", json=spec_with(tools=ipv6)).status_code == 201
+
+
+def test_without_sandbox_urls_no_sandbox_server_may_be_named(api: Api) -> None:
+    response = api.client.post("/v1/runs", json=spec_with(tools={"sandbox_url": SANDBOX}))
+    assert response.status_code == 422
+    (error,) = response.json()["error"]["fields"]
+    assert error["message"].endswith("allows: none (KPO_SANDBOX_URLS is unset)")
+    # Tools with the worker's own local sandbox need no server.
+    assert api.client.post("/v1/runs", json=spec_with(tools={"enabled": True})).status_code == 201
+
+
+def test_a_token_variable_from_the_operators_list_may_be_named(api_factory: ApiFactory) -> None:
+    env = {"KPO_SANDBOX_URLS": SANDBOX, "KPO_SANDBOX_TOKEN_ENVS": "KPO_SANDBOX_TOKEN,TEAM_B"}
+    with api_factory(**env) as api:
+        tools = {"sandbox_url": SANDBOX, "sandbox_token_env": "TEAM_B"}
+        assert api.client.post("/v1/runs", json=spec_with(tools=tools)).status_code == 201
+
+
+@pytest.mark.parametrize("value", ["kpo-sandbox:8000", "http://s:8000/path", "http://u@s:1"])
+def test_a_sandbox_url_setting_that_is_no_origin_fails_at_start(value: str) -> None:
+    with pytest.raises(ValueError, match="KPO_SANDBOX_URLS"):
+        ApiSettings.model_validate({"KPO_SANDBOX_URLS": value})

@@ -54,7 +54,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, Literal, cast, get_args
 
 import torch
 from torch import Tensor
@@ -583,18 +583,24 @@ def filter_gains(mask: Tensor, q: Noise, r: Noise, p0: float = 0.0) -> Tensor:
 
 
 def _filter_parallel(z: Tensor, mask: Tensor, q: Noise, r: Noise, p0: float, x0: float) -> Tensor:
-    dtype = _compute_dtype(z)
     if isinstance(q, Tensor) or isinstance(r, Tensor):
-        gains = _parallel_gains(mask, q, r, p0).reshape(z.shape)
-        log_a, b = _terms_from_gains(z, mask, gains, dtype)
-        max_decay = float(-log_a.min()) if log_a.numel() else 0.0
-    else:
-        # Scalar noise: every mask is compacted to right padding and takes the section above's
-        # path, with no branch on the data (the general scan below serves tensor noise).
-        n = z.shape[-1]
-        valid = mask.to(torch.bool).reshape(-1, n)
-        filtered = _filter_compacted(z.reshape(valid.shape), valid, q, r, p0, x0, dtype)
-        return filtered.reshape(z.shape)
+        return _filter_by_gains(z, mask, _parallel_gains(mask, q, r, p0).reshape(z.shape), x0)
+    # Scalar noise: every mask is compacted to right padding and takes the section above's
+    # path, with no branch on the data (the general scan, `_filter_by_gains`, serves tensor
+    # noise).
+    n = z.shape[-1]
+    valid = mask.to(torch.bool).reshape(-1, n)
+    filtered = _filter_compacted(z.reshape(valid.shape), valid, q, r, p0, x0, _compute_dtype(z))
+    return filtered.reshape(z.shape)
+
+
+def _filter_by_gains(z: Tensor, mask: Tensor, gains: Tensor, x0: float) -> Tensor:
+    """The filter of z [..., T] with the per-token gains [..., T] float64 (0 on masked tokens),
+    by the blocked scan; in the compute dtype (one read back: the largest decay sets the
+    block)."""
+    dtype = _compute_dtype(z)
+    log_a, b = _terms_from_gains(z, mask, gains, dtype)
+    max_decay = float(-log_a.min()) if log_a.numel() else 0.0
     if x0 != 0.0:
         # x_0 = a_0 x0 + b_0: folding x0 into the first term lets the scan start from zero.
         b = b + torch.nn.functional.pad(log_a[..., :1].exp() * x0, (0, b.shape[-1] - 1))
@@ -686,6 +692,18 @@ def check_reset_prior(q: float, r: float, p0: float) -> None:
         )
 
 
+def _check_switch_options(
+    q: float, r: float, p0: float, mode: VersionSwitch, switch_q: float
+) -> None:
+    _check_noise(q, r, p0)
+    if not (math.isfinite(switch_q) and switch_q >= 0.0):
+        raise ValueError(f"switch_q must be finite and >= 0, got {switch_q}")
+    if mode not in get_args(VersionSwitch):
+        raise ValueError(f"unknown version_switch {mode!r}; valid: off, reset, inflate")
+    if mode == "reset":
+        check_reset_prior(q, r, p0)
+
+
 def switch_process_noise(
     switches: Tensor,
     mask: Tensor,
@@ -705,9 +723,7 @@ def switch_process_noise(
     only when P0 is at least the steady-state covariance (otherwise it would trust the old
     estimate more, not less): refused below it.
     """
-    _check_noise(q, r, p0)
-    if not (math.isfinite(switch_q) and switch_q >= 0.0):
-        raise ValueError(f"switch_q must be finite and >= 0, got {switch_q}")
+    _check_switch_options(q, r, p0, mode, switch_q)
     if switches.shape != mask.shape:
         raise ValueError(
             f"switches shape {tuple(switches.shape)} must equal mask shape {tuple(mask.shape)}"
@@ -719,9 +735,6 @@ def switch_process_noise(
         return base
     if mode == "inflate":
         return torch.where(at_switch, q + switch_q, base)
-    if mode != "reset":
-        raise ValueError(f"unknown version_switch {mode!r}; valid: off, reset, inflate")
-    check_reset_prior(q, r, p0)
     count = valid.to(torch.int64).cumsum(-1)
     # The valid-token count at the last switch at or before t, less one: the count at which
     # the current segment began (0 for the first segment).
@@ -780,3 +793,50 @@ def kalman_filter(
         return z * 0.0
     x = _METHODS[method](z, mask, q, r, p0, x0)
     return x.to(z.dtype)
+
+
+def version_aware_filter(
+    z: Tensor,
+    mask: Tensor,
+    versions: Tensor | None,
+    q: float,
+    r: float,
+    p0: float = 0.0,
+    x0: float = 0.0,
+    mode: VersionSwitch = "off",
+    switch_q: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    """The filter with `version_switch` `mode` (SPEC.md): x [..., T] in z's dtype,
+    differentiable in z, and the gains K_t [..., T] float64 (0 on masked tokens).
+
+    versions: [..., T] the policy version that sampled each token (read on valid tokens only);
+    None (every row sampled by one version) or mode "off": the plain filter,
+    `kalman_filter(z, mask, q, r, p0, x0)` with `filter_gains(mask, q, r, p0)`.
+
+    Otherwise each filter runs once. The plain one runs over the whole batch and gives the rows
+    without a switch: with the batch's own shapes its values are `off`'s bit for bit (a
+    response sampled by one version gets exactly today's values; a matmul's rounding may change
+    with its row count, so those rows are not filtered apart, and the plain values of the rows
+    with a switch, cheap beside theirs, are replaced). The per-token noise path of
+    `switch_process_noise` (prefix products of 2x2 Riccati matrices, then the general scan:
+    tens of times the plain filter's cost) runs over the rows with a switch only, and its gains
+    serve x and the returned gains alike. Picking those rows reads one value back to the host
+    (their number); the scan reads its largest decay, only when some row has a switch.
+    """
+    _check_switch_options(q, r, p0, mode, switch_q)
+    x = kalman_filter(z, mask, q, r, p0, x0)
+    gains = filter_gains(mask, q, r, p0)
+    if versions is None or mode == "off" or z.numel() == 0:
+        return x, gains
+    n = z.shape[-1]
+    switches = version_switches(versions, mask).reshape(-1, n)
+    rows = switches.any(-1).nonzero().squeeze(-1)  # the one read back that picks them
+    if rows.numel() == 0:
+        return x, gains
+    valid = mask.to(torch.bool).reshape(-1, n)[rows]
+    noise = switch_process_noise(switches[rows], valid, q, r, p0, mode, switch_q)
+    switched_gains = _parallel_gains(valid, noise, r, p0)
+    switched_x = _filter_by_gains(z.reshape(-1, n)[rows], valid, switched_gains, x0)
+    x = x.reshape(-1, n).index_copy(0, rows, switched_x.to(z.dtype))
+    gains = gains.reshape(-1, n).index_copy(0, rows, switched_gains)
+    return x.reshape(z.shape), gains.reshape(z.shape)

@@ -53,12 +53,7 @@ from kpo_core.config import (
     SequenceEstimator,
     TokenEstimator,
 )
-from kpo_core.kalman import (
-    filter_gains,
-    kalman_filter,
-    switch_process_noise,
-    version_switches,
-)
+from kpo_core.kalman import version_aware_filter
 
 Bound = Tensor | float | None
 
@@ -249,20 +244,18 @@ def _version_aware_filter(
     z: Tensor, mask: Tensor, cfg: KalmanEstimator, token_versions: Tensor | None
 ) -> tuple[Tensor, Tensor]:
     """The filtered log-ratios and the gains, [B, T] each, with `cfg.version_switch` applied
-    at the tokens where the sampling version changed (SPEC.md)."""
-    q, r, p0 = cfg.effective_q, cfg.r, cfg.effective_p0
-    x = kalman_filter(z, mask, q, r, p0, cfg.x0)
-    gains = filter_gains(mask, q, r, p0)
-    if token_versions is None or cfg.version_switch == "off":
-        return x, gains
-    switches = version_switches(token_versions, mask)
-    noise = switch_process_noise(switches, mask, q, r, p0, cfg.version_switch, cfg.switch_q)
-    # Rows sampled by one version keep the scalar-noise values bit for bit; the per-token
-    # noise path runs for all rows, so that no value is read back to choose them.
-    switched = switches.any(-1, keepdim=True)
-    x_switched = kalman_filter(z, mask, noise, r, p0, cfg.x0)
-    gains_switched = filter_gains(mask, noise, r, p0)
-    return torch.where(switched, x_switched, x), torch.where(switched, gains_switched, gains)
+    at the tokens where the sampling version changed (SPEC.md; `version_aware_filter`)."""
+    return version_aware_filter(
+        z,
+        mask,
+        token_versions,
+        cfg.effective_q,
+        cfg.r,
+        cfg.effective_p0,
+        cfg.x0,
+        cfg.version_switch,
+        cfg.switch_q,
+    )
 
 
 @register_estimator("kalman", KalmanEstimator)

@@ -6,11 +6,14 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from kpo_core import kalman
 from kpo_core.config import DIFFUSE_P0_PER_R, KalmanEstimator
 from kpo_core.kalman import (
+    filter_gains,
     kalman_filter,
     steady_state_covariance,
     switch_process_noise,
+    version_aware_filter,
     version_switches,
 )
 from kpo_core.ratios import get_estimator, kalman_ratio
@@ -208,3 +211,144 @@ def test_the_registry_hands_token_versions_to_the_estimators_that_read_them() ->
     token = get_estimator("token").make_config()
     ratio = get_estimator("token").estimate(logp, ref_logp, advantages, mask, token, None).ratio
     torch.testing.assert_close(ratio, logp.exp())
+
+
+def mixed_batch(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(z, mask, versions) [5, 96]: rows 0, 2 and 4 have switches, rows 1 and 3 have none."""
+    g = torch.Generator().manual_seed(7)
+    z = (torch.randn(5, 96, generator=g, dtype=torch.float64) * 0.2).to(dtype)
+    mask = torch.ones(5, 96, dtype=torch.bool)
+    mask[1, 70:] = False  # right padding
+    mask[2, 30:37] = False  # an observation, with the switch landing on it
+    mask[3, :5] = False  # left padding
+    versions = torch.zeros(5, 96, dtype=torch.long)
+    versions[0, 40:] = 1
+    versions[2, 33:] = 1
+    versions[3] = 4  # one version throughout
+    versions[4, 20:] = 1
+    versions[4, 61:] = 2
+    return z, mask, versions
+
+
+def two_pass_reference(z, mask, versions, q, r, p0, x0, mode, switch_q):
+    """What the estimator computed before the filter ran once per batch: the plain filter and
+    the per-token noise filter both over every row, then a where on "this row has a switch"."""
+    switches = version_switches(versions, mask)
+    noise = switch_process_noise(switches, mask, q, r, p0, mode, switch_q)
+    switched = switches.any(-1, keepdim=True)
+    x = torch.where(
+        switched, kalman_filter(z, mask, noise, r, p0, x0), kalman_filter(z, mask, q, r, p0, x0)
+    )
+    gains = torch.where(switched, filter_gains(mask, noise, r, p0), filter_gains(mask, q, r, p0))
+    return x, gains
+
+
+# (mode, q, r, p0, x0, switch_q)
+FILTER_CASES = [
+    ("reset", 1e-3, 1.0, DIFFUSE_P0_PER_R, 0.0, 0.0),
+    ("inflate", 1e-4, 1.0, 0.0, 0.0, 1.0),
+    ("inflate", 3.4e-3, 0.5, 0.0, 0.2, 0.05),
+]
+
+
+class PassCounter:
+    """The rows each pass of the filter ran over, counted through the module's attributes:
+    the plain (scalar noise) filter, the per-token noise filter and the Riccati scan of its
+    gains. Every call goes through these, whichever public function made it."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.rows: dict[str, list[int]] = {"plain": [], "per_token": [], "riccati": []}
+        self._wrap(monkeypatch, "_filter_compacted", "plain", lambda z, *rest: z)
+        self._wrap(monkeypatch, "_filter_by_gains", "per_token", lambda z, *rest: z)
+        self._wrap(monkeypatch, "_riccati_scan", "riccati", lambda q, *rest: q)
+
+    def _wrap(self, monkeypatch, name, key, rows_of) -> None:
+        original = getattr(kalman, name)
+
+        def counted(*args):
+            self.rows[key].append(rows_of(*args).reshape(-1, args[0].shape[-1]).shape[0])
+            return original(*args)
+
+        monkeypatch.setattr(kalman, name, counted)
+
+
+@pytest.mark.parametrize(("mode", "q", "r", "p0", "x0", "switch_q"), FILTER_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_filter_runs_once_per_batch_with_the_two_pass_values(
+    monkeypatch, mode, q, r, p0, x0, switch_q, dtype
+) -> None:
+    """The plain filter runs once over the batch (its values give the rows without a switch,
+    bit for bit); the per-token noise filter, and the Riccati scan of its gains, once over the
+    rows with a switch only. Before, both ran over every row and the gains were scanned twice:
+    plain [5], per-token [5], riccati [5, 5]."""
+    z, mask, versions = mixed_batch(dtype)
+    expected_x, expected_gains = two_pass_reference(z, mask, versions, q, r, p0, x0, mode, switch_q)
+    counter = PassCounter(monkeypatch)
+    x, gains = version_aware_filter(z, mask, versions, q, r, p0, x0, mode, switch_q)
+    assert counter.rows == {"plain": [5], "per_token": [3], "riccati": [3]}
+    one_version = torch.tensor([1, 3])
+    assert torch.equal(x[one_version], expected_x[one_version])
+    assert torch.equal(gains[one_version], expected_gains[one_version])
+    # The switched rows: the per-token noise path over those rows alone, as a direct call.
+    switched = torch.tensor([0, 2, 4])
+    noise = switch_process_noise(
+        version_switches(versions, mask)[switched], mask[switched], q, r, p0, mode, switch_q
+    )
+    direct = kalman_filter(z[switched], mask[switched], noise, r, p0, x0)
+    assert torch.equal(x[switched], direct)
+    assert torch.equal(gains[switched], filter_gains(mask[switched], noise, r, p0))
+    # ... which is the two-pass value (the scan's block is set by the rows it runs over, so the
+    # rounding may differ in principle; on this batch it does not).
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(x, expected_x, atol=tolerance, rtol=0)
+    torch.testing.assert_close(gains, expected_gains, atol=1e-12, rtol=0)
+
+
+def test_a_batch_without_a_switch_runs_the_plain_filter_alone(monkeypatch) -> None:
+    z, mask, versions = mixed_batch(torch.float32)
+    counter = PassCounter(monkeypatch)
+    plain = kalman_filter(z, mask, 1e-3, 1.0, DIFFUSE_P0_PER_R)
+    for mode, these in [("reset", torch.zeros_like(versions)), ("off", versions), ("reset", None)]:
+        x, gains = version_aware_filter(z, mask, these, 1e-3, 1.0, DIFFUSE_P0_PER_R, mode=mode)
+        assert torch.equal(x, plain)
+        assert torch.equal(gains, filter_gains(mask, 1e-3, 1.0, DIFFUSE_P0_PER_R))
+    assert counter.rows == {"plain": [5] * 4, "per_token": [], "riccati": []}
+
+
+@pytest.mark.parametrize("gradient", ["straight_through", "through_filter"])
+def test_the_estimator_filters_once_with_the_two_pass_ratio_and_gradient(
+    monkeypatch, gradient
+) -> None:
+    """KPO's estimator, as the learner calls it: one pass of each filter for both gradient
+    paths, and the ratio, clip window and gradient of the two-pass filter."""
+    cfg = KalmanEstimator(
+        version_switch="reset",
+        p0="diffuse",
+        q=1e-3,
+        reference_length=None,
+        gradient=gradient,
+        clip_mode="posterior",  # a window from the gains
+    )
+    z, mask, versions = mixed_batch(torch.float32)
+    advantages = torch.randn(5, 96, generator=torch.Generator().manual_seed(8))
+
+    def estimate(filter_pair):
+        monkeypatch.setattr("kpo_core.ratios.version_aware_filter", filter_pair)
+        logp = z.clone().requires_grad_(True)
+        result = get_estimator("kalman").estimate(
+            logp, torch.zeros_like(z), advantages, mask, cfg, versions
+        )
+        (result.ratio * advantages).sum().backward()
+        return result, logp.grad
+
+    def reference(z, mask, versions, q, r, p0, x0, mode, switch_q):
+        return two_pass_reference(z, mask, versions, q, r, p0, x0, mode, switch_q)
+
+    expected, expected_grad = estimate(reference)
+    counter = PassCounter(monkeypatch)
+    result, grad = estimate(version_aware_filter)
+    assert counter.rows == {"plain": [5], "per_token": [3], "riccati": [3]}
+    assert torch.equal(result.ratio, expected.ratio)
+    assert isinstance(result.clip_low, torch.Tensor)
+    assert torch.equal(result.clip_low, expected.clip_low)
+    assert torch.equal(grad, expected_grad)

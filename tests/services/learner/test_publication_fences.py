@@ -1,17 +1,27 @@
 """Armed collective sends with two publications in flight: every send delivers, bit for bit,
 the weights of the version it is labelled with, whatever the order of arm, send, cancel, the
-end of an earlier send's broadcast, the next step's update and a broken weight group.
+end of an earlier send's broadcast, the next step's update, a step whose update is skipped and a
+broken weight group.
 
 One learner rank (`LearnerImpl`, no Ray) over the tiny model, whose weights fit one bucket (the
 widest window: its walk ends at the first bucket). Its weight group is an in-memory channel
 whose sends walk their buckets and then hold their last broadcast. A seeded schedule decides,
 for each version, whether it is sent or cancelled, whether its broadcast breaks the group, and
-how its send runs:
+how its send runs, and for each step whether its update is skipped:
 
 - `deferred`: it reads at once and holds its last broadcast until the next version has been
   published; the test then ends it and waits for the send to return, before the next step;
-- `late`: it reads only once the next step's update has decided (it waits on an armed fence,
-  or it ran) and holds until then.
+- `late`: it reads only once the next update has decided (it waits on an armed fence, or it
+  ran) and holds until then;
+- a skipped update: the step's gradients are NaN, so the core applies none of its updates (a
+  non-finite gradient norm), as a step of bad numbers does: its `before_update` fence wait never
+  happens, the weights stay as they were, and the version still advances. The fences armed
+  before it are then waited on, and the released ones let go of, only by the next update that
+  runs, in a later step: with the step after a late send skipped, that update waits on two
+  publications' unreleased fences at once (the late send's and the next one's), and the late
+  send reads only once it has decided. A deferred send queued on the publish thread behind such
+  a late send can only end after that update: its broadcast is ended as usual, and the send is
+  waited for once the update ran (or the schedule ended).
 
 What this catches: one publication's late release freeing the next one's fence. With one flag
 for every publication, send N's cleanup after its broadcast released the fence publication
@@ -23,11 +33,12 @@ send fails this test on its first such schedule).
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import suppress
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from pathlib import Path
 
 import pytest
@@ -42,33 +53,69 @@ from services.spec import LearnerConfig
 from services.weights.base import WeightGroupError, WeightsManifest
 
 SCHEDULES = 200
-STEPS_PER_SCHEDULE = 3
+STEPS_PER_SCHEDULE = 4
+SKIP_PROBABILITY = 0.3
 WAIT_S = 60.0
 
 
 class Signals:
-    """What the steps say, by the version a step trains from: `decided[v]`, its update has
-    decided (it waits on an armed fence, or it ran; a step that ended says so too);
-    `may_read[v]`, a late send of version v may read (the update waits on v's own fence, or
-    it ran)."""
+    """What the updates say, by publication version: `decided[v]`, the first update after
+    version v was published has decided (it waits on an armed fence, or it ran; the steps
+    skipped in between say nothing); `may_read[v]`, a late send of version v may read (an
+    update waits on v's own fence, or one ran after v was published). `updates`: the updates
+    that ran; `since_update`: the publications since the last one. Called on the training
+    thread; a send's thread only waits on the events of its version, made when it was
+    published."""
 
     def __init__(self) -> None:
-        self.decided: defaultdict[int, threading.Event] = defaultdict(threading.Event)
-        self.may_read: defaultdict[int, threading.Event] = defaultdict(threading.Event)
+        self.decided: dict[int, threading.Event] = {}
+        self.may_read: dict[int, threading.Event] = {}
         self.fence_versions: dict[int, int] = {}  # id(fence) -> its publication's version
+        self.updates = 0
+        self.since_update = 0
+        self._undecided: list[int] = []
+        self._unread: list[int] = []
 
-    def step_ended(self, version: int) -> None:
-        self.decided[version].set()
-        self.may_read[version].set()
+    def published(self, version: int) -> None:
+        self.decided[version] = threading.Event()
+        self.may_read[version] = threading.Event()
+        self._undecided.append(version)
+        self._unread.append(version)
+        self.since_update += 1
+
+    def decide(self) -> None:
+        """An update decided: the first since every publication not yet decided."""
+        for version in self._undecided:
+            self.decided[version].set()
+        self._undecided = []
+
+    def let_read(self, versions: Iterable[int]) -> None:
+        for version in versions:
+            self.may_read[version].set()
+
+    def update_ran(self) -> None:
+        """An update ran: what waits on it may go on (and reads the updated weights)."""
+        self.no_more_updates()
+        self.updates += 1
+        self.since_update = 0
+
+    def no_more_updates(self) -> None:
+        """Nothing is held back for an update any more (one ran, or the schedule ended)."""
+        self.decide()
+        self.let_read(self._unread)
+        self._unread = []
+
+    def open(self, version: int) -> bool:
+        """Both of version's gates are open: a late send of it no longer waits for an update."""
+        return self.may_read[version].is_set() and self.decided[version].is_set()
 
 
 class ObservedRead(WeightsRead):
     """The core's fences, saying which publications an update waits for (before it waits)."""
 
-    def __init__(self, signals: Signals, version: Callable[[], int]) -> None:
+    def __init__(self, signals: Signals) -> None:
         super().__init__()
         self._signals = signals
-        self._version = version
 
     def newest(self) -> Fence:
         with self._lock:
@@ -77,12 +124,10 @@ class ObservedRead(WeightsRead):
     def wait(self) -> None:
         with self._lock:
             unreleased = [fence for fence in self._fences if not fence.released]
-        for fence in unreleased:
-            waited = self._signals.fence_versions.get(id(fence))
-            if waited is not None:
-                self._signals.may_read[waited].set()
+        versions = self._signals.fence_versions
+        self._signals.let_read(versions[id(f)] for f in unreleased if id(f) in versions)
         if unreleased:
-            self._signals.decided[self._version()].set()
+            self._signals.decide()
         super().wait()
 
 
@@ -133,6 +178,18 @@ def in_thread(call: Callable[[], object]) -> threading.Thread:
     return thread
 
 
+@contextmanager
+def nan_gradients(impl: LearnerImpl) -> Iterator[None]:
+    """Within it, a parameter's gradient is NaN (a hook makes it so): every minibatch's
+    gradient norm is not finite, so the core skips each of its updates."""
+    parameter = next(p for p in impl.core.model.parameters() if p.requires_grad)
+    handle = parameter.register_hook(lambda grad: torch.full_like(grad, math.nan))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 @pytest.fixture(scope="module")
 def learner(tiny_model_dir: Path) -> Iterator[tuple[LearnerImpl, Signals]]:
     impl = LearnerImpl(
@@ -148,15 +205,14 @@ def learner(tiny_model_dir: Path) -> Iterator[tuple[LearnerImpl, Signals]]:
     impl.setup("")
     signals = Signals()
     # The core's updates wait on these fences, and the publisher arms them.
-    read = ObservedRead(signals, lambda: impl.core.version)
+    read = ObservedRead(signals)
     impl.core.before_update = read.wait
     impl.publisher.fences = read
     optimizer_step = impl.core.optimizer.step
 
     def step_and_say(*args: object, **kwargs: object) -> object:
-        version = impl.core.version
         result = optimizer_step(*args, **kwargs)
-        signals.step_ended(version)  # the update ran: what waits on it may go on
+        signals.update_ran()  # what waits on it may go on
         return result
 
     impl.core.optimizer.step = step_and_say  # type: ignore[method-assign]
@@ -176,16 +232,23 @@ def test_every_armed_send_delivers_the_weights_of_its_version(
     read = impl.publisher.fences
     assert isinstance(read, ObservedRead)
     rng = random.Random(seed)
+    # The skips have a stream of their own: each version's choices are drawn as before they
+    # were added.
+    skips = random.Random(f"skip {seed}")
     channel = HeldChannel(signals)
     expected: dict[int, dict[str, Tensor]] = {}
     deferred: list[tuple[int, threading.Thread]] = []
     late: list[threading.Thread] = []
+    behind_late: list[threading.Thread] = []  # deferred sends queued behind a waiting late one
     sent: set[int] = set()
     for _ in range(STEPS_PER_SCHEDULE):
         impl.publisher.attach_channel(channel)  # (re)formed between steps, as after a break
-        trained_from = impl.core.version
-        impl.step(groups)
-        signals.step_ended(trained_from)
+        skipped = skips.random() < SKIP_PROBABILITY
+        updates = signals.updates
+        skipping: AbstractContextManager[None] = nan_gradients(impl) if skipped else nullcontext()
+        with skipping:
+            impl.step(groups)
+        assert (signals.updates == updates) == skipped, (seed, skipped)
         version = impl.core.version
         expected[version] = impl.published_state_dict()
         if rng.random() < 0.25:
@@ -193,6 +256,7 @@ def test_every_armed_send_delivers_the_weights_of_its_version(
         is_late = rng.random() < 0.5
         if is_late:
             channel.late.add(version)
+        signals.published(version)
         impl.publish(version, send=True)
         signals.fence_versions[id(read.newest())] = version
         if rng.random() < 0.75:
@@ -201,20 +265,26 @@ def test_every_armed_send_delivers_the_weights_of_its_version(
         else:
             thread = in_thread(lambda v=version: impl.cancel_send(v))
         # The broadcasts deferred so far end now, after this publication armed its fence and
-        # before the next step: a late release would land on this one.
+        # before the next step: a late release would land on this one. A send queued behind a
+        # late one that still waits for an update (the steps since were skipped) runs after
+        # that update: it is waited for then.
+        waiting = [v for v in channel.late & sent if not signals.open(v)]
         for held, held_thread in deferred:
             channel.end[held].set()
-            join(held_thread)
+            if any(v < held for v in waiting):
+                behind_late.append(held_thread)
+            else:
+                join(held_thread)
         deferred = []
         if is_late:
             late.append(thread)
         else:
             deferred.append((version, thread))
-    signals.step_ended(impl.core.version)  # no step follows the last publication
+    signals.no_more_updates()  # no step follows the last publication
     for held, held_thread in deferred:
         channel.end[held].set()
         join(held_thread)
-    for thread in late:
+    for thread in behind_late + late:
         join(thread)
     assert set(channel.delivered) <= sent - channel.breaks
     for version, received in channel.delivered.items():
@@ -222,4 +292,5 @@ def test_every_armed_send_delivers_the_weights_of_its_version(
         assert received and received.keys() <= want.keys()
         for name, tensor in received.items():
             assert torch.equal(tensor, want[name]), (seed, version, name)
-    assert read.armed <= 1  # released fences are let go of at the next update
+    # Released fences are let go of at the next update that runs: only those armed since stay.
+    assert read.armed <= signals.since_update

@@ -66,6 +66,7 @@ def group_to_wire(group: WeightGroup) -> dict[str, Any]:
         "world_size": group.world_size,
         "backend": group.backend,
         "generation": group.generation,
+        "key": group.key.hex(),  # the group's secret, to vLLM's workers on this node
     }
 
 
@@ -75,6 +76,7 @@ def group_from_wire(wire: Mapping[str, Any]) -> WeightGroup:
         world_size=int(wire["world_size"]),
         backend=group_backend(str(wire["backend"])),
         generation=int(wire["generation"]),
+        key=bytes.fromhex(str(wire["key"])),
     )
 
 

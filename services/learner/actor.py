@@ -91,14 +91,15 @@ class LearnerImpl:
         """Where the group meets (asked of rank 0)."""
         return rendezvous_address()
 
-    def setup(self, address: str) -> None:
-        """Join the process group at `address` and build the core (a collective under fsdp2)
-        and its publisher, whose fences the core's updates wait on."""
+    def setup(self, address: str, key: bytes = b"") -> None:
+        """Join the process group at `address` (`key`: the group's secret, which every rank
+        proves it holds) and build the core (a collective under fsdp2) and its publisher,
+        whose fences the core's updates wait on."""
         model_path, learner, algorithm, temperature, seed, ratio_dir = self._args
         threads = max(1, int(learner.num_cpus))
         torch.set_num_threads(threads)
         device = torch.device("cuda" if learner.device.startswith("cuda") else "cpu")
-        self._group.join(address, device, COLLECTIVE_TIMEOUT_S)
+        self._group.join(address, device, COLLECTIVE_TIMEOUT_S, key)
         fences = WeightsRead()
         self._core = LearnerCore(
             model_path,

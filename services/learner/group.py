@@ -33,6 +33,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from services.learner.actor import Learner
 from services.messages import ScoredGroup
 from services.spec import RunSpec
+from services.weights.auth import new_key
 
 log = logging.getLogger(__name__)
 
@@ -128,10 +129,11 @@ class LearnerGroup:
 
     def setup(self) -> list[Any]:
         """Refs of every rank joining the group and loading the model (wait for them)."""
-        address = ""
+        address, key = "", b""
         if self.sharded:
             address = ray.get(self.ranks[0].rendezvous_address.remote())
-        return [rank.setup.remote(address) for rank in self.ranks]
+            key = new_key()  # the group's secret: to every rank through Ray, never the store
+        return [rank.setup.remote(address, key) for rank in self.ranks]
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         return [getattr(rank, method).remote(*args) for rank in self.ranks]

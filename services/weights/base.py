@@ -91,6 +91,12 @@ class WeightGroupError(RuntimeError):
     The group is unusable afterwards (its ranks are out of step): close it and form another."""
 
 
+class WeightAuthenticationError(WeightGroupError):
+    """A message of a weight group failed its authentication check (`services.weights.auth`):
+    written by someone who does not hold the group's key, or altered on the way. Nothing of it
+    was loaded; the end that refused it has closed its channel (form another group)."""
+
+
 # A publish's header: three int64 (version, buckets, bytes), as every channel announces it.
 HEADER_BYTES = 24
 
@@ -120,6 +126,11 @@ class WeightGroup:
     world_size: int
     backend: WeightGroupBackend
     generation: int  # counts re-formations (a replaced worker re-forms the group)
+    # The group's secret: 32 random bytes made by rank 0 (`collective.open_weight_group`), which
+    # authenticate every message of the group (`services.weights.auth`). It reaches the members
+    # inside this object, through Ray's calls, and is never written to the group's store; kept
+    # out of the repr, so logs and error messages do not show it.
+    key: bytes = field(default=b"", repr=False)
 
     def member(self, rank: int) -> str:
         """How errors name `rank` of this group."""

@@ -21,15 +21,26 @@ instead of hanging (`WeightGroupError`). Under NCCL, torch's default error handl
 the process whose collective failed or timed out (TORCH_NCCL_ASYNC_ERROR_HANDLING=3, read when
 a group is built): a weight group is built with 2, which aborts its communicator and raises, so
 a dead receiver costs a re-formed group, not a learner restart.
+
+Neither the store nor gloo/NCCL authenticate anyone, so every message a member acts on is
+authenticated with the group's key (`services.weights.auth`; the key travels inside the
+`WeightGroup`, through Ray, never through the store): `joined/<rank>` and `gpu/<rank>` are
+sealed store values, the header carries a tag, and each bucket is followed by a tag that
+commits to its content digest (the sender's, computed where the bytes are); a receiver checks
+both before it yields anything, and refuses (`WeightAuthenticationError`) otherwise. The store
+listens only on the address it announces (`services.weights.stores`): loopback for a group on
+one node.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+import struct
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import torch
@@ -43,8 +54,11 @@ from torch._C._distributed_c10d import (
     TCPStore,
 )
 
+from services.weights import auth
 from services.weights.base import (
+    HEADER_BYTES,
     Channel,
+    WeightAuthenticationError,
     WeightGroup,
     WeightGroupBackend,
     WeightGroupError,
@@ -54,6 +68,7 @@ from services.weights.base import (
     header_values,
 )
 from services.weights.buckets import bucket_nbytes, checked_buckets, pack_bucket, unpack_bucket
+from services.weights.stores import is_loopback, node_address, serve_store, serving_host
 
 DEFAULT_TIMEOUT_S = 600.0
 # Every rank joins between two engine steps (the learner's between two training steps), so a
@@ -61,21 +76,23 @@ DEFAULT_TIMEOUT_S = 600.0
 # across the cluster, an engine finishing a long step) and bounds what a member that died while
 # the group formed holds learner rank 0, which takes no step meanwhile.
 DEFAULT_JOIN_TIMEOUT_S = 120.0
-STORE_PREFIX = "kpo-weights"
+STORE_PREFIX = auth.STORE_PREFIX
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 NCCL_ABORT_AND_RAISE = "2"
-
-# The store each group's rank 0 serves, by address: it lives as long as the group (the process
-# group holds it too, but the address must stay served until every receiver has joined).
-_SERVED: dict[str, TCPStore] = {}
+# The header as it is broadcast: its three int64 values, then their tag.
+_HEADER = struct.Struct("<3q")
 
 
-def node_address() -> str:
-    """This node's IP as other nodes reach it (Ray's view of the node)."""
-    import ray
+@dataclass(frozen=True)
+class _Served:
+    store: TCPStore
+    key: bytes
 
-    host: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
-    return host
+
+# The store each group's rank 0 serves, by address, with the group's key: it lives as long as
+# the group (the process group holds it too, but the address must stay served until every
+# receiver has joined).
+_SERVED: dict[str, _Served] = {}
 
 
 def open_weight_group(
@@ -86,25 +103,23 @@ def open_weight_group(
     host: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> WeightGroup:
-    """Serve the group's store on a free port of this node (learner rank 0); return at once.
+    """Serve the group's store on a free port of `host` (learner rank 0); return at once with
+    the group, which holds its new key: hand it to every member through Ray.
 
-    `world_size` counts learner rank 0 and every receiving process.
+    `world_size` counts learner rank 0 and every receiving process. `host` (default
+    `stores.serving_host`: loopback on a one-node Ray cluster, else this node's address) is
+    the only address the store listens on.
     """
     if world_size < 2:
         raise ValueError(f"a weight group needs rank 0 and a receiver: world_size {world_size}")
     backend = group_backend(backend)
-    host = host or node_address()
-    store = TCPStore(
-        host,
-        0,
-        world_size,
-        is_master=True,
-        timeout=timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )
+    host = host or serving_host()
+    timeout = timedelta(seconds=timeout_s)
+    store = serve_store(host, 0, world_size, timeout, wait_for_workers=False)
     address = f"{host}:{store.port}"
-    _SERVED[address] = store
-    return WeightGroup(address, world_size, backend, generation)
+    key = auth.new_key()
+    _SERVED[address] = _Served(store, key)
+    return WeightGroup(address, world_size, backend, generation, key)
 
 
 def stop_serving(group: WeightGroup) -> None:
@@ -119,8 +134,18 @@ def _client_store(group: WeightGroup, rank: int, timeout: timedelta) -> Store:
             raise ValueError(
                 f"rank 0 of weight group {group.address} must be the process that opened it"
             )
-        served.set_timeout(timeout)
-        return served
+        if group.key != served.key:
+            raise ValueError(
+                f"weight group {group.address}: this is not the group this process opened there "
+                "(its key differs)"
+            )
+        served.store.set_timeout(timeout)
+        return served.store
+    if len(group.key) != auth.KEY_BYTES:
+        raise ValueError(
+            f"weight group {group.address} has no key: a member must be given the WeightGroup "
+            "that open_weight_group returned (through Ray), key included"
+        )
     host, _, port = group.address.rpartition(":")
     return TCPStore(host, int(port), is_master=False, timeout=timeout)
 
@@ -171,7 +196,7 @@ def _rendezvous(group: WeightGroup, rank: int, store: Store, join_timeout_s: flo
     """Announce `rank` and wait until every rank of `group` has (`store`: the group's,
     prefixed); WeightGroupError naming the ranks still missing after `join_timeout_s`."""
     keys = [f"joined/{other}" for other in range(group.world_size)]
-    store.set(keys[rank], "1")
+    auth.post(store, group, keys[rank], b"1")
     try:
         store.wait(keys, timedelta(seconds=join_timeout_s))
     except RuntimeError as error:  # torch's DistStoreError: a timeout, or the store went away
@@ -180,6 +205,8 @@ def _rendezvous(group: WeightGroup, rank: int, store: Store, join_timeout_s: flo
             f"{group.member(rank)}: could not connect: ranks {missing} did not join within "
             f"{join_timeout_s:g} s"
         ) from error
+    for key in keys:  # a stranger's `joined/<rank>` is refused, not counted
+        auth.read(store, group, rank, key)
 
 
 def connect(
@@ -193,7 +220,7 @@ def connect(
     """Join `group` as `rank` (0: the learner rank that opened it); blocks until every rank has
     joined, or raises after `join_timeout_s`, naming the ranks that did not. Every collective
     after that waits at most `timeout_s`. `host`: this process's address for gloo (default:
-    the node's).
+    loopback for a group served on loopback, else the node's).
 
     An `ipc` group gives an `ipc.IpcChannel`. So does an NCCL group whose ranks all sit on one
     GPU (every rank posts its GPU's UUID to the store first, so all ranks decide alike); NCCL
@@ -206,11 +233,12 @@ def connect(
         raise ValueError(f"rank {rank} is outside weight group of size {group.world_size}")
     timeout = timedelta(seconds=timeout_s)
     join_timeout = timedelta(seconds=join_timeout_s)
+    host = host or _member_host(group)
     try:
         # The store's own timeout bounds connecting to it and every wait that names none (NCCL's
         # exchange of its unique id at the hello): all of them are part of joining.
         served = _client_store(group, rank, join_timeout)
-        store = PrefixStore(f"{STORE_PREFIX}/{group.generation}", served)
+        store = PrefixStore(auth.store_prefix(group), served)
         _rendezvous(group, rank, store, join_timeout_s)
         if group.backend == "ipc" or (
             group.backend == "nccl" and _one_gpu(group, rank, store, join_timeout)
@@ -231,6 +259,13 @@ def connect(
     return channel
 
 
+def _member_host(group: WeightGroup) -> str:
+    """Where a member's gloo connections listen by default: loopback for a group served on
+    loopback (it cannot span nodes), else this node's address."""
+    host = group.address.rpartition(":")[0]
+    return host.strip("[]") if is_loopback(host) else node_address()
+
+
 def _one_gpu(group: WeightGroup, rank: int, store: Store, timeout: timedelta) -> bool:
     """Whether every rank of an NCCL group sits on one GPU (rank 0's). Each rank posts its
     GPU's UUID and reads everyone's, so all ranks decide alike."""
@@ -238,10 +273,10 @@ def _one_gpu(group: WeightGroup, rank: int, store: Store, timeout: timedelta) ->
 
     if not torch.cuda.is_available():
         raise RuntimeError("weight group backend 'nccl' needs a CUDA build of torch and a GPU")
-    store.set(f"gpu/{rank}", cuda_device_uuid(torch.cuda.current_device()))
+    auth.post(store, group, f"gpu/{rank}", cuda_device_uuid(torch.cuda.current_device()).encode())
     keys = [f"gpu/{other}" for other in range(group.world_size)]
     store.wait(keys, timeout)
-    gpus = [store.get(key).decode() for key in keys]
+    gpus = [auth.read(store, group, rank, key).decode() for key in keys]
     sharing = [other for other in range(1, group.world_size) if gpus[other] == gpus[0]]
     if not sharing:
         return False
@@ -256,17 +291,28 @@ def _one_gpu(group: WeightGroup, rank: int, store: Store, timeout: timedelta) ->
 
 @dataclass
 class WeightChannel:
-    """One rank's end of a weight group: rank 0 sends, the others receive."""
+    """One rank's end of a weight group: rank 0 sends, the others receive.
+
+    Per publish (n counts this end's publishes): the header (three int64 and their tag), then
+    for each bucket its bytes and, over gloo (buckets in host memory), a tag over its content
+    digest, each tag made with the group's key in the context (group generation, n, version,
+    bucket index) it belongs to. Over NCCL a bucket has no tag of its own (services/weights/
+    auth.py: checking GPU bytes would cost a synchronising copy to the host per bucket, on each
+    side); the header's tag covers the publish.
+    """
 
     group: WeightGroup
     rank: int
     backend: Any  # a torch.distributed Backend (ProcessGroupGloo or ProcessGroupNCCL)
     device: torch.device
     timeout: timedelta
-    # Bytes of every broadcast this end took part in, in order (the header's included).
+    # Bytes of every broadcast this end took part in, in order (the header's and tags included).
     messages: list[int] = field(default_factory=list)
+    publishes: int = 0
 
-    def _broadcast(self, tensor: Tensor) -> None:
+    def _broadcast(self, tensor: Tensor, alongside: Callable[[], bytes] | None = None) -> bytes:
+        """Broadcast `tensor` from rank 0; `alongside` (rank 0: the bucket's digest) runs
+        while the bytes travel, and its result is returned (b"" without one)."""
         if self.backend is None:
             raise RuntimeError(f"weight group {self.group.address} is closed")
         options = BroadcastOptions()
@@ -275,7 +321,7 @@ class WeightChannel:
         options.timeout = self.timeout
         nbytes = tensor.numel() * tensor.element_size()
         try:
-            self._run_broadcast(tensor, options)
+            result = self._run_broadcast(tensor, options, alongside)
         except RuntimeError as error:
             failure = (
                 f"{self.group.member(self.rank)}: broadcast {len(self.messages)} of {nbytes} "
@@ -283,58 +329,116 @@ class WeightChannel:
             )
         else:
             self.messages.append(nbytes)
-            return
+            return result
         # Raised outside the handler, with no cause: the torch error's traceback holds the
         # failed work, and through it the group's connections, which stay open (the peers
         # waiting in their part of this broadcast until their timeout) for as long as anything
         # keeps that error alive. Closing the group then closes them at once.
         raise WeightGroupError(failure)
 
-    def _run_broadcast(self, tensor: Tensor, options: BroadcastOptions) -> None:
+    def _run_broadcast(
+        self, tensor: Tensor, options: BroadcastOptions, alongside: Callable[[], bytes] | None
+    ) -> bytes:
         work = self.backend.broadcast([tensor], options)
-        # With a timeout, wait blocks this thread (NCCL included) and raises when it passes.
-        work.wait(self.timeout)
+        try:
+            # Only reads the tensor, as the broadcast does (gloo's thread, NCCL's stream).
+            return alongside() if alongside is not None else b""
+        finally:
+            # With a timeout, wait blocks this thread (NCCL included) and raises when it passes.
+            work.wait(self.timeout)
 
-    def _header(self, manifest: WeightsManifest) -> Tensor:
-        return torch.tensor(header_values(manifest), dtype=torch.int64, device=self.device)
+    def _on_device(self, raw: bytes) -> Tensor:
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.device)
+
+    def _header_context(self, publish: int) -> list[str | int]:
+        return ["header", self.group.generation, publish]
+
+    def _bucket_context(self, publish: int, version: int, index: int) -> list[str | int]:
+        return ["bucket", self.group.generation, publish, version, index]
+
+    @property
+    def _tags_buckets(self) -> bool:
+        """Whether each bucket is followed by its content tag: only where it lies in host memory."""
+        return self.device.type == "cpu"
+
+    def _next_publish(self) -> int:
+        publish, self.publishes = self.publishes, self.publishes + 1
+        return publish
 
     def send(self, manifest: WeightsManifest, buckets: Iterable[dict[str, Tensor]]) -> None:
         """Broadcast `manifest`'s version bucket by bucket (rank 0; buckets in manifest order).
 
-        Each bucket is packed on this group's device and dropped before the next is taken.
+        Each bucket is packed on this group's device, its content digest taken where it lies,
+        and dropped before the next is taken.
         """
         if self.rank != 0:
             raise RuntimeError(f"rank {self.rank} of a weight group receives, only rank 0 sends")
-        self._broadcast(self._header(manifest))
-        for _, tensors, _ in checked_buckets(manifest, buckets):
+        publish, key = self._next_publish(), self.group.key
+        header = _HEADER.pack(*header_values(manifest))
+        tag = auth.tag(key, self._header_context(publish), header)
+        self._broadcast(self._on_device(header + tag))
+        for index, tensors, _ in checked_buckets(manifest, buckets):
             flat = pack_bucket(tensors).to(self.device)
-            self._broadcast(flat)
+            if not self._tags_buckets:
+                self._broadcast(flat)
+                del flat, tensors
+                continue
+            # The digest is taken while the bucket travels; its tag follows the bucket.
+            digest = self._broadcast(flat, alongside=partial(auth.content_digest, flat))
             del flat, tensors
+            context = self._bucket_context(publish, manifest.version, index)
+            self._broadcast(self._on_device(auth.tag(key, context, digest)))
 
     def receive(
         self, manifest: WeightsManifest, device: torch.device | str | None = None
     ) -> Iterator[dict[str, Tensor]]:
         """The buckets rank 0 sends for `manifest`, one at a time, on `device` (default: the
-        group's). The header is received (and checked) before this returns; every bucket must
-        then be taken (a receiver that stops early leaves rank 0 waiting until the timeout)."""
+        group's), each once its tag verified. The header is received (and checked) before
+        this returns; every bucket must then be taken (a receiver that stops early leaves rank
+        0 waiting until the timeout). A message that fails its authentication check closes
+        this end and raises `WeightAuthenticationError`; nothing of it is yielded."""
         if self.rank == 0:
             raise RuntimeError("rank 0 of a weight group sends; receivers are ranks >= 1")
-        header = self._header(manifest)
-        self._broadcast(header)
-        check_header(header.tolist(), manifest)
+        publish = self._next_publish()
+        received = torch.empty(HEADER_BYTES + auth.TAG_BYTES, dtype=torch.uint8, device=self.device)
+        self._broadcast(received)
+        raw = received.cpu().numpy().tobytes()
+        header, tag = raw[:HEADER_BYTES], raw[HEADER_BYTES:]
+        if not auth.verify(self.group.key, self._header_context(publish), header, tag):
+            raise self._refuse(f"the header of publish {publish} (broadcast)")
+        check_header(list(_HEADER.unpack(header)), manifest)
         target = torch.device(device) if device is not None else self.device
-        return self._buckets(manifest, target)
+        return self._buckets(publish, manifest, target)
+
+    def _refuse(self, what: str) -> WeightAuthenticationError:
+        """Close this end (the group can no longer be trusted) and give the error to raise."""
+        self.close()
+        return auth.refused(self.group, self.rank, what)
 
     def _buckets(
-        self, manifest: WeightsManifest, target: torch.device
+        self, publish: int, manifest: WeightsManifest, target: torch.device
     ) -> Iterator[dict[str, Tensor]]:
-        for specs in manifest.buckets:
+        for index, specs in enumerate(manifest.buckets):
             flat = torch.empty(bucket_nbytes(specs), dtype=torch.uint8, device=self.device)
             self._broadcast(flat)
+            if self._tags_buckets:
+                self._verify_bucket(flat, publish, manifest.version, index)
             bucket = unpack_bucket(flat if target == self.device else flat.to(target), specs)
             del flat
             yield bucket
             del bucket
+
+    def _verify_bucket(self, flat: Tensor, publish: int, version: int, index: int) -> None:
+        """Receive the tag that follows a bucket and check it against the bytes received;
+        a mismatch closes this end and raises (the bucket is never unpacked)."""
+        received = torch.empty(auth.TAG_BYTES, dtype=torch.uint8, device=self.device)
+        self._broadcast(received)
+        context = self._bucket_context(publish, version, index)
+        digest = auth.content_digest(flat)
+        if not auth.verify(self.group.key, context, digest, received.numpy().tobytes()):
+            raise self._refuse(
+                f"bucket {index} of version {version} (publish {publish}, broadcast)"
+            )
 
     def close(self) -> None:
         """Leave the group (rank 0 also stops serving its store); idempotent."""

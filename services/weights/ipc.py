@@ -13,12 +13,20 @@ either kind.
 
 Handles, headers and acknowledgements go through the group's TCPStore (the one the collective
 transport's ranks meet at), under the group's prefix, one key per message, as JSON (no pickle:
-the store is a network service). Per publish, with n counting the channel's publishes:
+the store is a network service), each sealed with the group's key (`services.weights.auth`: a
+tag naming the store key, checked on the raw value before it is parsed). Per publish, with n
+counting the channel's publishes:
 
     n/header         rank 0: version, buckets, bytes (checked by each receiver, as a broadcast
                      header is)
-    n/i              rank 0: the handle of bucket i
+    n/i              rank 0: the handle of bucket i and the digest of its content (taken by
+                     rank 0 where the bytes are; each receiver takes it again over the memory
+                     it mapped and loads nothing unless both match)
     n/i/ack/r        receiver r: done with bucket i (its load finished; on CUDA, synchronised)
+
+A value that fails its check (a stranger's write, a genuine value moved to another key, a
+handle to other bytes) closes the end that read it and raises `WeightAuthenticationError`
+naming the store key; nothing of it is mapped or loaded.
 
 Every wait of a publish is bounded by the group's timeout: a receiver that dies or stalls makes
 `send` raise `WeightGroupError`, as a broadcast does. A receiver keeps the views of a bucket
@@ -43,9 +51,11 @@ import torch
 from torch import Tensor
 from torch._C._distributed_c10d import Store
 
+from services.weights import auth
 from services.weights.base import (
     HEADER_BYTES,
     TensorSpec,
+    WeightAuthenticationError,
     WeightGroup,
     WeightGroupError,
     WeightsManifest,
@@ -53,7 +63,7 @@ from services.weights.base import (
     header_values,
 )
 from services.weights.buckets import bucket_nbytes, checked_buckets, pack_bucket, unpack_bucket
-from services.weights.shared_memory import SharedBucket, map_shared_bucket, shared_bucket
+from services.weights.shared_memory import map_shared_flat, shared_bucket
 
 # --- handles ------------------------------------------------------------------------------------
 
@@ -137,8 +147,11 @@ def local_cuda_index(device_uuid: str) -> int:
 
 
 @contextlib.contextmanager
-def exported(tensors: Sequence[Tensor], specs: Sequence[TensorSpec]) -> Iterator[dict[str, Any]]:
-    """The handle (JSON form) of a packed bucket of `tensors`, valid until the block exits.
+def exported(
+    tensors: Sequence[Tensor], specs: Sequence[TensorSpec]
+) -> Iterator[tuple[dict[str, Any], bytes]]:
+    """(the handle in JSON form, the content digest) of a packed bucket of `tensors`, valid
+    until the block exits; the digest is taken over the bytes the handle points at.
 
     CUDA tensors: packed on their GPU, handed over as a CUDA IPC handle. CPU tensors: written
     into a shared-memory file, removed on exit (mappings made before stay valid).
@@ -148,31 +161,42 @@ def exported(tensors: Sequence[Tensor], specs: Sequence[TensorSpec]) -> Iterator
         from torch.multiprocessing.reductions import reduce_tensor
 
         flat = pack_bucket(tensors)
+        digest = auth.content_digest(flat)
         _, reduction = reduce_tensor(flat)  # type: ignore[no-untyped-call]
         try:
-            yield cuda_handle_to_wire(reduction, cuda_device_uuid(flat.device.index))
+            yield cuda_handle_to_wire(reduction, cuda_device_uuid(flat.device.index)), digest
         finally:
             del flat
         return
     if device.type != "cpu":
         raise ValueError(f"an ipc weight group hands over CPU or CUDA buckets, not {device}")
     with shared_bucket(tensors, specs) as shared:
-        yield {"kind": "shared_file", "path": shared.path, "nbytes": shared.nbytes}
+        digest = auth.content_digest(map_shared_flat(shared.path, shared.nbytes))
+        yield {"kind": "shared_file", "path": shared.path, "nbytes": shared.nbytes}, digest
+
+
+def opened_flat(handle: dict[str, Any], nbytes: int) -> Tensor:
+    """The packed bucket of `nbytes` a handle (JSON form) points at, mapped into this process
+    as one flat uint8 tensor (ValueError where it holds another size)."""
+    kind = handle.get("kind")
+    if kind == "shared_file":
+        if int(handle["nbytes"]) != nbytes:
+            raise ValueError(f"shared bucket of {handle['nbytes']} bytes, expected {nbytes}")
+        return map_shared_flat(str(handle["path"]), nbytes)
+    if kind == "cuda":
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        if int(handle["numel"]) != nbytes:
+            raise ValueError(f"CUDA bucket of {handle['numel']} bytes, expected {nbytes}")
+        index = local_cuda_index(str(handle["device_uuid"]))
+        flat: Tensor = rebuild_cuda_tensor(*cuda_rebuild_args(handle, index))  # type: ignore[no-untyped-call]
+        return flat
+    raise ValueError(f"unknown weight handle kind {kind!r}")
 
 
 def opened(handle: dict[str, Any], specs: Sequence[TensorSpec]) -> dict[str, Tensor]:
     """name -> a view of the bucket a handle (JSON form) points at, mapped into this process."""
-    kind = handle.get("kind")
-    if kind == "shared_file":
-        shared = SharedBucket(str(handle["path"]), int(handle["nbytes"]), tuple(specs))
-        return map_shared_bucket(shared)
-    if kind == "cuda":
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-        index = local_cuda_index(str(handle["device_uuid"]))
-        flat = rebuild_cuda_tensor(*cuda_rebuild_args(handle, index))  # type: ignore[no-untyped-call]
-        return unpack_bucket(flat, specs)
-    raise ValueError(f"unknown weight handle kind {kind!r}")
+    return unpack_bucket(opened_flat(handle, bucket_nbytes(specs)), specs)
 
 
 # --- the channel --------------------------------------------------------------------------------
@@ -209,11 +233,21 @@ class IpcChannel:
             raise self._fail(what, error) from error
 
     def _put(self, key: str, value: Any) -> None:
-        self._live_store().set(key, json.dumps(value))
+        auth.post(self._live_store(), self.group, key, json.dumps(value).encode())
+
+    def _read(self, key: str) -> Any:
+        """The value under `key` (present), once its seal verified; else this end is closed and
+        `WeightAuthenticationError` raised, nothing of the value parsed."""
+        try:
+            body = auth.read(self._live_store(), self.group, self.rank, key)
+        except WeightAuthenticationError:
+            self.close()
+            raise
+        return json.loads(body)
 
     def _take(self, key: str, what: str) -> Any:
         self._wait([key], what)
-        return json.loads(self._live_store().get(key))
+        return self._read(key)
 
     def send(self, manifest: WeightsManifest, buckets: Iterable[dict[str, Tensor]]) -> None:
         """Hand over `manifest`'s version bucket by bucket (rank 0; buckets in manifest order),
@@ -225,10 +259,12 @@ class IpcChannel:
         self.messages.append(HEADER_BYTES)
         receivers = range(1, self.group.world_size)
         for index, tensors, specs in checked_buckets(manifest, buckets):
-            with exported(tensors, specs) as handle:
-                self._put(f"{publish}/{index}", handle)
+            with exported(tensors, specs) as (handle, digest):
+                self._put(f"{publish}/{index}", {"handle": handle, "digest": digest.hex()})
                 acks = [f"{publish}/{index}/ack/{rank}" for rank in receivers]
                 self._wait(acks, f"bucket {index} of version {manifest.version} not acknowledged")
+                for ack in acks:  # a stranger's acknowledgement must not free the bucket early
+                    self._read(ack)
             self.messages.append(bucket_nbytes(specs))
             del tensors
         self._forget(publish, len(manifest.buckets), receivers)
@@ -263,8 +299,20 @@ class IpcChannel:
         self, publish: int, manifest: WeightsManifest, target: torch.device | None
     ) -> Iterator[dict[str, Tensor]]:
         for index, specs in enumerate(manifest.buckets):
-            handle = self._take(f"{publish}/{index}", f"no bucket {index} of publish {publish}")
-            bucket = opened(handle, specs)
+            key = f"{publish}/{index}"
+            message = self._take(key, f"no bucket {index} of publish {publish}")
+            flat = opened_flat(message["handle"], bucket_nbytes(specs))
+            if auth.content_digest(flat) != bytes.fromhex(message["digest"]):
+                del flat
+                self.close()
+                raise auth.refused(
+                    self.group,
+                    self.rank,
+                    f"store key '{auth.store_prefix(self.group)}/{key}'",
+                    "the bytes its handle points at do not match the digest rank 0 signed",
+                )
+            bucket = unpack_bucket(flat, specs)
+            del flat
             mapped_on = next(iter(bucket.values())).device
             if target is not None and target != mapped_on:
                 bucket = {name: tensor.to(target) for name, tensor in bucket.items()}
@@ -274,7 +322,7 @@ class IpcChannel:
                 # The loads that read the mapped memory ran on this process's streams: finish
                 # them before rank 0 may free it.
                 torch.cuda.synchronize(mapped_on)
-            self._live_store().set(f"{publish}/{index}/ack/{self.rank}", "1")
+            self._put(f"{publish}/{index}/ack/{self.rank}", 1)
             self.messages.append(bucket_nbytes(specs))
 
     def close(self) -> None:

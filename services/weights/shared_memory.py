@@ -81,6 +81,15 @@ def map_shared_bucket(shared: SharedBucket) -> dict[str, Tensor]:
     return unpack_bucket(_map(shared.path, shared.nbytes), shared.specs)
 
 
+def map_shared_flat(path: str, nbytes: int) -> Tensor:
+    """The whole packed bucket in the shared file `path`, mapped as one flat uint8 tensor
+    (ValueError unless the file holds exactly `nbytes`)."""
+    size = os.path.getsize(path)
+    if size != nbytes:
+        raise ValueError(f"shared bucket {path} holds {size} bytes, expected {nbytes}")
+    return _map(path, nbytes)
+
+
 def _map(path: str, nbytes: int) -> Tensor:
     # A zero-byte mapping is an error to mmap; a bucket of empty tensors needs none.
     if not nbytes:

@@ -27,6 +27,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from services.learner.distributed import RankGroup
 from services.learner.publish import drain, full_tensor, iter_buckets
+from services.weights.auth import TAG_BYTES
 from services.weights.base import (
     TensorSpec,
     WeightGroup,
@@ -256,11 +257,15 @@ def test_no_message_is_larger_than_a_bucket_or_its_one_tensor(run: dict[str, Any
     largest_tensor = max(spec.nbytes for bucket in manifest.buckets for spec in bucket)
     assert largest_tensor > BUCKET_BYTES  # a bucket of one tensor was sent
     if run["backend"] == "gloo":
-        hello, header, *buckets = messages
+        hello, header, *sent = messages
         assert hello == 8  # the broadcast that makes connect wait for every rank
+        # Each bucket is followed by its authentication tag, the header carries its own.
+        buckets, tags = sent[0::2], sent[1::2]
+        assert header == 24 + TAG_BYTES
+        assert tags == [TAG_BYTES] * len(manifest.buckets)
     else:
         header, *buckets = messages
-    assert header == 24
+        assert header == 24
     assert buckets == [bucket_nbytes(bucket) for bucket in manifest.buckets]
     assert max(buckets) <= max(BUCKET_BYTES, largest_tensor) < manifest.nbytes / 4
     for rank in (1, 2):

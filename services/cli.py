@@ -554,16 +554,23 @@ def sandbox_serve(
     allow_unsafe_process: Annotated[
         bool, typer.Option(help="allow the process backend (no namespaces, no isolation)")
     ] = False,
+    probe_port: Annotated[
+        int | None,
+        typer.Option(
+            min=1, max=65535, help="serve /healthz and /readyz on this port of their own too"
+        ),
+    ] = None,
     insecure: Annotated[
-        bool, typer.Option(help="allow a non-loopback address without a sandbox token")
+        bool,
+        typer.Option(help="allow a non-loopback address without a sandbox token (not for process)"),
     ] = False,
 ) -> None:
     """Run the sandbox server (POST /v1/run, GET /healthz). Other settings: KPO_SANDBOX_*
-    (limits, token); flags win over them."""
+    (limits, token, trusted Host names); flags win over them."""
     import logging
 
     from services.tools.sandbox import SandboxUnavailable
-    from services.tools.server import SandboxSettings, serve
+    from services.tools.server import SandboxServer, SandboxSettings
 
     flags: dict[str, Any] = {
         "backend": backend,
@@ -571,6 +578,7 @@ def sandbox_serve(
         "max_queue": max_queue,
         "timeout_s": timeout,
         "allow_unsafe_process": allow_unsafe_process or None,
+        "probe_port": probe_port,
     }
     try:
         # Flags win over KPO_SANDBOX_*: given ones are validated as the settings' own fields.
@@ -578,16 +586,36 @@ def sandbox_serve(
         token = settings.bearer_token()
     except (ValidationError, OSError) as error:
         fail(f"sandbox settings: {error}")
-    if token is None and not insecure and not _is_loopback(host):
-        fail(
+    problem = _sandbox_token_problem(settings.backend, token is not None, host, insecure)
+    if problem is not None:
+        fail(problem)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        server = SandboxServer(settings, host, port)
+    except SandboxUnavailable as error:
+        fail(f"the sandbox cannot run here: {error}", 1)
+    except OSError as error:
+        fail(f"cannot listen on {host} (port {port}, probe port {settings.probe_port}): {error}", 1)
+    server.run()
+
+
+def _sandbox_token_problem(backend: str, has_token: bool, host: str, insecure: bool) -> str | None:
+    """Why `kpo sandbox serve` must not start without a token here, or None."""
+    if has_token:
+        return None
+    if backend == "process":
+        # Its calls run as this user, unconfined: whatever reaches the port (a page in the
+        # user's browser reaches loopback too) would run code as the user.
+        return (
+            "the process backend runs calls as this user, without namespaces, and needs a "
+            "sandbox token wherever it listens: set KPO_SANDBOX_TOKEN (or KPO_SANDBOX_TOKEN_FILE)"
+        )
+    if not insecure and not _is_loopback(host):
+        return (
             f"{host} is not a loopback address: set KPO_SANDBOX_TOKEN (or "
             "KPO_SANDBOX_TOKEN_FILE), or pass --insecure where a network policy guards it"
         )
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        serve(settings, host, port)
-    except SandboxUnavailable as error:
-        fail(f"the sandbox cannot run here: {error}", 1)
+    return None
 
 
 if __name__ == "__main__":

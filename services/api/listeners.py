@@ -12,10 +12,7 @@ still answer, and a probe that answers says that loop is alive.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
@@ -25,7 +22,7 @@ from uvicorn.config import LOGGING_CONFIG
 
 from services.api import routes_system
 from services.api.settings import ApiSettings
-from services.http_listener import bind, listener_config
+from services.http_listener import ServerWithProbes, listener_config
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +39,7 @@ def probe_app(api: FastAPI) -> FastAPI:
     return probes
 
 
-class _Companion(uvicorn.Server):
-    """A server that leaves the process's signals to the server it runs beside."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-class ControlPlaneServer:
+class ControlPlaneServer(ServerWithProbes):
     """The API on `host`:`port` and, with `KPO_PROBE_PORT`, its probes on that port, on one
     event loop until the API's server stops (SIGINT, SIGTERM, or `stop`).
 
@@ -71,56 +60,14 @@ class ControlPlaneServer:
         config = listener_config(
             api, settings.header_timeout_s, limit_concurrency=settings.max_concurrency, **logs
         )
-        self.api = uvicorn.Server(config)
-        self.probes: uvicorn.Server | None = None
-        self._sockets = {self.api: bind(host, port)}
+        probes = None
         if settings.probe_port is not None:
-            probes = probe_app(api)
-            self.probes = _Companion(
-                listener_config(probes, settings.header_timeout_s, access_log=False, **logs)
+            probes = listener_config(
+                probe_app(api), settings.header_timeout_s, access_log=False, **logs
             )
-            try:
-                self._sockets[self.probes] = bind(host, settings.probe_port)
-            except OSError:
-                self._sockets[self.api].close()
-                raise
+        super().__init__("the API", config, host, port, probes, settings.probe_port)
 
     @property
-    def port(self) -> int:
-        return int(self._sockets[self.api].getsockname()[1])
-
-    @property
-    def probe_port(self) -> int | None:
-        return None if self.probes is None else int(self._sockets[self.probes].getsockname()[1])
-
-    @property
-    def started(self) -> bool:
-        return all(server.started for server in self._sockets)
-
-    def run(self) -> None:
-        """Serve until stopped (blocks), on a loop of uvicorn's choice.
-
-        A SIGINT ends it as one ends `uvicorn.run`: uvicorn raises the signal again once it has
-        shut down, and that KeyboardInterrupt is the end asked for, not an error."""
-        with (
-            contextlib.suppress(KeyboardInterrupt),
-            asyncio.Runner(loop_factory=self.api.config.get_loop_factory()) as runner,
-        ):
-            runner.run(self.serve())
-
-    async def serve(self) -> None:
-        host, port = self._sockets[self.api].getsockname()[:2]
-        probes = f", probes on port {self.probe_port}" if self.probes is not None else ""
-        log.info("serving the API on %s port %d%s (CTRL+C to quit)", host, port, probes)
-        companion = None
-        if self.probes is not None:
-            companion = asyncio.create_task(self.probes.serve([self._sockets[self.probes]]))
-        try:
-            await self.api.serve([self._sockets[self.api]])
-        finally:
-            if self.probes is not None and companion is not None:
-                self.probes.should_exit = True
-                await companion
-
-    def stop(self) -> None:
-        self.api.should_exit = True
+    def api(self) -> uvicorn.Server:
+        """The API's server (its config holds the app)."""
+        return self.main

@@ -36,7 +36,7 @@ RETRYABLE_ERRORS = (
     httpx.RemoteProtocolError,
     httpx.PoolTimeout,
 )
-RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
+RETRYABLE_STATUSES = frozenset({408, 429, 502, 503, 504})
 MAX_BACKOFF_S = 2.0
 
 
@@ -58,8 +58,9 @@ class HttpSandbox:
     """A ToolRunner over `kpo sandbox serve` at `url` (http(s)://host:port).
 
     timeout_s: the call's wall clock, sent to the server. A connection failure, a server that
-    died mid-call, 429 (busy) and 502/503/504 are retried with jittered exponential backoff
-    (honouring Retry-After) for up to `retry_budget_s`; what still fails is status
+    died mid-call, 408 (the body came too slowly), 429 (busy) and 502/503/504 are retried with
+    jittered exponential backoff (honouring Retry-After) for up to `retry_budget_s`; what still
+    fails is status
     "unavailable". A request the server refuses (401, 413, 422) is "refused" (401 also logs an
     error: a wrong token is a configuration problem).
     """

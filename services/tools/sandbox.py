@@ -11,14 +11,23 @@ Backends:
   remounted read-only; a fresh size-capped tmpfs as the working directory of every call;
   nothing of the host's run, data or token directories bound; an empty environment. The
   process tree dies with its parent (--die-with-parent) and the pid namespace dies with it.
-- process: the same rlimits, timeout and cleared environment, no namespaces. Only for machines
-  without user namespaces, only when explicitly allowed: the code can read what this user can
-  read and reach the network.
+  A seccomp filter (services/tools/seccomp.py) denies, with EPERM, the kernel interfaces a
+  program has no use for (io_uring, bpf, perf_event_open, ptrace, mounting, namespaces, ...) and
+  memory outside any address space (memfd_create, System V shared memory).
+- process: the same rlimits, timeout and cleared environment, no namespaces, no filter. Only for
+  machines without user namespaces, only when explicitly allowed: the code can read what its
+  uid can read and reach the network. Only with per-slot uids (as root): after each call every
+  process of the slot's uid is killed, which is how a process that left the call's session
+  (setsid, a double fork) is ended; with one uid for all there is no telling a call's processes
+  from the server's, and the backend refuses to start.
 
-Both: rlimits on CPU seconds, address space, processes and file size (set by `prlimit` in the
-child before it execs the sandbox, so no Python runs between fork and exec in this threaded
-process), a wall-clock timeout that kills the whole process group, and output read at most to
-the cap (the call is stopped once it prints more: nothing large is ever buffered).
+Both: rlimits on CPU seconds, address space, processes, open files and file size (set by
+`prlimit` in the child before it execs the sandbox, so no Python runs between fork and exec in
+this threaded process), an oom_score_adj of 1000 (`choom`: under memory pressure the kernel
+kills a call, not the server), a wall-clock timeout that kills the whole process group, and
+output read at most to the cap (the call is stopped once it prints more: nothing large is ever
+buffered). Where KPO_SANDBOX_CGROUP names a delegated cgroup v2 (services/tools/cgroup.py), each
+call also runs in a cgroup of its slot, which bounds its memory and processes together.
 
 RLIMIT_NPROC counts every process of a real uid, not of a call. Run as root (a container's
 default), each concurrent call therefore runs as its own unprivileged uid from a pool
@@ -26,6 +35,11 @@ default), each concurrent call therefore runs as its own unprivileged uid from a
 user there is one uid for all calls and the server: the limit is then a shared budget of
 `nproc * slots + NPROC_HEADROOM`, and a fork bomb can make concurrent calls fail to start
 until its timeout kills it (bounded; the pod's pids limit is the outer bound).
+
+What calls leave behind is reaped here when this process is PID 1 or a subreaper
+(services/tools/reaper.py): a zombie counts against its uid's process limit. A call that could
+not start the sandbox at all (no process to fork, nothing to exec: told by bwrap's status, which
+the code cannot write) counts towards `unready_reason`, the server's readiness.
 """
 
 from __future__ import annotations
@@ -39,11 +53,16 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Protocol
+
+from services.tools.cgroup import CgroupUnavailable, SlotCgroups, configured_base
+from services.tools.reaper import reap_call_orphans
+from services.tools.seccomp import SeccompUnavailable, build_filter
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +79,26 @@ NPROC_HEADROOM = 512
 # Bytes of stderr kept (its tail): only its last line is shown.
 STDERR_TAIL_BYTES = 8192
 DEFAULT_UID_BASE = 200_000
+# Processes and threads of a call. Each may hold `memory_mb` of address space, so without a
+# cgroup this times memory_mb is what one call can hold: small, where 64 let a call hold 64 GiB.
+DEFAULT_NPROC = 16
+# Open files of each process of a call: pipes, sockets and memory-backed files hold kernel
+# memory that no address space counts, and every one of them needs a descriptor.
+DEFAULT_NOFILE = 64
+# Consecutive calls that could not start the sandbox before the runner reports itself unready.
+UNREADY_AFTER = 3
+# The trivial call that checks, while unready, whether calls start again.
+PROBE_CODE = "print('ok')"
+PROBE_TIMEOUT_S = 10.0
+KILL_EVERY_PROCESS = """
+import os, signal
+try:
+    os.kill(-1, signal.SIGKILL)
+except ProcessLookupError:
+    pass
+"""
+# oom_score_adj of every process of a call: the kernel's first choice when memory runs out.
+OOM_SCORE_ADJ = 1000
 
 
 @dataclass(frozen=True)
@@ -107,14 +146,17 @@ class SandboxUnavailable(RuntimeError):
 @dataclass(frozen=True)
 class SandboxLimits:
     """Limits of one call. cpu_s None: the timeout rounded up plus one second (the wall clock
-    then always fires first for a busy loop, with the clearer observation)."""
+    then always fires first for a busy loop, with the clearer observation). memory_mb is the
+    address space of each process (RLIMIT_AS), and of the whole call where it has a cgroup;
+    nproc its processes and threads; nofile the open files of each process."""
 
     timeout_s: float = 5.0
     cpu_s: int | None = None
     memory_mb: int = 1024
-    nproc: int = 64
+    nproc: int = DEFAULT_NPROC
     file_mb: int = 16
     max_output_chars: int = 1000
+    nofile: int = DEFAULT_NOFILE
 
     def cpu_seconds(self, timeout_s: float) -> int:
         return self.cpu_s if self.cpu_s is not None else math.ceil(timeout_s) + 1
@@ -169,9 +211,15 @@ def _signal_line(returncode: int) -> str:
     return _SIGNAL_LINES.get(sig, f"killed by {sig.name}")
 
 
-def _bwrap_argv(bwrap: str, workdir_bytes: int) -> list[str]:
+def _bwrap_argv(bwrap: str, workdir_bytes: int, seccomp_fd: int, status_fd: int) -> list[str]:
+    """bwrap's options; the seccomp program is read from `seccomp_fd`, and bwrap writes its
+    status to `status_fd` (JSON lines: the child's pid, then its exit code once it has run)."""
     argv = [
         bwrap,
+        "--seccomp",
+        str(seccomp_fd),
+        "--json-status-fd",
+        str(status_fd),
         "--unshare-user",
         "--unshare-pid",
         "--unshare-net",
@@ -234,6 +282,108 @@ def _sandbox_env(home: str) -> dict[str, str]:
     }
 
 
+# A call's first process enters its slot's cgroup (writing its own pid) before it execs the
+# rest, so that nothing of the call ever runs outside it: "$1" is the cgroup.procs file.
+CGROUP_ENTER = 'echo $$ > "$1" && shift && exec "$@"'
+
+
+@dataclass(frozen=True)
+class _Spawn:
+    """What one call's child process is started with."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    user: int | None
+    pass_fds: tuple[int, ...] = ()
+    workdir: str | None = None
+
+
+class _BwrapPipes:
+    """The two pipes of one bwrap call: the seccomp program bwrap reads (written whole before
+    bwrap starts: it is far smaller than a pipe's buffer), and bwrap's JSON status."""
+
+    def __init__(self, program: bytes) -> None:
+        self.seccomp, writer = os.pipe()
+        try:
+            os.write(writer, program)
+        finally:
+            os.close(writer)
+        self.status_reader, self.status = os.pipe()
+        os.set_blocking(self.status_reader, False)
+        self._child_ends_open = True
+
+    def close_child_ends(self) -> None:
+        """Once the child has them: then only bwrap holds the status pipe's writing end, and
+        its end of file means bwrap has exited."""
+        if self._child_ends_open:
+            os.close(self.seccomp)
+            os.close(self.status)
+            self._child_ends_open = False
+
+    def code_ran(self) -> bool:
+        """Whether bwrap exec'd the code: it writes `exit-code` only for a child it exec'd
+        (bubblewrap.c, report_child_exit_status). The code never holds this pipe."""
+        status = bytearray()
+        with suppress(BlockingIOError):
+            while chunk := os.read(self.status_reader, 65536):
+                status += chunk
+        return b'"exit-code"' in status
+
+    def close(self) -> None:
+        self.close_child_ends()
+        os.close(self.status_reader)
+
+
+def _which(name: str, why: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise SandboxUnavailable(f"{name} not found: {why}")
+    return path
+
+
+def _seccomp_program() -> bytes:
+    try:
+        return build_filter()
+    except SeccompUnavailable as error:
+        raise SandboxUnavailable(str(error)) from error
+
+
+def _slot_cgroups(limits: SandboxLimits, slots: int) -> SlotCgroups | None:
+    """The slots' cgroups where KPO_SANDBOX_CGROUP asks for them (fails if they cannot be had:
+    asked for, they are not silently left out)."""
+    try:
+        base = configured_base()
+        if base is None:
+            return None
+        return SlotCgroups(base, slots, limits.memory_mb * 2**20, limits.nproc)
+    except CgroupUnavailable as error:
+        raise SandboxUnavailable(f"KPO_SANDBOX_CGROUP: {error}") from error
+
+
+def _check_backend(backend: str, allow_unsafe_process: bool, per_slot_uid: bool) -> None:
+    if backend not in ("bwrap", "process"):
+        raise ValueError(f"unknown sandbox backend {backend!r}")
+    if backend == "bwrap":
+        return
+    if not allow_unsafe_process:
+        raise SandboxUnavailable(
+            "the process backend has no namespaces (the code can read this user's "
+            "files and reach the network); it runs only with allow_unsafe_process"
+        )
+    if not per_slot_uid:
+        raise SandboxUnavailable(
+            "the process backend needs per-slot uids (run the server as root): with one uid "
+            "for every call and the server, a process a call leaves behind (setsid, a double "
+            "fork) cannot be told from the server's, so it would run on after the call's "
+            "timeout, with the network"
+        )
+    log.warning(
+        "sandbox backend 'process': rlimits and a timeout only, NO namespaces: the "
+        "code can read what this user can read and reach the network"
+    )
+
+
 class SandboxRunner:
     """Runs calls under one backend; safe to call from `slots` threads at once (more block
     for a free slot). Implements ToolRunner."""
@@ -248,35 +398,33 @@ class SandboxRunner:
         python: str | None = None,
         uid_base: int = DEFAULT_UID_BASE,
         check: bool = True,
+        unready_after: int = UNREADY_AFTER,
     ) -> None:
-        if backend not in ("bwrap", "process"):
-            raise ValueError(f"unknown sandbox backend {backend!r}")
-        if backend == "process":
-            if not allow_unsafe_process:
-                raise SandboxUnavailable(
-                    "the process backend has no namespaces (the code can read this user's "
-                    "files and reach the network); it runs only with allow_unsafe_process"
-                )
-            log.warning(
-                "sandbox backend 'process': rlimits and a timeout only, NO namespaces: the "
-                "code can read what this user can read and reach the network"
-            )
+        # As root, one unprivileged uid per slot (see the module docstring); else our own uid.
+        self._per_slot_uid = os.geteuid() == 0
+        _check_backend(backend, allow_unsafe_process, self._per_slot_uid)
         self.backend: Backend = backend
         self.limits = limits or SandboxLimits()
         self.slots = slots
         self.python = python or find_python()
-        prlimit = shutil.which("prlimit")
-        if prlimit is None:
-            raise SandboxUnavailable("prlimit (util-linux) not found")
-        self._prlimit = prlimit
-        self._bwrap = shutil.which("bwrap") if backend == "bwrap" else None
-        if backend == "bwrap" and self._bwrap is None:
-            raise SandboxUnavailable("bwrap not found: install bubblewrap (make system-deps)")
-        # As root, one unprivileged uid per slot (see the module docstring); else our own uid.
-        self._per_slot_uid = os.geteuid() == 0
+        self.uid_base = uid_base
+        self.unready_after = unready_after
+        util_linux = "install util-linux"
+        self._prlimit = _which("prlimit", util_linux)
+        self._choom = _which("choom", util_linux)
+        self._bwrap = (
+            _which("bwrap", "install bubblewrap (make system-deps)") if backend == "bwrap" else None
+        )
+        self._seccomp = _seccomp_program() if backend == "bwrap" else None
+        self.cgroups = _slot_cgroups(self.limits, slots)
+        self._setpriv = _which("setpriv", util_linux) if self.cgroups is not None else None
         self._free: queue.Queue[int] = queue.Queue()
         for slot in range(slots):
-            self._free.put(uid_base + slot if self._per_slot_uid else os.geteuid())
+            self._free.put(slot)
+        self._start_failures = 0
+        self._last_start_error = ""
+        self._health_lock = threading.Lock()
+        self._probe_lock = threading.Lock()
         if check:
             problem = self.problem()
             if problem:
@@ -289,13 +437,55 @@ class SandboxRunner:
             return None
         return f"{self.backend} sandbox does not run code here: {result.output or result.status}"
 
+    def unready_reason(self) -> str | None:
+        """None while calls start. After `unready_after` consecutive calls that could not start
+        the sandbox (its readiness: the server's /readyz), why; until a call starts again.
+        While unready, this probes with a trivial call on a free slot: an unready server gets
+        no calls of its own to find out with."""
+        if self._start_failures < self.unready_after:
+            return None
+        self._probe()
+        with self._health_lock:
+            failures, error = self._start_failures, self._last_start_error
+        if failures < self.unready_after:
+            return None
+        return f"the last {failures} calls could not start the sandbox: {error}"
+
+    def _probe(self) -> None:
+        # One probe at a time, and never waiting for a slot: busy slots are calls, which say
+        # themselves whether they start.
+        if not self._probe_lock.acquire(blocking=False):
+            return
+        try:
+            slot = self._free.get_nowait()
+        except queue.Empty:
+            self._probe_lock.release()
+            return
+        try:
+            self._run(PROBE_CODE, PROBE_TIMEOUT_S, slot, time.monotonic())
+        finally:
+            self._free.put(slot)
+            self._probe_lock.release()
+
+    def _record_start(self, started: bool, error: str = "") -> None:
+        with self._health_lock:
+            if started:
+                self._start_failures = 0
+                return
+            self._start_failures += 1
+            self._last_start_error = error
+        log.warning("sandbox: a call could not start the sandbox: %s", error)
+
     @contextmanager
     def _slot(self) -> Iterator[int]:
-        uid = self._free.get()
+        slot = self._free.get()
         try:
-            yield uid
+            yield slot
         finally:
-            self._free.put(uid)
+            self._free.put(slot)
+
+    def _uid(self, slot: int) -> int:
+        return self.uid_base + slot if self._per_slot_uid else os.geteuid()
 
     def run(self, code: str, timeout_s: float | None = None) -> ToolResult:
         started = time.monotonic()
@@ -308,8 +498,8 @@ class SandboxRunner:
                 else f"code of {len(encoded)} bytes is over the {MAX_CODE_BYTES}-byte limit"
             )
             return ToolResult(reason, "refused", time.monotonic() - started)
-        with self._slot() as uid:
-            return self._run(code, limit, uid, started)
+        with self._slot() as slot:
+            return self._run(code, limit, slot, started)
 
     def _limits_argv(self, timeout_s: float) -> list[str]:
         lim = self.limits
@@ -322,63 +512,145 @@ class SandboxRunner:
             f"--cpu={cpu}:{cpu + 1}",
             f"--as={lim.memory_mb * 2**20}",
             f"--nproc={nproc}",
+            f"--nofile={lim.nofile}",
             f"--fsize={file_bytes}",
             "--core=0",
             "--",
+            self._choom,
+            "-n",
+            str(OOM_SCORE_ADJ),
+            "--",
         ]
 
-    def _run(self, code: str, timeout_s: float, uid: int, started: float) -> ToolResult:
-        lim = self.limits
-        workdir: str | None = None
+    def _spawn(self, code: str, timeout_s: float, slot: int, pipes: _BwrapPipes | None) -> _Spawn:
+        uid = self._uid(slot)
         python_argv = [self.python, "-I", "-u", "-B", "-c", code]
-        if self.backend == "bwrap":
+        if pipes is not None:
             assert self._bwrap is not None
-            argv = [
-                *self._limits_argv(timeout_s),
-                *_bwrap_argv(self._bwrap, lim.file_mb * 2**20),
-                *python_argv,
-            ]
-            env: dict[str, str] = {"PATH": "/usr/bin:/bin"}
-            cwd = "/"
+            sandbox = _bwrap_argv(
+                self._bwrap, self.limits.file_mb * 2**20, pipes.seccomp, pipes.status
+            )
+            argv = [*self._limits_argv(timeout_s), *sandbox, *python_argv]
+            spawn = _Spawn(
+                argv, {"PATH": "/usr/bin:/bin"}, "/", None, (pipes.seccomp, pipes.status)
+            )
         else:
             workdir = tempfile.mkdtemp(prefix="kpo-sandbox-")
-            if self._per_slot_uid:
-                os.chown(workdir, uid, uid)
+            os.chown(workdir, uid, uid)
             argv = [*self._limits_argv(timeout_s), *python_argv]
-            env = _sandbox_env(workdir)
-            cwd = workdir
+            spawn = _Spawn(argv, _sandbox_env(workdir), workdir, None, (), workdir)
         user = uid if self._per_slot_uid else None
+        if self.cgroups is None:
+            return replace(spawn, user=user)
+        # Into the slot's cgroup first, as this (root or the cgroup's owner) process's uid,
+        # which may write the cgroup; then the slot's uid.
+        assert self._setpriv is not None
+        enter = ["/bin/sh", "-c", CGROUP_ENTER, "sh", self.cgroups.procs(slot)]
+        switch = (
+            []
+            if user is None
+            else [self._setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+        )
+        return replace(spawn, argv=[*enter, *switch, *spawn.argv])
+
+    def _run(self, code: str, timeout_s: float, slot: int, started: float) -> ToolResult:
+        pipes = _BwrapPipes(self._seccomp) if self._seccomp is not None else None
+        spawn: _Spawn | None = None
+        try:
+            spawn = self._spawn(code, timeout_s, slot, pipes)
+            return self._start_and_collect(spawn, timeout_s, slot, started, pipes)
+        finally:
+            if pipes is not None:
+                pipes.close()
+            if spawn is not None and spawn.workdir:
+                shutil.rmtree(spawn.workdir, ignore_errors=True)
+
+    def _start_and_collect(
+        self,
+        spawn: _Spawn,
+        timeout_s: float,
+        slot: int,
+        started: float,
+        pipes: _BwrapPipes | None,
+    ) -> ToolResult:
         try:
             proc = subprocess.Popen(
-                argv,
+                spawn.argv,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                env=env,
-                cwd=cwd,
+                env=spawn.env,
+                cwd=spawn.cwd,
                 close_fds=True,
+                pass_fds=spawn.pass_fds,
                 # Its own process group, so a timeout kills the whole tree at once.
                 start_new_session=True,
-                user=user,
-                group=user,
-                extra_groups=[] if user is not None else None,
+                user=spawn.user,
+                group=spawn.user,
+                extra_groups=[] if spawn.user is not None else None,
             )
         except OSError as exc:
-            if workdir:
-                shutil.rmtree(workdir, ignore_errors=True)
+            self._record_start(False, str(exc))
             return ToolResult(f"sandbox failed to start: {exc}", "error", 0.0)
+        finally:
+            if pipes is not None:
+                pipes.close_child_ends()
         try:
-            return self._collect(proc, timeout_s, started)
+            result, stopped = self._collect(
+                proc, timeout_s, started, lambda: self._end_leftovers(slot)
+            )
         finally:
             for stream in (proc.stdout, proc.stderr):
                 if stream is not None:
                     stream.close()
-            if workdir:
-                shutil.rmtree(workdir, ignore_errors=True)
+            self._end_leftovers(slot)
+            reap_call_orphans(self._uid(slot) if self._per_slot_uid else None)
+        started_code = stopped or pipes is None or pipes.code_ran()
+        self._record_start(started_code, result.output)
+        return result
+
+    def _end_leftovers(self, slot: int) -> None:
+        """End whatever of the slot's call is still running. Under bwrap nothing outlives the
+        pid namespace; the process backend's calls can leave their session, but not their uid
+        (kill(-1) as the slot's uid reaches every process of it, and a fork bomb's forks too:
+        the kernel sends it to all of them at once), nor their cgroup."""
+        if self.cgroups is not None:
+            try:
+                self.cgroups.kill(slot)
+            except OSError as error:
+                log.warning("sandbox: cgroup.kill of slot %d: %s", slot, error)
+        if self.backend != "process":
+            return
+        uid = self._uid(slot)
+        try:
+            killer = subprocess.Popen(
+                # kill(-1): every process this uid may signal but itself. In the sandbox's
+                # python, which is there wherever the backend is (slim images lack kill(1)).
+                [self.python, "-I", "-S", "-c", KILL_EVERY_PROCESS],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env={},
+                cwd="/",
+                close_fds=True,
+                user=uid,
+                group=uid,
+                extra_groups=[],
+            )
+        except OSError as error:
+            log.warning("sandbox: cannot end the processes of uid %d: %s", uid, error)
+            return
+        killer.wait()
 
     def _collect(
-        self, proc: subprocess.Popen[bytes], timeout_s: float, started: float
-    ) -> ToolResult:
+        self,
+        proc: subprocess.Popen[bytes],
+        timeout_s: float,
+        started: float,
+        on_exit: Callable[[], None],
+    ) -> tuple[ToolResult, bool]:
+        """The call's result, and whether it was stopped (timeout, output cap) rather than
+        ending on its own; `on_exit` runs once the leader has exited."""
         max_chars = self.limits.max_output_chars
         # A character is at most 4 bytes of UTF-8: past this many bytes the output is over.
         cap_bytes = 4 * (max_chars + 1)
@@ -407,6 +679,7 @@ class SandboxRunner:
                             # the pipes) goes now, and the pipes close.
                             sel.unregister(pidfd)
                             _kill_group(proc)
+                            on_exit()
                             continue
                         assert not isinstance(fileobj, int)
                         chunk = os.read(fileobj.fileno(), 65536)
@@ -430,16 +703,16 @@ class SandboxRunner:
         # A trailing newline is print()'s, not content: "83810205", not "83810205\n".
         text = _decode(stdout).rstrip()
         if timed_out:
-            return ToolResult(text[:max_chars], "timeout", seconds, timeout_s)
+            return ToolResult(text[:max_chars], "timeout", seconds, timeout_s), True
         if over_cap:
             line = f"OutputLimitExceeded: more than {max_chars} characters of output"
-            return ToolResult(_compose(text, line, max_chars), "error", seconds)
+            return ToolResult(_compose(text, line, max_chars), "error", seconds), True
         if proc.returncode == 0:
-            return ToolResult(text[:max_chars], "ok", seconds)
+            return ToolResult(text[:max_chars], "ok", seconds), False
         line = _last_line(bytes(stderr_tail)) or _signal_line(proc.returncode)
         if proc.returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
             line = _SIGNAL_LINES[signal.SIGXCPU]
-        return ToolResult(_compose(text, line, max_chars), "error", seconds)
+        return ToolResult(_compose(text, line, max_chars), "error", seconds), False
 
 
 def _decode(data: bytes | bytearray) -> str:

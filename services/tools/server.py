@@ -5,16 +5,33 @@ Concurrency is bounded: `max_concurrency` calls run at once (one worker thread, 
 uid each) and `max_queue` more wait; past that the answer is 429 with Retry-After at once,
 never an unbounded queue. A call's own failure (an exception, a limit, a timeout) is a 200
 with its status: only the server's own refusals are HTTP errors.
+
+What a request must be before any of it is read (the listener itself holds the limits of every
+listener of the project, services.http_listener, the body deadline among them):
+
+- its Host one of the server's names (`SandboxSettings.host_names`: loopback names, the bind
+  address, `KPO_SANDBOX_TRUSTED_HOSTS`): a web page that points a name of its own at the server's
+  address (DNS rebinding) sends that name, and is refused (400);
+- the token, on anything but the probes (`PROBE_PATHS`): a request without it is a 401 on its
+  head alone, so that a client without the token holds no place of the connection limit while
+  it sends (or withholds) a body, and learns nothing of what the server would accept;
+- no trailing-slash redirect: one is built from the Host header.
+
+The probes also answer on a listener of their own (`KPO_SANDBOX_PROBE_PORT`), without the call
+port's connection limit and on the same event loop (`SandboxServer`): while the call port is
+full, the probes still say whether the server is alive.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
+import re
 import threading
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -23,11 +40,14 @@ from typing import Any
 import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.config import LOGGING_CONFIG
 
-from services.http_listener import bind, listener_config
+from services.http_listener import ServerWithProbes, listener_config
+from services.tools.reaper import become_subreaper
 from services.tools.sandbox import (
     MAX_CODE_BYTES,
     Backend,
@@ -42,6 +62,17 @@ RETRY_AFTER_S = 1
 # Requests uvicorn serves at once beyond the sandbox's own bound: /healthz must still answer
 # while every worker and queue place is taken.
 EXTRA_CONNECTIONS = 32
+# What the orchestrator's probes call: never guarded by the token, and served on the probes'
+# listener too.
+PROBE_PATHS = frozenset({"/healthz", "/readyz"})
+# The names a loopback server is reached by. A rebinding page cannot send one of them (its
+# requests name its own site), so they are always answered.
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+# A Host header (RFC 9110 7.2): a name or IPv4 address, or an IPv6 address in brackets, and a
+# port. Anything else (user info, a path) is no host of this server's.
+HOST_HEADER = re.compile(
+    r"(?:\[(?P<ipv6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9._-]+))(?::[0-9]{1,5})?"
+)
 
 
 class SandboxSettings(BaseSettings):
@@ -62,7 +93,7 @@ class SandboxSettings(BaseSettings):
     max_timeout_s: float = Field(60.0, gt=0, le=3600, description="most a request may ask for")
     cpu_s: int | None = Field(None, ge=1, description="CPU seconds (default: timeout + 1)")
     memory_mb: int = Field(1024, ge=64, description="address space of a call (RLIMIT_AS)")
-    nproc: int = Field(64, ge=4, description="processes and threads of a call (RLIMIT_NPROC)")
+    nproc: int = Field(16, ge=4, description="processes and threads of a call (RLIMIT_NPROC)")
     file_mb: int = Field(16, ge=1, description="largest file, and size of the working tmpfs")
     max_output_chars: int = Field(1000, ge=1, le=1_000_000)
     max_body_bytes: int = Field(256 * 1024, ge=1024, description="largest request body")
@@ -73,8 +104,43 @@ class SandboxSettings(BaseSettings):
         description="a connection that has not sent a whole request head this long after it "
         "opened (or after its last response) is closed",
     )
+    body_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="a request whose body has not all arrived this long after its head is "
+        "answered 408 and its connection closed",
+    )
+    probe_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="serve /healthz and /readyz on this port of their own too, without the "
+        "call port's connection limit (for the orchestrator's probes)",
+    )
+    trusted_hosts: str | None = Field(
+        None,
+        description="comma-separated Host names the server answers besides its loopback "
+        "names and its bind address (any port): the names its clients reach it by",
+    )
     token: SecretStr | None = Field(None, description="bearer token calls must carry")
     token_file: Path | None = Field(None, description="a file holding the token")
+
+    @field_validator("trusted_hosts")
+    @classmethod
+    def _hosts_are_host_names(cls, value: str | None) -> str | None:
+        for entry in _entries(value):
+            if host_name(entry) is None:
+                raise ValueError(f"{entry!r} is not a host name (e.g. kpo-sandbox.ns.svc)")
+        return value
+
+    def host_names(self, bind_host: str | None) -> frozenset[str]:
+        """The Host names the server answers (as `host_name` gives them): its loopback names,
+        `bind_host` (not an any-address one: no client names it), and KPO_SANDBOX_TRUSTED_HOSTS."""
+        entries = [*LOOPBACK_HOSTS, *_entries(self.trusted_hosts)]
+        if bind_host is not None and not _is_unspecified(bind_host):
+            entries.append(bind_host)
+        return frozenset(name for name in map(host_name, entries) if name is not None)
 
     def limits(self) -> SandboxLimits:
         return SandboxLimits(
@@ -142,6 +208,116 @@ def _too_large(max_bytes: int) -> JSONResponse:
     return JSONResponse({"detail": f"request body over {max_bytes} bytes"}, status_code=413)
 
 
+def _entries(setting: str | None) -> list[str]:
+    """The entries of a comma-separated setting, stripped, empty ones left out."""
+    return [entry.strip() for entry in (setting or "").split(",") if entry.strip()]
+
+
+def _is_unspecified(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+def host_name(value: str) -> str | None:
+    """The host a Host header (or a setting's entry) names, without its port: lowercase, an IP
+    address as `ipaddress` writes it (an IPv6 one unbracketed, so a setting may give it either
+    way); None for what is not a host."""
+    try:
+        return str(ipaddress.ip_address(value))  # an unbracketed address (a setting's `::1`)
+    except ValueError:
+        pass
+    match = HOST_HEADER.fullmatch(value)
+    if match is None:
+        return None
+    if match["ipv6"] is None:
+        return match["name"].lower()
+    try:
+        return str(ipaddress.IPv6Address(match["ipv6"]))
+    except ValueError:
+        return None
+
+
+def _refusal(status: int, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """A refusal of a request on its head: the connection is closed after it, so whatever body
+    the client still sends holds nothing."""
+    return JSONResponse(
+        {"detail": detail}, status_code=status, headers={**(headers or {}), "Connection": "close"}
+    )
+
+
+class HostAllowlist:
+    """400 for a request whose Host is not one of `names` (`host_name`'s form), before the app
+    sees any of it."""
+
+    def __init__(self, app: ASGIApp, names: frozenset[str]) -> None:
+        self.app = app
+        self.names = names
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            given = Headers(scope=scope).get("host", "")
+            if host_name(given) not in self.names:
+                detail = (
+                    f"Host {given!r} is not a name of this sandbox server: it answers its "
+                    "loopback names, its bind address and KPO_SANDBOX_TRUSTED_HOSTS"
+                )
+                await _refusal(400, detail)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _token_matches(authorization: str, token: str) -> bool:
+    scheme, _, given = authorization.partition(" ")
+    # compare_digest: the time taken must not reveal how much of the token matched.
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        given.strip().encode(), token.encode()
+    )
+
+
+class TokenGate:
+    """401 for a request without the bearer `token` (None: no token, everything passes), the
+    probes' GET and HEAD apart, on the request's head alone: no body is read before it."""
+
+    def __init__(self, app: ASGIApp, token: str | None) -> None:
+        self.app = app
+        self.token = token
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._refused(scope):
+            challenge = {"WWW-Authenticate": 'Bearer realm="kpo-sandbox"'}
+            refusal = _refusal(401, "missing or wrong sandbox token", challenge)
+            await refusal(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _refused(self, scope: Scope) -> bool:
+        if self.token is None or scope["type"] != "http" or _is_probe(scope):
+            return False
+        return not _token_matches(Headers(scope=scope).get("authorization", ""), self.token)
+
+
+def _is_probe(scope: Scope) -> bool:
+    return scope["method"] in ("GET", "HEAD") and scope["path"] in PROBE_PATHS
+
+
+class ProbesOnly:
+    """The probes of `app` (`PROBE_PATHS`, through all of its middleware: the Host check
+    too), and a 404 for anything else: the app of the probes' listener."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return  # uvicorn refuses what the app does not accept
+        if scope["path"] not in PROBE_PATHS:
+            await JSONResponse({"detail": "Not Found"}, status_code=404)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 class Admission:
     """Counts calls running and waiting; refuses past `max_concurrency + max_queue`."""
 
@@ -165,9 +341,55 @@ class Admission:
             self.statuses[status] += 1
 
 
-def create_app(settings: SandboxSettings, runner: SandboxRunner | None = None) -> FastAPI:
+def add_guards(
+    app: FastAPI, settings: SandboxSettings, token: str | None, bind_host: str | None
+) -> None:
+    """What a request must pass before the routes see any of it (see the module): the last
+    added runs first, so the Host, then the token, then the body's size."""
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(TokenGate, token=token)
+    app.add_middleware(HostAllowlist, names=settings.host_names(bind_host))
+
+
+def token_dependency(token: str | None) -> Callable[[Request], None]:
+    """The routes' own check of the token: TokenGate has refused a request without it already,
+    and a route says so too."""
+
+    def authorised(request: Request) -> None:
+        if token is not None and not _token_matches(
+            request.headers.get("authorization", ""), token
+        ):
+            raise HTTPException(
+                401,
+                "missing or wrong sandbox token",
+                headers={"WWW-Authenticate": 'Bearer realm="kpo-sandbox"'},
+            )
+
+    return authorised
+
+
+def add_readiness(app: FastAPI, sandbox: SandboxRunner) -> None:
+    """`GET /readyz`: ready while calls start. A server whose calls cannot start (no process
+    left to fork) is alive (/healthz) but useless: it leaves the Service until a call starts
+    again, which `unready_reason` probes for itself (a plain def: in the thread pool)."""
+
+    @app.get("/readyz", response_model=None)
+    def readyz() -> dict[str, Any] | JSONResponse:
+        reason = sandbox.unready_reason()
+        if reason is not None:
+            return JSONResponse({"status": "unready", "detail": reason}, status_code=503)
+        return {"status": "ready", "backend": sandbox.backend}
+
+
+def create_app(
+    settings: SandboxSettings,
+    runner: SandboxRunner | None = None,
+    *,
+    bind_host: str | None = None,
+) -> FastAPI:
     """The app; `runner` defaults to one built from the settings (which checks that the
-    backend runs code here, and raises SandboxUnavailable if not)."""
+    backend runs code here, and raises SandboxUnavailable if not); `bind_host`: the address
+    the server listens on (a Host name it answers)."""
     if runner is None:
         runner = SandboxRunner(
             settings.backend,
@@ -186,22 +408,16 @@ def create_app(settings: SandboxSettings, runner: SandboxRunner | None = None) -
         yield
         executor.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="kpo sandbox", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-
-    def authorised(request: Request) -> None:
-        if token is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        # compare_digest: the time taken must not reveal how much of the token matched.
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            given.strip().encode(), token.encode()
-        ):
-            raise HTTPException(
-                401,
-                "missing or wrong sandbox token",
-                headers={"WWW-Authenticate": 'Bearer realm="kpo-sandbox"'},
-            )
+    app = FastAPI(
+        title="kpo sandbox",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        redirect_slashes=False,  # a redirect would be built from the Host header
+    )
+    add_guards(app, settings, token, bind_host)
+    add_readiness(app, sandbox)
+    authorised = token_dependency(token)
 
     @app.get("/healthz")
     def healthz() -> dict[str, Any]:
@@ -243,23 +459,60 @@ def create_app(settings: SandboxSettings, runner: SandboxRunner | None = None) -
     return app
 
 
+class SandboxServer(ServerWithProbes):
+    """The app on `host`:`port` (the calls, and the probes) and, with `probe_port`, its probes on
+    that port too, on one event loop until the call port's server stops (SIGINT, SIGTERM, or
+    `stop`). The ports are bound when it is made: a port in use is an OSError here.
+
+    `app`: the app to serve (default: `create_app(settings, bind_host=host)`, which raises
+    SandboxUnavailable when the backend cannot run code here)."""
+
+    def __init__(
+        self,
+        settings: SandboxSettings,
+        host: str,
+        port: int,
+        *,
+        app: FastAPI | None = None,
+        log_config: dict[str, Any] | None = LOGGING_CONFIG,
+        log_level: str | None = "info",
+    ) -> None:
+        self.app = create_app(settings, bind_host=host) if app is None else app
+        log.info(
+            "sandbox: backend %s, %d workers, queue %d",
+            settings.backend,
+            settings.max_concurrency,
+            settings.max_queue,
+        )
+        listener: dict[str, Any] = {
+            "body_timeout_s": settings.body_timeout_s,
+            "log_config": log_config,
+            "log_level": log_level,
+        }
+        # Connections at once before uvicorn answers 503 itself: above the sandbox's own bound
+        # (whose 429 comes first), with room for /healthz. Idle connections and withheld bodies
+        # do not hold places for ever (services.http_listener).
+        limit = settings.max_concurrency + settings.max_queue + EXTRA_CONNECTIONS
+        calls = listener_config(
+            self.app, settings.header_timeout_s, limit_concurrency=limit, lifespan=True, **listener
+        )
+        probes = None
+        if settings.probe_port is not None:
+            probes = listener_config(
+                ProbesOnly(self.app), settings.header_timeout_s, access_log=False, **listener
+            )
+        super().__init__("the sandbox", calls, host, port, probes, settings.probe_port)
+
+    @property
+    def calls(self) -> uvicorn.Server:
+        """The call port's server."""
+        return self.main
+
+
 def serve(settings: SandboxSettings, host: str, port: int) -> None:
-    """Run the server with uvicorn until interrupted (raises SandboxUnavailable first when
-    the backend cannot run code here)."""
-    app = create_app(settings)
-    log.info(
-        "sandbox server on %s:%d: backend %s, %d workers, queue %d",
-        host,
-        port,
-        settings.backend,
-        settings.max_concurrency,
-        settings.max_queue,
-    )
-    # Connections at once before uvicorn answers 503 itself: above the sandbox's own bound
-    # (whose 429 comes first), with room for /healthz. Idle connections do not hold places for
-    # ever (services.http_listener).
-    limit = settings.max_concurrency + settings.max_queue + EXTRA_CONNECTIONS
-    config = listener_config(
-        app, settings.header_timeout_s, limit_concurrency=limit, log_level="info", lifespan=True
-    )
-    uvicorn.Server(config).run(sockets=[bind(host, port)])
+    """Run the server until interrupted (raises SandboxUnavailable first when the backend
+    cannot run code here, OSError when a port cannot be listened on)."""
+    # What calls leave behind comes to this process, which reaps it after each call
+    # (services/tools/reaper.py), not to an init that may never reap it.
+    become_subreaper()
+    SandboxServer(settings, host, port).run()

@@ -109,7 +109,7 @@ def test_control_plane_target_has_the_sandboxs_init() -> None:
     runs = " ".join(stages()["control-plane"].values("RUN"))
     installed = re.search(r"apt-get install -y --no-install-recommends ([^\\&]+)", runs)
     assert installed is not None, runs
-    assert {"bubblewrap", "tini"} <= set(installed.group(1).split())
+    assert {"bubblewrap", "libseccomp2", "tini"} <= set(installed.group(1).split())
 
 
 def test_gpu_worker_target_is_cuda_with_the_projects_vllm() -> None:

@@ -113,10 +113,11 @@ def test_service_selects_the_sandbox_pods_on_the_containers_port(
     assert service["type"] == "ClusterIP"
     assert service["selector"].items() <= labels.items()
     assert deployment["selector"]["matchLabels"] == service["selector"]
-    (port,) = service["ports"]
-    (container_port,) = container(sandbox_on)["ports"]
+    (port,) = service["ports"]  # the calls' port only: the probes' stays in the pod
+    container_port, probe_port = container(sandbox_on)["ports"]
     assert port["targetPort"] == container_port["name"] == "http"
     assert port["port"] == container_port["containerPort"] == 8090
+    assert (probe_port["name"], probe_port["containerPort"]) == ("probes", 8091)
     command = container(sandbox_on)["command"]
     # Under an init that reaps (the image's tini): bwrap leaves a zombie per call otherwise.
     assert command[:5] == ["tini", "--", "kpo", "sandbox", "serve"]
@@ -140,7 +141,8 @@ def test_settings_are_the_servers_own(sandbox_on: list[Manifest]) -> None:
     }
     settings = SandboxSettings(**plain)
     assert settings.backend == "bwrap" and not settings.allow_unsafe_process
-    assert (settings.max_concurrency, settings.max_queue, settings.nproc) == (4, 32, 64)
+    assert (settings.max_concurrency, settings.max_queue, settings.nproc) == (4, 32, 16)
+    assert settings.probe_port == 8091
 
 
 # --- the NetworkPolicy -------------------------------------------------------------------------
@@ -284,13 +286,29 @@ def test_seccomp_profile_and_security_context_can_be_overridden(helm: str) -> No
         validate(manifest)
 
 
-def test_probes_hit_healthz(sandbox_on: list[Manifest]) -> None:
+def test_probes_hit_the_probe_port_with_a_name_the_server_answers(
+    sandbox_on: list[Manifest],
+) -> None:
+    """Readiness on `/readyz` (it fails when calls cannot start), liveness on `/healthz`, both
+    on the probes' own port, with a Host the server accepts (the kubelet's default, the pod's
+    address, is refused as any name the server does not know), and the Service's names and
+    URL among those it accepts."""
     sandbox = container(sandbox_on)
     ports = {p["name"]: p["containerPort"] for p in sandbox["ports"]}
-    for probe in ("readinessProbe", "livenessProbe"):
+    plain = {
+        name.removeprefix("KPO_SANDBOX_").lower(): entry["value"]
+        for name, entry in env_of(sandbox).items()
+        if name.startswith("KPO_SANDBOX_") and "value" in entry
+    }
+    names = SandboxSettings(**plain).host_names("0.0.0.0")
+    for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
         get = sandbox[probe]["httpGet"]
-        assert get["path"] == "/healthz", probe
-        assert ports[get["port"]] == 8090, probe
+        assert (get["path"], ports[get["port"]]) == (path, 8091), probe
+        (host,) = [h["value"] for h in get["httpHeaders"] if h["name"] == "Host"]
+        assert host in names, probe
+    service_host = f"{SANDBOX}.{NAMESPACE}.svc"
+    assert {SANDBOX, service_host, f"{service_host}.cluster.local"} <= names
+    assert "10.1.2.3" not in names
 
 
 def test_token_comes_from_a_secret_never_a_literal(sandbox_on: list[Manifest]) -> None:

@@ -210,6 +210,13 @@ Service when sandbox.enabled, then `controlPlane.sandboxUrls`.
 {{- join "," (concat $urls .Values.controlPlane.sandboxUrls) -}}
 {{- end }}
 
+{{/* The names the sandbox's Service is reached by inside the cluster, comma-separated. */}}
+{{- define "kpo.sandboxHostNames" -}}
+{{- $name := include "kpo.componentName" (dict "ctx" . "component" "sandbox") -}}
+{{- $ns := .Release.Namespace -}}
+{{- join "," (list $name (printf "%s.%s" $name $ns) (printf "%s.%s.svc" $name $ns) (printf "%s.%s.svc.cluster.local" $name $ns)) -}}
+{{- end }}
+
 {{/* The sandbox server's URL inside the cluster, for a run's `tools.sandbox_url`. */}}
 {{- define "kpo.sandboxUrl" -}}
 {{- printf "http://%s.%s.svc:%v" (include "kpo.componentName" (dict "ctx" . "component" "sandbox")) .Release.Namespace .Values.sandbox.port }}

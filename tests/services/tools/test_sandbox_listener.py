@@ -24,6 +24,7 @@ def test_idle_sockets_do_not_hold_the_sandbox_server_at_503() -> None:
         # The process backend: what is under test is the listener, not the sandbox.
         "KPO_SANDBOX_BACKEND": "process",
         "KPO_SANDBOX_ALLOW_UNSAFE_PROCESS": "true",
+        "KPO_SANDBOX_TOKEN": "sandbox-listener-token-0123456789",  # the process backend's due
         "KPO_SANDBOX_MAX_CONCURRENCY": "1",
         "KPO_SANDBOX_MAX_QUEUE": "0",
         "KPO_SANDBOX_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),

@@ -85,6 +85,8 @@ DEFAULT_NPROC = 16
 # Open files of each process of a call: pipes, sockets and memory-backed files hold kernel
 # memory that no address space counts, and every one of them needs a descriptor.
 DEFAULT_NOFILE = 64
+# Kernel memory one descriptor can pin outside every address space (a socket's send buffer).
+KERNEL_MIB_PER_DESCRIPTOR = 0.2
 # Consecutive calls that could not start the sandbox before the runner reports itself unready.
 UNREADY_AFTER = 3
 # The trivial call that checks, while unready, whether calls start again.
@@ -160,6 +162,15 @@ class SandboxLimits:
 
     def cpu_seconds(self, timeout_s: float) -> int:
         return self.cpu_s if self.cpu_s is not None else math.ceil(timeout_s) + 1
+
+    def worst_case_mib(self, processes: int, calls: int) -> float:
+        """The most memory `calls` calls with `processes` processes among them can hold
+        without a cgroup (docs/tools.md, "Memory of a call"): each process its address space and
+        the kernel buffers of its descriptors (a socket's send buffer is about 208 KiB, so 0.2
+        MiB each), and each call its two tmpfs."""
+        return processes * (self.memory_mb + self.nofile * KERNEL_MIB_PER_DESCRIPTOR) + (
+            calls * 2 * self.file_mb
+        )
 
 
 def find_python() -> str:

@@ -72,6 +72,10 @@ def pod_spec(manifests: list[Manifest]) -> Manifest:
     return spec
 
 
+# What the server itself holds (uvicorn, FastAPI, its threads), measured: about 100 MiB.
+SERVER_MIB = 100
+
+
 def container(manifests: list[Manifest]) -> Manifest:
     (only,) = pod_spec(manifests)["containers"]
     assert isinstance(only, dict)
@@ -141,7 +145,7 @@ def test_settings_are_the_servers_own(sandbox_on: list[Manifest]) -> None:
     }
     settings = SandboxSettings(**plain)
     assert settings.backend == "bwrap" and not settings.allow_unsafe_process
-    assert (settings.max_concurrency, settings.max_queue, settings.nproc) == (4, 32, 16)
+    assert (settings.max_concurrency, settings.max_queue, settings.nproc) == (4, 32, 8)
     assert settings.probe_port == 8091
 
 
@@ -284,6 +288,24 @@ def test_seccomp_profile_and_security_context_can_be_overridden(helm: str) -> No
     assert "appArmorProfile" not in pod
     for manifest in manifests:
         validate(manifest)
+
+
+def test_the_memory_limit_holds_the_calls_worst_case(sandbox_on: list[Manifest]) -> None:
+    """Run as a non-root user, a pod's calls share `nproc x maxConcurrency` processes: their
+    worst case (services/tools/sandbox.py, `worst_case_mib`) and the server fit the limit, so a
+    call at its bounds is not what kills the container."""
+    sandbox = container(sandbox_on)
+    plain = {
+        name.removeprefix("KPO_SANDBOX_").lower(): entry["value"]
+        for name, entry in env_of(sandbox).items()
+        if name.startswith("KPO_SANDBOX_") and "value" in entry
+    }
+    settings = SandboxSettings(**plain)
+    calls = settings.max_concurrency
+    worst = settings.limits().worst_case_mib(settings.nproc * calls, calls) + SERVER_MIB
+    limit = sandbox["resources"]["limits"]["memory"]
+    assert limit.endswith("Gi")
+    assert worst <= float(limit.removesuffix("Gi")) * 1024 < 1.2 * worst, (worst, limit)
 
 
 def test_probes_hit_the_probe_port_with_a_name_the_server_answers(

@@ -141,7 +141,7 @@ def _receiver_host(group: WeightGroup) -> str:
     with contextlib.suppress(ValueError):
         if ipaddress.ip_address(host).is_loopback:
             return host
-    from services.weights.collective import node_address
+    from services.weights.stores import node_address
 
     return node_address()
 

@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from kpo_core.losses import token_entropy
 from services.learner.batch import TrainingBatch
 from services.learner.packed_attention import PACKED_ROWS, PackedRows
+from services.learner.vocab_kernels import LogprobKernel
 from services.learner.vocab_logprobs import vocab_chunked_logprobs
 from services.model_layout import ModelLayout
 
@@ -145,11 +146,13 @@ class ResponseLogProbs(nn.Module):
         flash: bool = False,
         compiled: bool = False,
         layout: ModelLayout | None = None,
+        kernel: LogprobKernel = "auto",
     ) -> None:
         super().__init__()
         self.policy = policy
         self.chunk_tokens = chunk_tokens
         self.vocab_chunk = vocab_chunk
+        self.kernel: LogprobKernel = kernel
         self.packed = packed
         self.flash = flash
         self.compiled = compiled
@@ -204,7 +207,7 @@ class ResponseLogProbs(nn.Module):
         elif type(head) is nn.Linear:
             return vocab_chunked_logprobs(
                 states, head.weight, head.bias, targets, temperature,
-                self.chunk_tokens, self.vocab_chunk, with_entropy,
+                self.chunk_tokens, self.vocab_chunk, with_entropy, self.kernel,
             )  # fmt: skip
         parts_logp, parts_entropy = [], []
         for start in range(0, int(targets.shape[0]), self.chunk_tokens):

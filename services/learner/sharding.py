@@ -148,6 +148,7 @@ def build_policy(
         policy,
         learner.logprob_chunk_tokens,
         learner.logprob_vocab_chunk,
+        kernel=learner.logprob_kernel,
         packed=packed,
         flash=learner.attn_implementation.startswith("flash_attention"),
         compiled=learner.compile,

@@ -3,17 +3,25 @@
 The head's logits of a 152k-word vocabulary in float32 are 0.6 MB per position: at the learner's
 micro-batch sizes they, their softmax and their gradient were most of the step's GPU time and
 memory. `vocab_chunked_logprobs` walks the positions in chunks of `position_chunk` and, within a
-chunk, the vocabulary in blocks of `vocab_chunk`, keeping an online log-sum-exp (running max m,
-running sum of exponentials s, and for the entropy the running sum of e^(l - m) (l - m)), so the
-largest float32 block is position_chunk x vocab_chunk:
+chunk, the vocabulary in blocks of `vocab_chunk`, so the largest float32 block is
+position_chunk x vocab_chunk. Per block b and position, from one softmax p_b of its logits l
+(services/learner/vocab_kernels.py), the block's log-sum-exp lse_b = max l - log max p_b and,
+for the entropy, the block's own H_b = lse_b - sum p_b l; after the last block, with shares
+s_b = e^(lse_b - log Z) of the probability mass,
 
-    log Z = m + log s,   logp = l[y] - log Z,   entropy = log s - (sum_v e^(l_v - m) (l_v - m)) / s
+    log Z = logsumexp_b lse_b,   logp = l[y] - log Z,
+    entropy = sum_b s_b H_b - sum_b s_b log s_b
 
 with l = head(h) / temperature in float32 (the matrix product runs in the compute dtype, as
-under autocast). Only log Z [N] is saved for the backward, which recomputes each block's logits
-and forms d logp / d l = onehot(y) - softmax(l) block by block. Entropy is a metric (no loss
-term reads it), so it is computed in the same pass without a gradient. No step of either pass
-depends on a tensor's value: nothing waits on the device.
+under autocast; in float32 the temperature is folded into its operands, which saves a pass).
+The taken token's logit l[y] is one row of the head per position, h . w[y], not a look-up in
+every block. log Z [N] and lse_b [N, blocks] are saved for the backward, which recomputes each
+block's logits once and uses d logp / d l = onehot(y) - softmax(l), where
+softmax(l) = p_b e^(lse_b - log Z): the block enters its two matrix products as p_b, and the
+per-position factor -grad e^(lse_b - log Z) scales the small [c, H] operands instead. The
+one-hot part is a row of the head per position too. So a block costs one product forward and
+three backward, and entropy (a metric: no loss term reads it, so it has no gradient) costs no
+product. No step of either pass depends on a tensor's value: nothing waits on the device.
 
 A position whose logits hold NaN or +inf gets log-prob NaN and a gradient of exactly 0 (the
 rest of the batch is untouched): the loss then masks and counts it (docs/numerics.md).
@@ -21,10 +29,48 @@ rest of the batch is untouched): the loss then masks and counts it (docs/numeric
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from services.learner.vocab_kernels import KERNELS, BlockProbs, BlockStats, LogprobKernel
+
+# -inf biases (divided by the temperature) are raised to this: with no -inf logit, no block's
+# softmax is NaN (a block all -inf would be, and 0 x NaN is NaN in the products) and the
+# entropy's sum p l has no 0 x -inf. e^(FLOOR - anything finite) is exactly 0, so no value
+# changes; a log Z below BAD_LOG_Z means every logit was -inf, which is then NaN, as before.
+FLOOR = -1e30
+BAD_LOG_Z = -1e20
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How one call runs: the products' dtype, the float dtype of everything else, and whether
+    the temperature is folded into the products' operands (when both dtypes are the same)."""
+
+    temperature: float
+    position_chunk: int
+    vocab_chunk: int
+    dtype: torch.dtype
+    accumulate: torch.dtype
+    kernel: LogprobKernel
+
+    @property
+    def folded(self) -> bool:
+        return self.dtype == self.accumulate
+
+    @property
+    def scale(self) -> float:
+        """What each product is multiplied by to give logits (1: already in its operands)."""
+        return 1.0 if self.folded else 1.0 / self.temperature
+
+    @property
+    def operand_scale(self) -> float:
+        """What the products' operands carry of 1 / temperature (the gradients of the hidden
+        states and the bias are the operands' times this)."""
+        return 1.0 / self.temperature if self.folded else 1.0
 
 
 def _compute_dtype(hidden: Tensor) -> torch.dtype:
@@ -36,21 +82,111 @@ def _compute_dtype(hidden: Tensor) -> torch.dtype:
     return hidden.dtype
 
 
-def _block_logits(
-    hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, accumulate: torch.dtype
-) -> Tensor:
-    """[c, vc] logits of one block in the accumulation dtype, divided by the temperature."""
-    logits = hidden @ weight.t()
+def _operand(hidden: Tensor, plan: _Plan) -> Tensor:
+    """The product's left operand of a chunk: h / temperature when folded, else h."""
+    if plan.folded:
+        return hidden.to(plan.dtype) / plan.temperature
+    return hidden.to(plan.dtype)
+
+
+def _operand_bias(bias: Tensor | None, plan: _Plan) -> Tensor | None:
+    """The product's bias: b / temperature when folded, else b; -inf raised to FLOOR."""
+    if bias is None:
+        return None
+    out = bias.to(plan.dtype) / plan.temperature if plan.folded else bias.to(plan.dtype)
+    return out.clamp_min(FLOOR)
+
+
+def _product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x @ weight^T (+ bias): one matrix product, the bias added inside it."""
+    if bias is None:
+        return x @ weight.t()
+    return torch.addmm(bias, x, weight.t())
+
+
+def _picked(x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, plan: _Plan) -> Tensor:
+    """The taken tokens' logits [c]: x . w[y] (+ b[y]) per position, accumulated in float32 and,
+    in a lower compute dtype, rounded to it as the product's output is, so that l[y] is the
+    logit the log-sum-exp saw."""
+    rows = weight.index_select(0, targets).to(plan.accumulate)
+    picked = (x.to(plan.accumulate) * rows).sum(-1)
     if bias is not None:
-        logits = logits + bias
-    return logits.to(accumulate) / temperature
+        picked = picked + bias.index_select(0, targets).to(plan.accumulate)
+    if plan.folded:
+        return picked
+    return picked.to(plan.dtype).to(plan.accumulate) / plan.temperature
 
 
-def _target_in_block(targets: Tensor, start: int, size: int) -> tuple[Tensor, Tensor]:
-    """(the targets' column in the block, clamped into it; whether the target is there)."""
-    local = targets - start
-    inside = (local >= 0) & (local < size)
-    return local.clamp(0, size - 1).unsqueeze(-1), inside
+def _forward_chunk(
+    x: Tensor, weight: Tensor, bias: Tensor | None, plan: _Plan, stats: BlockStats, entropy: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(log Z [c], lse_b [c, blocks], entropy [c], zeros unless `entropy`) of one chunk."""
+    lses, entropies = [], []  # per block: log-sum-exp, entropy of its own softmax
+    for start in range(0, weight.shape[0], plan.vocab_chunk):
+        end = start + plan.vocab_chunk
+        block_bias = None if bias is None else bias[start:end]
+        lse, own = stats(_product(x, weight[start:end], block_bias), plan.scale, entropy)
+        lses.append(lse)
+        entropies.append(own)
+    block_lse = torch.stack(lses, -1)
+    log_z = torch.logsumexp(block_lse, -1)
+    if not entropy:
+        return log_z, block_lse, torch.zeros_like(log_z)
+    # The entropy of a mixture of the blocks' softmaxes with shares e^(lse_b - log Z): the
+    # shares' mean entropy plus the entropy of the shares. A position with a non-finite logit
+    # has NaN here (and NaN shares), and is set NaN by the caller anyway.
+    share = torch.exp(block_lse - log_z.unsqueeze(-1))
+    within = share * torch.stack(entropies, -1)
+    return log_z, block_lse, (within + torch.special.entr(share)).sum(-1)
+
+
+def _backward_chunk(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    coef: Tensor,
+    plan: _Plan,
+    probs_of: BlockProbs,
+    grads: tuple[Tensor | None, Tensor | None],
+) -> Tensor:
+    """The softmax part of one chunk's gradients: returns d/dx [c, H] (accumulation dtype) and
+    adds into the weight's and bias's gradients (`grads`). coef [c, blocks] is each position's
+    -grad e^(lse_b - log Z): the block's softmax times it is d loss / d logits."""
+    grad_weight, grad_bias = grads
+    grad_x = torch.zeros(x.shape, dtype=plan.accumulate, device=x.device)
+    for index, start in enumerate(range(0, weight.shape[0], plan.vocab_chunk)):
+        end = start + plan.vocab_chunk
+        w = weight[start:end]
+        block_bias = None if bias is None else bias[start:end]
+        z = _product(x, w, block_bias)
+        probs = probs_of(z, plan.scale, plan.accumulate, plan.dtype)
+        factor = coef[:, index].unsqueeze(-1)
+        grad_x.addcmul_(factor, (probs @ w).to(plan.accumulate))
+        if grad_weight is not None:
+            scaled = (factor * x).to(plan.dtype)
+            if grad_weight.dtype == plan.dtype:
+                grad_weight[start:end].addmm_(probs.t(), scaled)
+            else:
+                grad_weight[start:end] += (probs.t() @ scaled).to(grad_weight.dtype)
+        if grad_bias is not None:
+            column = coef[:, index].to(plan.dtype)
+            grad_bias[start:end] += (probs.t() @ column).to(grad_bias.dtype)
+    return grad_x
+
+
+def _one_hot_part(
+    x: Tensor, weight: Tensor, targets: Tensor, rate: Tensor, grads: tuple[Tensor | None, ...]
+) -> Tensor:
+    """The one-hot part of one chunk's gradients, a row of the head per position: returns
+    d/dx [c, H] and adds rate x into the taken rows of the weight's gradient, rate into the
+    bias's (rate [c]: each position's gradient of logp, in the product's units)."""
+    grad_weight, grad_bias = grads
+    factor = rate.unsqueeze(-1)
+    if grad_weight is not None:
+        grad_weight.index_add_(0, targets, (factor * x.to(rate.dtype)).to(grad_weight.dtype))
+    if grad_bias is not None:
+        grad_bias.index_add_(0, targets, rate.to(grad_bias.dtype))
+    return factor * weight.index_select(0, targets).to(rate.dtype)
 
 
 class _VocabChunkedLogProbs(torch.autograd.Function):
@@ -63,66 +199,33 @@ class _VocabChunkedLogProbs(torch.autograd.Function):
         weight: Tensor,
         bias: Tensor | None,
         targets: Tensor,
-        temperature: float,
-        position_chunk: int,
-        vocab_chunk: int,
+        plan: _Plan,
         with_entropy: bool,
     ) -> tuple[Tensor, Tensor]:
-        dtype = _compute_dtype(hidden)
-        accumulate = torch.promote_types(dtype, torch.float32)
-        vocab = weight.shape[0]
         count = hidden.shape[0]
-        log_z = torch.empty(count, dtype=accumulate, device=hidden.device)
-        chosen = torch.empty_like(log_z)
-        entropy = torch.zeros_like(log_z)
+        blocks = -(-weight.shape[0] // plan.vocab_chunk)
+        log_z = torch.empty(count, dtype=plan.accumulate, device=hidden.device)
+        block_lse = torch.empty((count, blocks), dtype=plan.accumulate, device=hidden.device)
+        chosen, entropy = torch.empty_like(log_z), torch.empty_like(log_z)
+        stats, _ = KERNELS.get(plan.kernel, hidden.device)
         # The casts run once, not once per block; autocast is off below so that nothing is
         # cast twice (the backward, which autocast does not cover, casts the same way).
-        w = weight.to(dtype)
-        b = None if bias is None else bias.to(dtype)
+        w, b = weight.to(plan.dtype), _operand_bias(bias, plan)
         with torch.autocast(hidden.device.type, enabled=False):
-            for start in range(0, count, position_chunk):
-                end = min(start + position_chunk, count)
-                h = hidden[start:end].to(dtype)
-                t = targets[start:end]
-                rows = end - start
-                running_max = torch.full((rows,), -torch.inf, dtype=accumulate, device=h.device)
-                running_sum = torch.zeros_like(running_max)
-                running_dot = torch.zeros_like(running_max)
-                picked = torch.zeros_like(running_max)
-                for v_start in range(0, vocab, vocab_chunk):
-                    v_end = min(v_start + vocab_chunk, vocab)
-                    block_bias = None if b is None else b[v_start:v_end]
-                    logits = _block_logits(h, w[v_start:v_end], block_bias, temperature, accumulate)
-                    new_max = torch.maximum(running_max, logits.amax(-1))
-                    # exp(-inf - -inf) is NaN: a row still at -inf contributes nothing yet.
-                    rescale = torch.where(
-                        torch.isneginf(new_max), 0.0, torch.exp(running_max - new_max)
-                    )
-                    weights = torch.exp(logits - new_max.unsqueeze(-1))
-                    if with_entropy:
-                        # sum e^(l - m) (l - m), kept relative to the running max so that the
-                        # entropy is not a difference of two large numbers; moving the max from
-                        # m to m' shifts every earlier term by m - m'. A -inf logit adds 0.
-                        shift = torch.where(running_sum > 0, running_max - new_max, 0.0)
-                        centred = torch.where(
-                            weights > 0, weights * (logits - new_max.unsqueeze(-1)), 0.0
-                        )
-                        running_dot = (running_dot + shift * running_sum) * rescale
-                        running_dot = running_dot + centred.sum(-1)
-                    running_sum = running_sum * rescale + weights.sum(-1)
-                    running_max = new_max
-                    column, inside = _target_in_block(t, v_start, v_end - v_start)
-                    picked = torch.where(inside, logits.gather(-1, column).squeeze(-1), picked)
-                log_z[start:end] = running_max + running_sum.log()
-                chosen[start:end] = picked
-                if with_entropy:
-                    entropy[start:end] = running_sum.log() - running_dot / running_sum
-        # log Z is NaN or +inf exactly when a logit of the position is NaN or +inf.
-        bad = ~torch.isfinite(log_z)
+            for start in range(0, count, plan.position_chunk):
+                end = min(start + plan.position_chunk, count)
+                x = _operand(hidden[start:end], plan)
+                log_z[start:end], block_lse[start:end], entropy[start:end] = _forward_chunk(
+                    x, w, b, plan, stats, with_entropy
+                )
+                chosen[start:end] = _picked(x, w, b, targets[start:end], plan)
+        # log Z is NaN or +inf exactly when a logit of the position is NaN or +inf (below
+        # BAD_LOG_Z when every logit is -inf).
+        bad = ~torch.isfinite(log_z) | (log_z < BAD_LOG_Z)
         logp = torch.where(bad, torch.nan, chosen - log_z)
         entropy = torch.where(bad, torch.nan, entropy)
-        ctx.save_for_backward(hidden, weight, bias, targets, log_z)
-        ctx.settings = (temperature, position_chunk, vocab_chunk, dtype, accumulate)
+        ctx.save_for_backward(hidden, weight, bias, targets, log_z, block_lse)
+        ctx.plan = plan
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
@@ -130,60 +233,37 @@ class _VocabChunkedLogProbs(torch.autograd.Function):
     def backward(
         ctx: Any, grad_logp: Tensor, _grad_entropy: Tensor | None
     ) -> tuple[Tensor | None, ...]:
-        hidden, weight, bias, targets, log_z = ctx.saved_tensors
-        temperature, position_chunk, vocab_chunk, dtype, accumulate = ctx.settings
-        vocab = weight.shape[0]
-        # A non-finite position passes no gradient (its log-prob is NaN and masked).
-        grad = torch.where(torch.isfinite(log_z), grad_logp.to(accumulate), 0.0)
-        safe_log_z = torch.where(torch.isfinite(log_z), log_z, 0.0)
+        hidden, weight, bias, targets, log_z, block_lse = ctx.saved_tensors
+        plan: _Plan = ctx.plan
+        finite = torch.isfinite(log_z) & (log_z >= BAD_LOG_Z)
+        # A non-finite position passes no gradient (its log-prob is NaN and masked); in the
+        # product's units: d logits / d product = 1 / temperature unless that is folded in.
+        rate = torch.where(finite, grad_logp.to(plan.accumulate) * plan.scale, 0.0)
+        share = torch.exp(block_lse - torch.where(finite, log_z, 0.0).unsqueeze(-1))
+        coef = torch.where(finite.unsqueeze(-1), -rate.unsqueeze(-1) * share, 0.0)
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_bias = bias is not None and ctx.needs_input_grad[2]
-        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
         # In the weight's own dtype, as autograd would accumulate it: a float32 copy of a
         # bfloat16 head's gradient would add V x H x 4 bytes at the step's peak.
         grad_weight = torch.zeros_like(weight) if need_weight else None
-        grad_bias = torch.zeros_like(bias) if need_bias else None
-        w = weight.to(dtype)
-        b = None if bias is None else bias.to(dtype)
+        grad_bias = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
+        grads = (grad_weight, grad_bias)
+        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
+        _, probs_of = KERNELS.get(plan.kernel, hidden.device)
+        w, b = weight.to(plan.dtype), _operand_bias(bias, plan)
         with torch.autocast(hidden.device.type, enabled=False):
-            for start in range(0, hidden.shape[0], position_chunk):
-                end = min(start + position_chunk, hidden.shape[0])
+            for start in range(0, hidden.shape[0], plan.position_chunk):
+                end = min(start + plan.position_chunk, hidden.shape[0])
                 # A non-finite state (which made its logits so) must not meet a zero gradient
                 # in the weight's product: 0 x NaN is NaN.
-                finite = torch.isfinite(log_z[start:end]).unsqueeze(-1)
-                h = torch.where(finite, hidden[start:end], 0.0).to(dtype)
-                g = grad[start:end]
-                h_grad = torch.zeros(
-                    (end - start, hidden.shape[1]), dtype=accumulate, device=h.device
-                )
-                for v_start in range(0, vocab, vocab_chunk):
-                    v_end = min(v_start + vocab_chunk, vocab)
-                    block_bias = None if b is None else b[v_start:v_end]
-                    logits = _block_logits(h, w[v_start:v_end], block_bias, temperature, accumulate)
-                    probs = torch.exp(logits - safe_log_z[start:end].unsqueeze(-1))
-                    # d logp / d l = onehot(y) - softmax(l); d l / d (h W^T) = 1 / temperature.
-                    grad_logits = torch.nan_to_num(-probs * g.unsqueeze(-1), nan=0.0)
-                    column, inside = _target_in_block(targets[start:end], v_start, v_end - v_start)
-                    grad_logits.scatter_add_(-1, column, torch.where(inside, g, 0.0).unsqueeze(-1))
-                    grad_logits = (grad_logits / temperature).to(dtype)
-                    if need_hidden:
-                        h_grad += (grad_logits @ w[v_start:v_end]).to(accumulate)
-                    if grad_weight is not None:
-                        grad_weight[v_start:v_end] += (grad_logits.t() @ h).to(weight.dtype)
-                    if grad_bias is not None:
-                        grad_bias[v_start:v_end] += grad_logits.sum(0).to(grad_bias.dtype)
+                states = torch.where(finite[start:end].unsqueeze(-1), hidden[start:end], 0.0)
+                x = _operand(states, plan)
+                grad_x = _one_hot_part(x, w, targets[start:end], rate[start:end], grads)
+                grad_x += _backward_chunk(x, w, b, coef[start:end], plan, probs_of, grads)
                 if grad_hidden is not None:
-                    grad_hidden[start:end] = h_grad.to(hidden.dtype)
-        return (
-            grad_hidden,
-            grad_weight,
-            grad_bias,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+                    grad_hidden[start:end] = (grad_x * plan.operand_scale).to(hidden.dtype)
+        if grad_bias is not None and plan.folded:
+            grad_bias *= plan.operand_scale
+        return (grad_hidden, grad_weight, grad_bias, None, None, None)
 
 
 def vocab_chunked_logprobs(
@@ -195,16 +275,21 @@ def vocab_chunked_logprobs(
     position_chunk: int,
     vocab_chunk: int,
     with_entropy: bool,
+    kernel: LogprobKernel = "auto",
 ) -> tuple[Tensor, Tensor]:
     """logp [N] (differentiable in `hidden`, `weight`, `bias`) and entropy [N] (detached; zeros
     unless `with_entropy`) of the targets [N] under the head `weight` [V, H] (+ `bias` [V]) at
     `temperature`, from hidden states [N, H]; float32 (float64 for float64 inputs). NaN where
-    the position's logits are not finite. See the module docstring."""
+    the position's logits are not finite. `kernel`: the per-block elementwise work eager
+    (torch), compiled, or auto (compiled on CUDA where it compiles). See the module docstring."""
     if position_chunk < 1 or vocab_chunk < 1:
         raise ValueError(
             f"position_chunk and vocab_chunk must be >= 1, got {position_chunk}, {vocab_chunk}"
         )
+    dtype = _compute_dtype(hidden)
+    accumulate = torch.promote_types(dtype, torch.float32)
+    plan = _Plan(temperature, position_chunk, vocab_chunk, dtype, accumulate, kernel)
     logp, entropy = _VocabChunkedLogProbs.apply(  # type: ignore[no-untyped-call]
-        hidden, weight, bias, targets, temperature, position_chunk, vocab_chunk, with_entropy
+        hidden, weight, bias, targets, plan, with_entropy
     )
     return logp, entropy

@@ -127,6 +127,12 @@ class LearnerConfig(StrictModel):
         description="vocabulary entries per block of that projection (online log-sum-exp): "
         "the float32 logits held at once are logprob_chunk_tokens x this, forward and backward",
     )
+    logprob_kernel: Literal["auto", "torch", "compiled"] = Field(
+        "auto",
+        description="how each block's elementwise work (softmax, log-sum-exp, entropy) runs: "
+        "torch, eagerly; compiled, through torch.compile (needs a working compiler: Triton on "
+        "CUDA, a C++ compiler on CPU); auto: compiled on CUDA where it compiles, else torch",
+    )
     attn_implementation: AttnImplementation = Field(
         "sdpa",
         description="the model's attention kernel; with flash-attention (GPUs, the "

@@ -63,6 +63,7 @@ from services.generation.base import (
 from services.generation.registry import create_backend
 from services.messages import Prompt, Response
 from services.tools.config import ToolsConfig
+from services.tools.reaper import become_subreaper
 from services.tools.rollout import build_runner
 from services.weights.base import TensorSpec, WeightGroup, WeightsManifest, WeightsOffer
 from services.weights.buckets import plan_buckets
@@ -159,13 +160,17 @@ class GenerationWorkerImpl:
         in_flight_updates: bool = False,
         recompute_kv: bool = False,
         tools: ToolsConfig | None = None,
+        reap_call_orphans: bool = False,
         **options: Any,
     ) -> None:
         """Construct backend `backend` for `model_path` with its options and start the engine.
 
         `tools`: multi-turn rollouts (when enabled), the calls running where it says (sandboxed
         processes of this worker by default); the runner is built here, so a sandbox token is
-        read from this process's environment.
+        read from this process's environment. `reap_call_orphans`: make this process a child
+        subreaper, so that the sandbox's local calls are reaped here after each call (a
+        generation actor's process: the node's init may reap late or never, and an unreaped
+        call counts against its slot's process budget until the next call cannot start).
         """
         if recompute_kv and not in_flight_updates:
             raise ValueError("recompute_kv applies to in_flight_updates: set that too")
@@ -173,6 +178,8 @@ class GenerationWorkerImpl:
         self._backend = create_backend(backend, model_path, **options)
         self._backend.recompute_kv = recompute_kv
         if tools is not None and tools.enabled:
+            if reap_call_orphans and tools.sandbox_url is None:
+                become_subreaper()
             self._backend.enable_tools(tools, build_runner(tools))
         self._in_flight_updates = in_flight_updates
         self._cv = threading.Condition()

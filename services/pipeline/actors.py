@@ -200,9 +200,10 @@ def generation_worker_args(spec: RunSpec, model_dir: Path) -> GenerationWorkerAr
 
 
 def tool_options(spec: RunSpec) -> dict[str, Any]:
-    """The worker's `tools` argument when `tools.enabled` (else none): the spec's section as
-    is (the sandbox token stays in the worker's environment, named by `sandbox_token_env`)."""
-    return {"tools": spec.tools} if spec.tools.enabled else {}
+    """The worker's `tools` arguments when `tools.enabled` (else none): the spec's section as
+    is (the sandbox token stays in the worker's environment, named by `sandbox_token_env`), and
+    the actor reaps what its local sandbox's calls leave (its process is Ray's, nothing else's)."""
+    return {"tools": spec.tools, "reap_call_orphans": True} if spec.tools.enabled else {}
 
 
 def start_generation_worker(spec: RunSpec, model_dir: Path) -> Any:

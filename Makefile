@@ -40,7 +40,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy kpo_core services benchmarks/study.py benchmarks/stability_study benchmarks/bench_load.py benchmarks/soak.py \
 		benchmarks/driver_memory.py benchmarks/bench_learner.py benchmarks/bench_learner_speed.py benchmarks/bench_logprob_head.py benchmarks/bench_weight_sync.py benchmarks/bench_pipeline.py \
-		benchmarks/bench_sandbox.py scripts/audit_dependencies.py scripts/gpu_check.py
+		benchmarks/bench_sandbox.py scripts/audit_dependencies.py scripts/gpu_check.py scripts/gpu_learner_check.py
 
 # tests/gpu runs where a GPU exists (scripts/gpu_check.sh); the CPU suite covers the same code.
 test: system-deps lint typecheck
@@ -94,16 +94,21 @@ bench-learner: $(STAMP)
 
 # The learner's speed. On a GPU (LEARNER_SPEED_ARGS="--device cuda"): LearnerCore.train_step
 # against a plain hand-written step on three Qwen2.5-shaped cases (seconds per step, tokens/s,
-# MFU, peak memory, host syncs; ~3 min on one H200). By default, on CPU: the vocabulary-chunked
-# log-prob path against the per-position-chunk one, and a step's host reads (~2 min on 2 cores).
+# MFU, peak memory, host reads and CUDA syncs; ~3 min on one H200), sized to the GPU's memory
+# (--memory-gib) and a time budget (--budget-s), its JSON rewritten after every case; --dry-run
+# prints that plan without CUDA. By default, on CPU: the log-prob head as bench-logprob-head
+# reports it (the fused head, the old one and a plain one: time, peak memory, products and
+# counted bytes against the plain head, the goals met or missed, value and gradient gaps), then
+# a step's host reads at 1 and 8 micro-batches (~5-7 min on 2 cores).
 LEARNER_SPEED_ARGS ?= --device cpu
 bench-learner-speed: $(STAMP)
 	$(PY) benchmarks/bench_learner_speed.py $(LEARNER_SPEED_ARGS)
 
 # The learner's log-prob head on CPU against a plain head (log_softmax + gather) and the head it
 # replaced: seconds, peak memory, matrix products and elementwise bytes per position x vocabulary
-# element (counted), with ratios against the plain head (~5 min on 2 cores). Flags through
-# LOGPROB_HEAD_ARGS, e.g. LOGPROB_HEAD_ARGS="--json runs/logprob-head.json".
+# element (counted), with ratios against the plain head, the fused head's goals met or missed,
+# and the value and gradient gaps (~5 min on 2 cores; bench-learner-speed's CPU run includes
+# it). Flags through LOGPROB_HEAD_ARGS, e.g. LOGPROB_HEAD_ARGS="--json runs/logprob-head.json".
 bench-logprob-head: $(STAMP)
 	$(PY) benchmarks/bench_logprob_head.py $(LOGPROB_HEAD_ARGS)
 

@@ -64,6 +64,8 @@ from torch.multiprocessing.spawn import start_processes
 from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen2Config, Qwen3Config
 from transformers.utils import logging as hf_logging
 
+# The repository too: run as a script on a machine where the project is not installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import print_table
 

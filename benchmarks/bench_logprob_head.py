@@ -25,9 +25,14 @@ TorchDispatchMode (`HeadTraffic`):
     outputs' sizes, as if each were one kernel reading and writing them once: the figure is
     the traffic of the ops as written, not of what a kernel does inside.
 
-Ratios are against the plain head measured in the same run. The goals the fused head is held to
-(`GOALS`): time <= 1.0x plain, peak memory <= 0.5x, elementwise bytes <= 1.2x, products <= plain
+Ratios are against the plain head measured in the same run, and so are the gaps of the values
+(the largest |log-prob difference|) and of the gradients (the relative difference of the norms
+of d hidden and d head). The goals the fused head is held to (`GOALS`, each met or missed in the
+report): time <= 1.0x plain, peak memory <= 0.5x, elementwise bytes <= 1.2x, products <= plain
 + 1. tests/services/learner/test_logprob_head_traffic.py asserts the counted two.
+
+`measure_heads` measures and returns the records, `report` prints them: benchmarks/
+bench_learner_speed.py's CPU run reports the same through them.
 
 Usage: python benchmarks/bench_logprob_head.py [--positions 512] [--hidden 896]
            [--vocab 151936] [--chunk 256] [--vocab-chunk 32768] [--threads 2]
@@ -49,6 +54,8 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+# The repository too: run as a script on a machine where the project is not installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _old_vocab_logprobs as old
 from _timing import print_table
@@ -203,7 +210,8 @@ def count(shape: Shape, path: str) -> dict[str, Any]:
 def measure(
     group: RankGroup, shape: Shape, path: str, kernel: LogprobKernel, repeats: int
 ) -> dict[str, Any]:
-    """One head's seconds and peak RSS in this (forked) process (module doc), then its counts."""
+    """One head's seconds and peak RSS in this (forked) process (module doc), its values and
+    gradient norms (for the gaps against the plain head), then its counts."""
     del group
     mmap_large_allocations()
     run = head_of(path, kernel)
@@ -212,7 +220,7 @@ def measure(
     del warm
     hidden, weight, targets = inputs(shape, shape.positions)
     weight.grad, hidden.grad = torch.zeros_like(weight), torch.zeros_like(hidden)
-    seconds, peaks = [], []
+    seconds, peaks, values = [], [], []
     for _ in range(repeats):
         base = rss_bytes()
         reset_peak_rss()
@@ -221,28 +229,74 @@ def measure(
         torch.autograd.backward(logp.sum())
         seconds.append(time.perf_counter() - start)
         peaks.append(peak_rss_bytes() - base)
-        del logp
-    assert weight.grad is not None
+        values = logp.detach().tolist()
+        del logp  # before the next pass, whose peak is its own
+    assert weight.grad is not None and hidden.grad is not None
     return {
         "path": path,
         "seconds": min(seconds),
         "peak_bytes": max(peaks),
+        "logp": values,
+        # The gradients accumulated over the repeats: per pass, the norm over `repeats`.
         "grad_weight_norm": float(weight.grad.norm()) / repeats,
+        "grad_hidden_norm": float(hidden.grad.norm()) / repeats,
         **count(shape, path),
     }
 
 
+def goal_checks(record: dict[str, Any]) -> dict[str, bool]:
+    """Each goal (`GOALS`) of one head against the plain head: met or not."""
+    checks = {k: record[f"vs_plain_{k}"] <= GOALS[k] for k in ("time", "peak", "bytes")}
+    checks["products"] = record["products_over_plain"] <= GOALS["products_over_plain"] + 1e-9
+    return checks
+
+
 def compare(records: list[dict[str, Any]]) -> None:
-    """Each record's ratios against the plain head (the first)."""
+    """Each record's ratios, goals and value / gradient gaps against the plain head (the first);
+    the values themselves are dropped once compared (thousands of floats)."""
     plain = records[0]
     for r in records:
         r["vs_plain_time"] = r["seconds"] / plain["seconds"]
         r["vs_plain_peak"] = r["peak_bytes"] / max(plain["peak_bytes"], 1)
         r["vs_plain_bytes"] = r["bytes_per_element"] / plain["bytes_per_element"]
         r["products_over_plain"] = r["products"] - plain["products"]
+        r["logp_gap"] = max(abs(a - b) for a, b in zip(r["logp"], plain["logp"], strict=True))
         r["grad_gap"] = abs(r["grad_weight_norm"] / plain["grad_weight_norm"] - 1)
-        r["meets_goals"] = all(r[f"vs_plain_{k}"] <= GOALS[k] for k in ("time", "peak", "bytes"))
-        r["meets_goals"] &= r["products_over_plain"] <= GOALS["products_over_plain"] + 1e-9
+        r["grad_hidden_gap"] = abs(r["grad_hidden_norm"] / plain["grad_hidden_norm"] - 1)
+        r["goals"] = goal_checks(r)
+        r["meets_goals"] = all(r["goals"].values())
+    for r in records:
+        del r["logp"]
+
+
+def measure_heads(
+    shape: Shape, paths: Sequence[str], kernel: LogprobKernel, threads: int, repeats: int,
+    rounds: int, timeout_s: float,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Every head of `paths` (plain first), each in its own forked process, `rounds` times over
+    the heads: the least seconds and the largest peak of the rounds; compared (`compare`)."""
+    if not paths or paths[0] != "plain" or not set(paths) <= set(PATHS):
+        raise ValueError(f"heads are {', '.join(PATHS)}, plain first; got {list(paths)}")
+    best: dict[str, dict[str, Any]] = {}
+    for _ in range(rounds):
+        for path in paths:
+            start = time.perf_counter()
+            [record] = run_forked(measure, 1, threads, timeout_s, shape, path, kernel, repeats)
+            if path in best:
+                record["seconds"] = min(record["seconds"], best[path]["seconds"])
+                record["peak_bytes"] = max(record["peak_bytes"], best[path]["peak_bytes"])
+            best[path] = record
+            print(f"[head] {path}: {record['seconds']:.2f} s ({time.perf_counter() - start:.0f} s)",
+                  flush=True)  # fmt: skip
+    records = [best[path] for path in paths]
+    compare(records)
+    return records
+
+
+def goals_text(record: dict[str, Any]) -> str:
+    """The goals' verdict: met, or which were missed ("missed: time")."""
+    missed = [name for name, met in record["goals"].items() if not met]
+    return "met" if not missed else "missed: " + ", ".join(missed)
 
 
 def report(shape: Shape, records: list[dict[str, Any]], threads: int, kernel: str) -> None:
@@ -252,22 +306,24 @@ def report(shape: Shape, records: list[dict[str, Any]], threads: int, kernel: st
         f"{shape.chunk} positions, vocabulary blocks of {shape.vocab_chunk}; fused kernel {kernel}"
     )
     headers = ["head", "s", "vs plain", "peak MiB", "vs plain", "products", "B/elt", "vs plain",
-               "grad gap", "goals"]  # fmt: skip
+               "logp gap", "grad gap (hidden, head)", "goals"]  # fmt: skip
     rows = [
         [
             r["path"], f"{r['seconds']:.2f}", f"{r['vs_plain_time']:.2f}x",
             f"{r['peak_bytes'] / MiB:.0f}", f"{r['vs_plain_peak']:.2f}x", f"{r['products']:.2f}",
             f"{r['bytes_per_element']:.1f}", f"{r['vs_plain_bytes']:.2f}x",
-            f"{r['grad_gap']:.1e}",
-            ("met" if r["meets_goals"] else "missed") if r["path"].startswith("fused") else "",
+            f"{r['logp_gap']:.1e}", f"{r['grad_hidden_gap']:.1e}, {r['grad_gap']:.1e}",
+            goals_text(r) if r["path"].startswith("fused") else "",
         ]
         for r in records
     ]  # fmt: skip
     print_table(headers, rows)
     print(
         "products: FLOPs / (N V H), 1.0 = one [N, H] x [H, V] product; B/elt: elementwise "
-        "bytes read + written per position x vocabulary element (counted, eager); goals: time "
-        "<= 1.0x, peak <= 0.5x, bytes <= 1.2x plain, products <= plain + 1"
+        "bytes read + written per position x vocabulary element (counted, eager); gaps: the "
+        "largest |log-prob difference| and the relative difference of the gradients' norms, "
+        "against the plain head; goals of the fused head: time <= 1.0x, peak <= 0.5x, "
+        "bytes <= 1.2x plain, products <= plain + 1"
     )
     for r in records:
         ops = ", ".join(f"{k} {v:.0f}" for k, v in r["bytes_by_op"].items())
@@ -296,24 +352,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     shape = Shape(args.positions, args.hidden, args.vocab, args.chunk, args.vocab_chunk)
-    paths = args.paths.split(",")
-    if paths[0] != "plain" or not set(paths) <= set(PATHS):
-        sys.exit(f"bench_logprob_head: --paths are {', '.join(PATHS)}, plain first")
-    best: dict[str, dict[str, Any]] = {}
-    for _ in range(args.rounds):
-        for path in paths:
-            start = time.perf_counter()
-            [record] = run_forked(
-                measure, 1, args.threads, args.timeout_s, shape, path, args.kernel, args.repeats
-            )
-            if path in best:
-                record["seconds"] = min(record["seconds"], best[path]["seconds"])
-                record["peak_bytes"] = max(record["peak_bytes"], best[path]["peak_bytes"])
-            best[path] = record
-            print(f"[head] {path}: {record['seconds']:.2f} s ({time.perf_counter() - start:.0f} s)",
-                  flush=True)  # fmt: skip
-    records = [best[path] for path in paths]
-    compare(records)
+    try:
+        records = measure_heads(
+            shape, args.paths.split(","), args.kernel, args.threads, args.repeats, args.rounds,
+            args.timeout_s,
+        )  # fmt: skip
+    except ValueError as error:
+        sys.exit(f"bench_logprob_head: {error}")
     report(shape, records, args.threads, args.kernel)
     result = {"shape": asdict(shape), "kernel": args.kernel, "threads": args.threads,
               "goals": GOALS, "heads": records}  # fmt: skip

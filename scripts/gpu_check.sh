@@ -4,27 +4,38 @@
 #   1. the pipeline on one GPU (scripts/gpu_check.py): a random-initialised ~0.5B Qwen2 model,
 #      3 learner steps on CUDA, vLLM streaming generation with in-flight weight updates; prints
 #      the time of each stage. Nothing is downloaded.
-#   2. learner: tests/gpu (the learner on CUDA: NCCL, bfloat16 over float32 master weights,
-#      the log-prob path's memory, packed rows == padded rows, compiled layers == eager; the
-#      weight group's CUDA IPC handover on one GPU; the publish read on a side stream beside
-#      the next step), then the learner's speed against a plain
-#      step (benchmarks/bench_learner_speed.py --quick: three Qwen2.5-shaped cases).
-#      Needs only torch, transformers and the project's pure-Python dependencies: no vLLM, no
-#      Ray, no Redis.
+#   2. learner (scripts/gpu_learner_check.py, which says it all): tests/gpu (the learner on CUDA:
+#      NCCL, bfloat16 over float32 master weights, the log-prob path's memory, packed rows ==
+#      padded rows, compiled layers == eager; the weight group's CUDA IPC handover; the publish
+#      read on a side stream beside the next step), then the learner's speed against a plain
+#      step (benchmarks/bench_learner_speed.py: three Qwen2.5-shaped cases, sized to the GPU's
+#      memory), inside one --budget (default 480 s). Runs on a bare machine with only a CUDA
+#      torch and transformers: `prepare` first, where there is network, brings the rest.
+#   `prepare [DIR]`: download those wheels (pydantic, pytest and what they need, for CPython
+#      3.10-3.14 on x86_64 and aarch64) into DIR (default .gpu-check/wheels); copy it along.
 #   `tests`: tests/gpu alone.
 #
 #   bash scripts/gpu_check.sh [pipeline|learner|tests]...   # pipeline and learner by default;
 #                                                           # or `make gpu-check`
+#   bash scripts/gpu_check.sh prepare [DIR]                 # where there is network
+#   bash scripts/gpu_check.sh learner [--budget S] [--wheels DIR] [--out DIR] [--dry-run]
 #
-# Uses $PYTHON (default: .venv/bin/python), which needs a CUDA build of torch and, for the
-# pipeline, vLLM and Ray (the gpu-worker image has both: deploy/docker/Dockerfile). The pipeline
-# part must end within $GPU_CHECK_DEADLINE_S seconds (default 480), the learner part within
-# $GPU_CHECK_LEARNER_DEADLINE_S (default 300); the pipeline's files go to $GPU_CHECK_DIR
-# (default: a new temporary directory), the benchmark's figures too when it is set. Fails,
-# rather than skipping, when no CUDA device is visible.
+# Uses $PYTHON (default: .venv/bin/python, else python3), which needs a CUDA build of torch and,
+# for the pipeline, vLLM and Ray (the gpu-worker image has both: deploy/docker/Dockerfile). The
+# pipeline part must end within $GPU_CHECK_DEADLINE_S seconds (default 480); its files go to
+# $GPU_CHECK_DIR (default: a new temporary directory). Fails, rather than skipping, when no CUDA
+# device is visible (the learner's --dry-run excepted).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-.venv/bin/python}
+if [ -z "${PYTHON:-}" ]; then
+    PYTHON=python3
+    [ ! -x .venv/bin/python ] || PYTHON=.venv/bin/python
+fi
+# prepare and learner take their own flags: everything after them is theirs.
+case "${1:-}" in
+    prepare) shift; exec "$PYTHON" scripts/gpu_learner_check.py prepare "$@" ;;
+    learner) [ $# -eq 1 ] || { shift; exec "$PYTHON" scripts/gpu_learner_check.py run "$@"; } ;;
+esac
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(pipeline learner)
 for part in "${parts[@]}"; do
@@ -55,19 +66,7 @@ for part in "${parts[@]}"; do
                 "${out_args[@]}"
             ;;
         learner)
-            # One deadline for both: what the tests leave is the benchmark's. The benchmark
-            # runs even when a test failed (its figures say where), and the part fails after.
-            deadline=$(( $(date +%s) + ${GPU_CHECK_LEARNER_DEADLINE_S:-300} ))
-            left() { local s=$(( deadline - $(date +%s) )); echo $(( s > 0 ? s : 1 )); }
-            json_args=()
-            [ -z "${GPU_CHECK_DIR:-}" ] || json_args=(--json "$GPU_CHECK_DIR/bench_learner_speed.json")
-            status=0
-            HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 timeout "$(left)" \
-                "$PYTHON" -m pytest -p no:cacheprovider -q -s -rA tests/gpu || status=$?
-            HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 timeout "$(left)" \
-                "$PYTHON" benchmarks/bench_learner_speed.py --device cuda --quick \
-                "${json_args[@]}" || status=$?
-            [ "$status" -eq 0 ] || { echo "gpu_check: learner part failed ($status)" >&2; exit "$status"; }
+            "$PYTHON" scripts/gpu_learner_check.py run
             ;;
         tests)
             "$PYTHON" -m pytest -p no:cacheprovider -q -s -rA tests/gpu

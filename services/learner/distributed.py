@@ -27,6 +27,7 @@ from torch import Tensor
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from services.weights import auth
+from services.weights.collective import process_group_construction
 from services.weights.stores import serve_store, serving_host
 
 
@@ -78,13 +79,16 @@ class RankGroup:
             return
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = timedelta(seconds=timeout_s)
-        dist.init_process_group(
-            backend,
-            store=_rendezvous_store(address, self.rank, self.world_size, timeout),
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=timeout,
-        )
+        store = _rendezvous_store(address, self.rank, self.world_size, timeout)
+        # Under the lock the weight group holds while it sets NCCL's error handling around its
+        # own construction (services.weights.collective): built meanwhile, this group would
+        # take that value. Taken for gloo too, one rule for either backend: the weight group
+        # holds it only while it constructs an NCCL group, which returns at once (NCCL
+        # connects lazily), so a join waits for it no longer than that.
+        with process_group_construction():
+            dist.init_process_group(
+                backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout
+            )
         if key:
             self._check_members(address, key)
 

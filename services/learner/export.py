@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import LoraConfig, get_peft_model
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -175,7 +174,10 @@ def _load_model(learner_dir: Path) -> PreTrainedModel:
 
 def _load_merged_model(learner_dir: Path, adapter_out: Path) -> PreTrainedModel:
     """The base model with the checkpoint's LoRA adapters merged in (fp32); the adapter itself
-    is written to `adapter_out` first (PEFT's `save_pretrained`)."""
+    is written to `adapter_out` first (PEFT's `save_pretrained`). PEFT is imported here, for
+    adapter checkpoints only (services.learner.lora)."""
+    from peft import LoraConfig, get_peft_model
+
     config_dir = learner_dir / ADAPTER_DIR
     try:
         config = LoraConfig.from_pretrained(str(config_dir))

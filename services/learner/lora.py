@@ -13,28 +13,44 @@ their Hugging Face names, each adapted weight merged on the way out (W + alpha/r
 The learner keeps the model in eval mode (see `services.learner.step`); adapter dropout is
 switched on by a hook for forwards that build a graph, so it applies to the training forwards
 and never to the proximal log-probs taken under no_grad.
+
+PEFT is imported only where adapters are made or read: a learner without `learner.lora` (and
+the GPU check on a bare machine) needs no PEFT installed. A model can only be a PEFT model once
+PEFT has been imported, which is what `is_adapted` relies on.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeGuard
 
-import peft
 import torch
-from peft import PeftModel, get_peft_model
-from peft.tuners.lora import LoraLayer
 from torch import Tensor, nn
 
 from services.learner.publish import Gather, module_sources, tied_names
 from services.spec import LoraConfig
+
+if TYPE_CHECKING:
+    import peft
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
 
 ADAPTER_DIR = "adapter"  # in a learner checkpoint: the adapter's config; beside an export: it
 ADAPTER_CONFIG = "adapter_config.json"
 BASE_LAYER = "base_layer."  # PEFT's name for the wrapped module inside a LoRA layer
 
 
+def is_adapted(model: nn.Module) -> TypeGuard[PeftModel]:
+    """Whether `model` is a PEFT model (without importing PEFT where nothing has)."""
+    loaded = sys.modules.get("peft")
+    return loaded is not None and isinstance(model, loaded.PeftModel)
+
+
 def to_peft_config(config: LoraConfig) -> peft.LoraConfig:
     """The PEFT configuration of `learner.lora` (target names match as suffixes of module names)."""
+    import peft
+
     return peft.LoraConfig(
         r=config.rank,
         lora_alpha=config.alpha,  # type: ignore[arg-type]  # PEFT divides it by r: any float
@@ -48,6 +64,8 @@ def to_peft_config(config: LoraConfig) -> peft.LoraConfig:
 def apply_lora(policy: nn.Module, config: LoraConfig) -> PeftModel:
     """`policy` with adapters on the modules of `config.target_modules`, in eval mode; only
     the adapters' parameters require grad. PEFT names the modules it could not match."""
+    from peft import get_peft_model
+
     model = get_peft_model(policy, to_peft_config(config))
     model.eval()
     # Only the adapters' dropout is toggled; the base model's own stays off.
@@ -65,6 +83,10 @@ def _dropout_while_training(module: nn.Module, args: object) -> None:
 
 def lora_layers(model: nn.Module) -> dict[str, LoraLayer]:
     """The LoRA layers of `model` by module name."""
+    if "peft" not in sys.modules:
+        return {}  # no PEFT loaded: no layer of it either
+    from peft.tuners.lora import LoraLayer
+
     return {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
 
 
@@ -75,7 +97,7 @@ def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
 
 def base_model(model: nn.Module) -> nn.Module:
     """The Hugging Face model inside a PEFT model (its config, generation config); else itself."""
-    if isinstance(model, PeftModel):
+    if is_adapted(model):
         inner: nn.Module = model.get_base_model()
         return inner
     return model

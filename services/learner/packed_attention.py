@@ -12,7 +12,10 @@ reads them:
 
 - on CUDA, `torch.nn.attention.varlen.varlen_attn` (torch 2.10+: flash-attention's
   variable-length kernel, causal, grouped-query, a sliding window from torch 2.11), with no
-  flash-attn package;
+  flash-attn package. It is called with only the arguments this torch's signature takes (2.10
+  has no `scale`: the scale is folded into the query), and packing is chosen by itself only on
+  a device where a small call of it has run (`varlen_problem`): a build may import the kernel
+  and still have none for the device;
 - elsewhere (the CPU reference that CI checks packed == padded with, and float32 on CUDA),
   each row on its own with its layer's mask, soft-capped where the family caps its attention.
 
@@ -28,7 +31,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +42,7 @@ from torch.nn import functional
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from services.model_layout import CHUNKED, LayerAttention, ModelLayout
+from services.model_layout import CHUNKED, FULL, SLIDING, LayerAttention, ModelLayout
 
 # No "sdpa" in the name: transformers checks any name holding it against the family's SDPA
 # support, which Gemma 2 (soft-capped attention) lacks though its packed rows are served here.
@@ -116,16 +120,36 @@ def _varlen(
 ) -> Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
+    return _call_varlen(varlen_attn, query, key, value, rows.cumulative, rows.longest, layer, scale)
+
+
+def _call_varlen(
+    kernel: Callable[..., Any],
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    cumulative: Tensor,
+    longest: int,
+    layer: LayerAttention,
+    scale: float,
+) -> Tensor:
+    """`kernel` (varlen_attn, or one of its signature) over packed rows, [X, H, D] in and out,
+    with only the arguments this torch's signature takes."""
     if layer.kind == CHUNKED:
         raise ValueError("chunked attention layers cannot be packed on CUDA")
     options = _varlen_options(layer)
     if "enable_gqa" not in options:
         groups = query.shape[1] // key.shape[1]
         key, value = _repeat_heads(key, groups), _repeat_heads(value, groups)
-    cumulative, longest = rows.cumulative, rows.longest
-    out = varlen_attn(
-        query, key, value, cumulative, cumulative, longest, longest, scale=scale, **options
-    )
+    default_scale = query.shape[-1] ** -0.5
+    if "scale" in _varlen_parameters():
+        options["scale"] = scale
+    elif scale != default_scale:
+        # torch 2.10's kernel takes no scale and applies 1/sqrt(D): a query multiplied by
+        # scale * sqrt(D) gives the scores scale * q.k. Skipped at the default scale (the usual
+        # one, compared as the caller computes it), where it would only round the query.
+        query = query * (scale / default_scale)
+    out = kernel(query, key, value, cumulative, cumulative, longest, longest, **options)
     assert isinstance(out, Tensor)  # no auxiliary outputs asked for
     return out
 
@@ -155,15 +179,16 @@ def _per_row(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    rows: PackedRows,
+    bounds: Sequence[int],
     layer: LayerAttention,
     scale: float,
     softcap: float | None,
 ) -> Tensor:
-    """Each row's attention on its own, with the layer's mask: [X, H, D] in, [X, H, D] out."""
+    """Each row's attention on its own, with the layer's mask: [X, H, D] in, [X, H, D] out;
+    `bounds`: where each row starts (`PackedRows.bounds`)."""
     groups = query.shape[1] // key.shape[1]
     outs = []
-    for start, end in zip(rows.bounds[:-1], rows.bounds[1:], strict=True):
+    for start, end in itertools.pairwise(bounds):
         q = query[start:end].transpose(0, 1)  # [H, n, D]
         k = _repeat_heads(key[start:end], groups).transpose(0, 1)
         v = _repeat_heads(value[start:end], groups).transpose(0, 1)
@@ -200,7 +225,7 @@ def learner_attention(
     q, k, v = (states[0].transpose(0, 1) for states in (query, key, value))  # [X, H, D]
     dtype = _half_dtype(q)
     if dtype is None or softcap is not None:
-        return _per_row(q, k, v, rows, layer, scale, softcap).unsqueeze(0), None
+        return _per_row(q, k, v, rows.bounds, layer, scale, softcap).unsqueeze(0), None
     # varlen_attn is a custom op autocast does not cast, and its kernels take one 16-bit
     # dtype; under autocast the rotary embedding hands q and k over in float32.
     q, k, v = (states.to(dtype) for states in (q, k, v))
@@ -231,3 +256,77 @@ def varlen_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+# The probe's two rows and heads: a few tokens each, two query heads over one key/value head
+# (grouped-query, as most families attend) of a head size every flash kernel build takes.
+PROBE_LENGTHS = (3, 5)
+PROBE_HEADS, PROBE_KV_HEADS, PROBE_HEAD_DIM = 2, 1, 64
+# bfloat16 inputs, float32 reference: a correct kernel is off by under 1e-2 on these unit-scale
+# values (on CPU, SDPA in bfloat16: 4e-3, 7e-3 windowed), while on the same inputs a row seeing
+# another row's keys is off by 2.6, an ignored window by 1.9, the default scale kept by 1.0.
+PROBE_ATOL = 0.1
+
+
+def varlen_kernel_problem(kernel: Callable[..., Any], device: torch.device) -> str | None:
+    """Why `kernel` (torch's varlen_attn, or a function of its signature) cannot run packed
+    rows on `device`; None if it can. It runs a tiny bfloat16 forward and backward over two
+    rows through the learner's own call (`_call_varlen`: the options and scale this torch's
+    signature takes; a sliding window too where it takes one), at a scale other than the
+    default, and its output must match per-row attention."""
+    window = [LayerAttention(SLIDING, 2)] if varlen_takes_window() else []
+    try:
+        for layer in [LayerAttention(FULL), *window]:
+            error = _probe_error(kernel, device, layer)
+            if error > PROBE_ATOL:
+                return (
+                    f"torch's variable-length attention kernel on {device} gives outputs "
+                    f"{error:.3g} away from per-row attention ({layer.kind})"
+                )
+    except (RuntimeError, NotImplementedError) as error:
+        return f"torch's variable-length attention kernel fails on {device}: {error}"
+    return None
+
+
+def _probe_error(kernel: Callable[..., Any], device: torch.device, layer: LayerAttention) -> float:
+    """The largest difference of `kernel`'s output from per-row float32 attention on a tiny
+    bfloat16 batch of `layer`'s mask, after a backward through it (which must run too)."""
+    generator = torch.Generator().manual_seed(0)
+    total = sum(PROBE_LENGTHS)
+    shapes = [(total, heads, PROBE_HEAD_DIM) for heads in (PROBE_HEADS, PROBE_KV_HEADS)]
+    query, key, value = (
+        torch.randn(shape, generator=generator).to(device, torch.bfloat16).requires_grad_()
+        for shape in (shapes[0], shapes[1], shapes[1])
+    )
+    bounds = (0, PROBE_LENGTHS[0], total)
+    cumulative = torch.tensor(bounds, dtype=torch.int32, device=device)
+    scale = 0.5 * PROBE_HEAD_DIM**-0.5
+    out = _call_varlen(kernel, query, key, value, cumulative, max(PROBE_LENGTHS), layer, scale)
+    torch.autograd.backward(out.float().sum())
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # a kernel's launch error surfaces here, not at the call
+    with torch.no_grad():
+        want = _per_row(query.float(), key.float(), value.float(), bounds, layer, scale, None)
+        return float((out.float() - want).abs().max())
+
+
+def varlen_problem(device: torch.device) -> str | None:
+    """Why torch's variable-length kernel cannot run packed rows on `device`; None if it can.
+    Probed once per CUDA device (`varlen_kernel_problem`); off CUDA it never runs."""
+    if device.type != "cuda":
+        return f"torch's variable-length attention kernel runs on CUDA only, not {device.type}"
+    if not varlen_available():
+        return "this torch has no variable-length attention kernel (torch 2.10+ does)"
+    if not torch.cuda.is_available():
+        return "this process has no CUDA device"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_varlen_problem(index)
+
+
+# Once per device: the answer does not change within a process, and a probe costs a few kernel
+# launches (and their compilation, the first time).
+@functools.cache
+def _cuda_varlen_problem(index: int) -> str | None:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_kernel_problem(varlen_attn, torch.device("cuda", index))

@@ -37,7 +37,7 @@ anyway).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from queue import SimpleQueue
 from typing import Protocol
@@ -270,30 +270,27 @@ def overlapped_buckets(
     under a GPU learner; a GPU: the broadcast buffer itself), read on the calling thread while
     another trains (module doc). `fence` is the publication's own (`WeightsRead.arm`); it is
     released once the last copy is issued, or when the walk stops early. `after` (GPU): the
-    `publish_point` the copies wait for. Each bucket is whole when yielded."""
+    `publish_point` the copies wait for. Each bucket is whole when yielded (the host waited for
+    its copies), so any stream may read it.
+
+    A GPU bucket is allocated on the side stream that writes it, and marked as used by the
+    stream current on the calling thread when it asks for the bucket (`record_stream`): once
+    the bucket is dropped, its memory is reused only after all that stream had queued by then.
+    A consumer that reads a bucket on yet another stream must, before dropping the bucket,
+    either make its current stream wait for that work (as waiting on a collective's work
+    does) or `record_stream` that stream on one of the bucket's tensors (they share one
+    block): else the next bucket's copies may overwrite the memory while that stream still
+    reads it."""
     view = _view(model)
     sources = view.tensors()
     # The actor's one visible GPU: the current device of this thread.
     side = torch.cuda.Stream() if after is not None else None  # type: ignore[no-untyped-call]
     target = torch.device(device)
-    pinned = side is not None and target.type == "cpu"
     last = len(manifest.buckets) - 1
     released = False
     try:
         for index, specs in enumerate(manifest.buckets):
-            flat = torch.empty(
-                bucket_nbytes(specs), dtype=torch.uint8, device=target, pin_memory=pinned
-            )
-            bucket = unpack_bucket(flat, specs)
-            del flat
-            with torch.no_grad(), torch.cuda.stream(side) if side is not None else nullcontext():
-                if side is not None and after is not None:
-                    side.wait_event(after)
-                for spec in specs:
-                    whole = view.whole(spec.name, _source(sources, spec).detach(), full_tensor)
-                    bucket[spec.name].copy_(whole, non_blocking=side is not None)
-                    del whole
-                copied = side.record_event() if side is not None else None
+            bucket, copied = _copied_bucket(view, sources, specs, target, side, after)
             if index == last:
                 fence.release(copied)
                 released = True
@@ -304,6 +301,39 @@ def overlapped_buckets(
     finally:
         if not released:
             fence.release()
+
+
+def _copied_bucket(
+    view: WeightView,
+    sources: dict[str, Tensor],
+    specs: Sequence[TensorSpec],
+    target: torch.device,
+    side: torch.cuda.Stream | None,
+    after: torch.cuda.Event | None,
+) -> tuple[dict[str, Tensor], torch.cuda.Event | None]:
+    """A bucket of `specs` on `target`, its copies issued on `side` (after `after`) when given,
+    else done on the calling stream; with the event recorded after them on `side`."""
+    pinned = side is not None and target.type == "cpu"
+    with torch.no_grad(), torch.cuda.stream(side) if side is not None else nullcontext():
+        # Allocated on the stream that writes it: the caching allocator hands a freed GPU block
+        # back out to allocations on the stream it was allocated on, which is safe in that
+        # stream's order; other streams' reads are covered by `record_stream` below.
+        flat = torch.empty(
+            bucket_nbytes(specs), dtype=torch.uint8, device=target, pin_memory=pinned
+        )
+        bucket = unpack_bucket(flat, specs)
+        if side is not None and after is not None:
+            side.wait_event(after)
+        for spec in specs:
+            whole = view.whole(spec.name, _source(sources, spec).detach(), full_tensor)
+            bucket[spec.name].copy_(whole, non_blocking=side is not None)
+            del whole
+        copied = side.record_event() if side is not None else None
+    if side is not None and target.type == "cuda":
+        # The caller reads the bucket on its current stream, not `side`: once dropped, its
+        # block must wait for that stream's reads too before it is reused (docstring above).
+        flat.record_stream(torch.cuda.current_stream(target))
+    return bucket, copied
 
 
 def _source(sources: dict[str, Tensor], spec: TensorSpec) -> Tensor:

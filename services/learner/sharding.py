@@ -18,6 +18,7 @@ host memory at start-up, not eight.
 
 from __future__ import annotations
 
+import logging
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -34,11 +35,14 @@ from services.learner.logprobs import ResponseLogProbs, decoder_of
 from services.learner.lora import apply_lora
 from services.learner.packed_attention import (
     register_learner_attention,
-    varlen_available,
+    varlen_problem,
     varlen_takes_window,
 )
+from services.learner.toolchain import compile_problem
 from services.model_layout import ModelLayout
 from services.spec import LearnerConfig
+
+log = logging.getLogger(__name__)
 
 
 def decoder_layers(policy: nn.Module) -> list[nn.Module]:
@@ -62,33 +66,54 @@ def compute_dtype(learner: LearnerConfig) -> torch.dtype:
 def packing_problem(
     learner: LearnerConfig, device: torch.device, layout: ModelLayout
 ) -> str | None:
-    """Why this learner cannot pack the model's rows on `device`; None if it can. flash-attention
-    packs any family it serves itself (windows and soft-caps included)."""
+    """Why this learner cannot pack the model's rows on `device` by what the model and this
+    torch allow; None if it can. flash-attention packs any family it serves itself (windows and
+    soft-caps included). Whether the kernel runs on the device itself is `kernel_problem`'s,
+    asked where the learner runs (this is also asked by the driver, which may have no GPU)."""
     if learner.attn_implementation.startswith("flash_attention"):
         return None
     return layout.packing_problem(device.type, varlen_takes_window())
 
 
+def kernel_problem(learner: LearnerConfig, device: torch.device) -> str | None:
+    """Why the kernel packed rows would run through cannot run on `device`; None if it can, or
+    where no probe is needed: torch's variable-length kernel serves bfloat16 compute on CUDA
+    (probed once per device: `varlen_problem`); flash-attention, and per-row attention (CPU,
+    float32 compute), are not probed."""
+    varlen = (
+        device.type == "cuda"
+        and learner.compute_dtype == "bfloat16"
+        and not learner.attn_implementation.startswith("flash_attention")
+    )
+    return varlen_problem(device) if varlen else None
+
+
 def pack_rows(learner: LearnerConfig, device: torch.device, layout: ModelLayout) -> bool:
     """Whether micro-batches are packed without padding: as set (ValueError saying why where the
-    model cannot be), or with `auto` where a variable-length kernel runs them (CUDA with SDPA,
-    bfloat16 compute and torch's varlen attention, or flash-attention) and the model's layout
+    model cannot be, or the kernel does not run on `device`), or with `auto` where a
+    variable-length kernel runs them (CUDA with SDPA, bfloat16 compute and torch's varlen
+    attention where a probe of it ran on the device, or flash-attention) and the model's layout
     allows it; padded elsewhere, where per-row attention would be slower than padding."""
     problem = packing_problem(learner, device, layout)
-    if learner.pack_rows != "auto":
-        if learner.pack_rows and problem is not None:
+    if learner.pack_rows is True:
+        problem = problem or kernel_problem(learner, device)
+        if problem is not None:
             raise ValueError(f"learner.pack_rows: {layout.model_type} cannot be packed: {problem}")
-        return learner.pack_rows
-    if problem is not None:
+        return True
+    if learner.pack_rows is False or problem is not None:
         return False
     if learner.attn_implementation.startswith("flash_attention"):
         return True
-    return (
+    if not (
         device.type == "cuda"
         and learner.attn_implementation == "sdpa"
         and learner.compute_dtype == "bfloat16"
-        and varlen_available()
-    )
+    ):
+        return False
+    problem = kernel_problem(learner, device)
+    if problem is not None:
+        log.warning("learner.pack_rows: auto pads the rows: %s", problem)
+    return problem is None
 
 
 def attention_implementation(learner: LearnerConfig, packed: bool, layout: ModelLayout) -> str:
@@ -133,7 +158,10 @@ def build_policy(
 ) -> ResponseLogProbs:
     """The learner's model (see module doc), in eval mode: dropout stays off, or even on-policy
     ratios would not be 1. With `learner.lora` the policy is a PEFT model whose adapters alone
-    train (services.learner.lora)."""
+    train (services.learner.lora). ValueError, before anything loads, where `learner.compile`
+    cannot build its code on this machine (services.learner.toolchain)."""
+    if learner.compile and (problem := compile_problem(device.type)) is not None:
+        raise ValueError(f"learner.compile: {problem}")
     sharded = learner.strategy == "fsdp2"
     on_meta = sharded and group.rank != 0
     config = AutoConfig.from_pretrained(model_path)

@@ -37,7 +37,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from peft import PeftModel
 from torch import Tensor
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import AutoTokenizer
@@ -57,7 +56,7 @@ from services.learner.batch import TrainingBatch, collate
 from services.learner.distributed import RankGroup
 from services.learner.export import write_hf_files
 from services.learner.logprobs import reference_logprobs, response_logprobs
-from services.learner.lora import MergedWeights, base_model, write_adapter_config
+from services.learner.lora import MergedWeights, base_model, is_adapted, write_adapter_config
 from services.learner.metrics import (
     PER_PASS,
     MinibatchAccumulator,
@@ -683,7 +682,7 @@ class LearnerCore:
         """What generation receives: the policy's weights, or with LoRA the base model's with
         the adapters merged, under the base model's names (services.learner.lora)."""
         policy = self.model.policy
-        return MergedWeights(policy) if isinstance(policy, PeftModel) else policy
+        return MergedWeights(policy) if is_adapted(policy) else policy
 
     def weights_manifest(self, bucket_bytes: int) -> WeightsManifest:
         """The manifest of the current version's published weights (the same on every rank,
@@ -734,11 +733,11 @@ class LearnerCore:
 
         def hf_files(directory: Path) -> None:
             write_hf_files(base_model(policy), self.tokenizer, directory)  # type: ignore[arg-type]
-            if isinstance(policy, PeftModel):
+            if is_adapted(policy):
                 # Beside hf/, not in it: an export copies hf/'s files into the model directory.
                 write_adapter_config(policy, directory.parent)
 
-        adapters = isinstance(policy, PeftModel)
+        adapters = is_adapted(policy)
         return checkpoint.save_checkpoint(
             path, policy, hf_files, self._training_state(), state, adapters_only=adapters
         )
@@ -746,7 +745,7 @@ class LearnerCore:
     def load_checkpoint(self, path: str | Path) -> int:
         """Restore weights (in place; with LoRA the adapters', onto the base model read from
         `model`), optimiser, schedule, RNGs and version; return the version."""
-        adapters = isinstance(self.model.policy, PeftModel)
+        adapters = is_adapted(self.model.policy)
         self.before_update()
         state = checkpoint.load_checkpoint(
             path, self.model.policy, self._training_state(), adapters_only=adapters

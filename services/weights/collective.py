@@ -20,7 +20,9 @@ After that every collective waits at most the group's timeout, so a dead or stuc
 instead of hanging (`WeightGroupError`). Under NCCL, torch's default error handling would end
 the process whose collective failed or timed out (TORCH_NCCL_ASYNC_ERROR_HANDLING=3, read when
 a group is built): a weight group is built with 2, which aborts its communicator and raises, so
-a dead receiver costs a re-formed group, not a learner restart.
+a dead receiver costs a re-formed group, not a learner restart. The variable is set for that
+construction alone, under a lock every NCCL process group construction here takes
+(`process_group_construction`), so the learner's training group keeps torch's default.
 
 Neither the store nor gloo/NCCL authenticate anyone, so every message a member acts on is
 authenticated with the group's key (`services.weights.auth`; the key travels inside the
@@ -36,8 +38,9 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
@@ -165,8 +168,8 @@ def _backend(
         # A receiver that dies must fail this group's collectives, not end the learner: torch's
         # default (3) tears the process down when a collective fails or times out, 2 aborts
         # the communicator and raises. Read when a group is built, so the learner's own
-        # training group keeps the default.
-        with _environment(NCCL_ERROR_HANDLING, NCCL_ABORT_AND_RAISE):
+        # training group (built under the same lock) keeps the default.
+        with process_group_construction({NCCL_ERROR_HANDLING: NCCL_ABORT_AND_RAISE}):
             backend = nccl(store, rank, group.world_size, options)
         return backend, device
     # The options overload (not in torch's stubs) lets gloo bind to this node's address, not
@@ -176,6 +179,31 @@ def _backend(
     options._devices = [ProcessGroupGloo.create_device(hostname=host or node_address())]
     gloo = ProcessGroupGloo(store, rank, group.world_size, options)
     return gloo, torch.device("cpu")
+
+
+# Held by whoever builds an NCCL process group in this process (one owner:
+# `process_group_construction`).
+_CONSTRUCTION = threading.Lock()
+
+
+@contextmanager
+def process_group_construction(environment: Mapping[str, str] | None = None) -> Iterator[None]:
+    """Build an NCCL process group inside this block (every one this codebase builds: the weight
+    group's here, the learner's training group in `RankGroup.join`, which takes it for gloo
+    too): it holds this process's one construction lock, with `environment`'s variables set for
+    the block and restored after (also where one was set before).
+
+    torch's ProcessGroupNCCL reads some of its settings (TORCH_NCCL_ASYNC_ERROR_HANDLING among
+    them) from the environment when it is constructed, with no option for them, so the weight
+    group sets the variable around its own construction. Without one lock taken by every
+    construction, another thread's (the learner's training group: `RankGroup.join`) could read
+    the weight group's value, or two changes could interleave and one restore put back the
+    other's value for good. Threads that read the environment without the lock (a subprocess
+    started meanwhile inherits it) can still see the value for the block's short span."""
+    with _CONSTRUCTION, ExitStack() as settings:
+        for name, value in (environment or {}).items():
+            settings.enter_context(_environment(name, value))
+        yield
 
 
 @contextmanager

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from services.learner.batch import TrainingBatch, collate
 from services.learner.distributed import RankGroup
 from services.learner.packed_attention import varlen_takes_window
 from services.learner.sharding import build_policy, compute_context
+from services.learner.toolchain import compile_problem
 from services.messages import Prompt, Response, ScoredGroup, ScoredResponse
 from services.spec import LearnerConfig
 from tests.services.learner.conftest import make_core
@@ -211,27 +213,71 @@ def test_the_log_prob_path_holds_blocks_of_logits_not_the_whole_matrix(tmp_path:
 # Rows of very different lengths (prompt, response): a token attending across a row boundary,
 # or scored against another row's position, changes the result far beyond bfloat16's noise.
 ROW_LENGTHS = [(5, 300), (40, 7), (1, 1), (17, 120), (60, 33), (3, 250)]
-# bfloat16 compute: ~3 significant digits per operation; the packed and padded paths run
-# different attention kernels (variable-length flash vs masked SDPA) and sum in other orders.
-BF16_LOGP_ATOL = 5e-2
-BF16_GRAD_RTOL = 3e-2
+# bfloat16's noise is measured, not assumed: both paths are compared with the padded path in
+# float32, and the packed path may be off by this multiple of the padded bfloat16 path's own
+# error. Both round the same projections and MLPs in bfloat16 and differ only in the attention
+# kernel (variable-length flash vs masked SDPA) and its summation order, so their errors are of
+# one size; a wrong mask or row boundary costs whole nats, far beyond twice the noise (on CPU,
+# this check with bfloat16 autocast measured 0.74 nats padded, 0.70 packed on the small Qwen2;
+# with packed rows made to attend across rows, 15 nats).
+BF16_ERROR_MULTIPLE = 2.0
+# Plus one bfloat16 rounding of a unit-scale value (2**-8 ~ 3.9e-3, rounded up): below that, a
+# difference between the two errors is a rounding landing either way, not a defect, and a
+# padded error that happens to come out small would otherwise hold the packed one to its luck.
+BF16_ERROR_FLOOR = 5e-3
+
+
+@dataclass(frozen=True)
+class PathError:
+    """How far one path's results are from the float32 reference: the largest log-prob
+    difference and the worst relative gradient error (and whose it is)."""
+
+    logp: float
+    grad: float
+    worst: str
+
+    def __str__(self) -> str:
+        return f"log-prob {self.logp:.3e}, gradient {self.grad:.3e} ({self.worst})"
+
+
+def path_error(
+    got: tuple[Tensor, dict[str, Tensor]], reference: tuple[Tensor, dict[str, Tensor]], mask: Tensor
+) -> PathError:
+    (logp, grads), (reference_logp, reference_grads) = got, reference
+    assert torch.isfinite(logp[mask]).all()
+    assert (logp[~mask] == 0).all()
+    assert grads.keys() == reference_grads.keys()
+    errors = {name: relative_error(grads[name], want) for name, want in reference_grads.items()}
+    worst = max(errors, key=errors.__getitem__)
+    return PathError(float((logp - reference_logp)[mask].abs().max()), errors[worst], worst)
+
+
+def check_packed_within_bfloat16_noise(label: str, model_dir: Path, batch: TrainingBatch) -> None:
+    """The packed bfloat16 path is within `BF16_ERROR_MULTIPLE` of the padded bfloat16 path's
+    error (plus `BF16_ERROR_FLOOR`), both against the padded path in float32."""
+    reference = forward_backward(
+        model_dir, learner_config(compute_dtype="float32", pack_rows=False), batch
+    )
+    mask = batch.response_mask
+    padded = path_error(
+        forward_backward(model_dir, learner_config(pack_rows=False), batch), reference, mask
+    )
+    packed = path_error(
+        forward_backward(model_dir, learner_config(pack_rows=True), batch), reference, mask
+    )
+    print(f"{label} against float32: padded bfloat16 {padded}; packed bfloat16 {packed}")
+    logp_bound = BF16_ERROR_MULTIPLE * padded.logp + BF16_ERROR_FLOOR
+    grad_bound = BF16_ERROR_MULTIPLE * padded.grad + BF16_ERROR_FLOOR
+    assert packed.logp <= logp_bound, (
+        f"packed log-probs off by {packed.logp:.3e} > {logp_bound:.3e}"
+    )
+    assert packed.grad <= grad_bound, f"packed gradients {packed} beyond {grad_bound:.3e}"
 
 
 def test_packed_rows_give_the_log_probs_and_gradients_of_padded_rows(tmp_path: Path) -> None:
     vocab = 1024
     model_dir = save_model(tmp_path / "model", small_config(vocab))
-    batch = varied_batch(ROW_LENGTHS, vocab)
-    padded_logp, padded_grads = forward_backward(model_dir, learner_config(pack_rows=False), batch)
-    packed_logp, packed_grads = forward_backward(model_dir, learner_config(pack_rows=True), batch)
-    mask = batch.response_mask
-    assert torch.isfinite(packed_logp[mask]).all()
-    difference = (packed_logp - padded_logp)[mask].abs().max()
-    assert float(difference) <= BF16_LOGP_ATOL, f"log-probs differ by up to {float(difference)}"
-    assert (packed_logp[~mask] == 0).all()
-    assert packed_grads.keys() == padded_grads.keys()
-    errors = {name: relative_error(packed_grads[name], padded_grads[name]) for name in padded_grads}
-    worst = max(errors, key=errors.__getitem__)
-    assert errors[worst] <= BF16_GRAD_RTOL, f"{worst}: relative gradient error {errors[worst]:.3g}"
+    check_packed_within_bfloat16_noise("qwen2", model_dir, varied_batch(ROW_LENGTHS, vocab))
 
 
 @pytest.mark.skipif(not varlen_takes_window(), reason="torch's varlen_attn takes no window here")
@@ -243,16 +289,7 @@ def test_packed_rows_keep_each_layer_s_window_through_the_variable_length_kernel
     varlen kernel's `window_size` against the padded path's masks, per layer type."""
     model_dir = save_family_model(family, tmp_path / family)
     vocab = int(AutoConfig.from_pretrained(model_dir).vocab_size)
-    batch = varied_batch(ROW_LENGTHS, vocab)
-    padded_logp, padded_grads = forward_backward(model_dir, learner_config(pack_rows=False), batch)
-    packed_logp, packed_grads = forward_backward(model_dir, learner_config(pack_rows=True), batch)
-    mask = batch.response_mask
-    difference = float((packed_logp - padded_logp)[mask].abs().max())
-    print(f"{family}: max |packed - padded| log-prob {difference:.2e} (bfloat16)")
-    assert difference <= BF16_LOGP_ATOL
-    errors = {name: relative_error(packed_grads[name], padded_grads[name]) for name in padded_grads}
-    worst = max(errors, key=errors.__getitem__)
-    assert errors[worst] <= BF16_GRAD_RTOL, f"{worst}: relative gradient error {errors[worst]:.3g}"
+    check_packed_within_bfloat16_noise(family, model_dir, varied_batch(ROW_LENGTHS, vocab))
 
 
 # --- Compiled decoder layers ---------------------------------------------------------------------
@@ -261,6 +298,7 @@ def test_packed_rows_keep_each_layer_s_window_through_the_variable_length_kernel
 COMPILE_RTOL = 1e-4
 
 
+@pytest.mark.skipif(compile_problem("cuda") is not None, reason=str(compile_problem("cuda")))
 def test_compiled_decoder_layers_give_the_log_probs_and_gradients_of_eager_ones(
     tmp_path: Path,
 ) -> None:

@@ -17,6 +17,9 @@ API, probes and metrics: services.api.listeners; the tool sandbox: services.tool
   `MAX_HEAD_BYTES`.
 - `X-Forwarded-For` is not read by uvicorn (which trusts it from any loopback peer):
   services.api.client_identity reads it, from the operator's proxies only.
+
+And the Host names a listener answers without being told more (`own_host_names`: its loopback
+names and its bind address), from which each server builds its allowlist against DNS rebinding.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ KEEP_ALIVE_S = 5
 MAX_HEAD_BYTES = 16 * 1024
 # How long open requests (event streams) may hold a shutdown, or a restart, up.
 GRACEFUL_SHUTDOWN_S = 5
+# The names a loopback server is reached by. A rebinding page cannot send one of them (its
+# requests name its own site), so they are always answered.
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
 class DeadlineProtocol(H11Protocol):
@@ -251,3 +257,30 @@ def _is_ipv6(host: str) -> bool:
         return ipaddress.ip_address(host).version == 6
     except ValueError:
         return False
+
+
+def comma_entries(setting: str | None) -> list[str]:
+    """The entries of a comma-separated setting, stripped, empty ones left out."""
+    return [entry.strip() for entry in (setting or "").split(",") if entry.strip()]
+
+
+def host_header_form(host: str) -> str | None:
+    """`host` as a Host header names it (without a port): lowercase, an IPv6 address in
+    brackets; None for an any-address (0.0.0.0, ::), which no client sends."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host.lower()
+    if address.is_unspecified:
+        return None
+    return f"[{address}]" if address.version == 6 else str(address)
+
+
+def own_host_names(bind_host: str | None) -> list[str]:
+    """The Host names (`host_header_form`) a listener on `bind_host` answers whatever its
+    settings: its loopback names, and `bind_host` unless it is an any-address (or None)."""
+    names = [name for name in map(host_header_form, LOOPBACK_HOSTS) if name is not None]
+    bound = None if bind_host is None else host_header_form(bind_host)
+    if bound is not None and bound not in names:
+        names.append(bound)
+    return names

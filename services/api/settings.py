@@ -13,13 +13,12 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.api.spec_paths import OperatorAllowlist, SandboxUrlRefused, sandbox_origin
+from services.http_listener import comma_entries, own_host_names
 
 # Tokens that appear in examples and templates: never accepted as a real secret.
 PLACEHOLDER_TOKENS = frozenset({"changeme", "change-me", "secret", "token", "password", "kpo"})
 MIN_TOKEN_LENGTH = 16
 
-# The names a loopback server is reached by (the Host header keeps an IPv6 address's brackets).
-LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 # Largest request body by default: run specs are a few kilobytes (examples/ as JSON: < 1 KB
 # before defaults, about 2 KB resolved).
 MAX_BODY_BYTES = 256 * 1024
@@ -99,7 +98,8 @@ class ApiSettings(TokenSettings):
         allow_inf_nan=False,
         validation_alias="KPO_HEADER_TIMEOUT_S",
         description="a connection that has not sent a whole request head this long after it "
-        "opened (or after its last response) is closed, on every port",
+        "opened (or after its last response) is closed, on every port; a request whose body "
+        "has not all arrived this long after its head is answered 408",
     )
     trusted_proxies: str | None = Field(
         None,
@@ -222,7 +222,7 @@ class ApiSettings(TokenSettings):
 
         Raises ValueError naming the entry that is neither."""
         networks = []
-        for entry in _entries(self.trusted_proxies):
+        for entry in comma_entries(self.trusted_proxies):
             try:
                 networks.append(ipaddress.ip_network(entry, strict=False))
             except ValueError:
@@ -237,7 +237,7 @@ class ApiSettings(TokenSettings):
         may log to: KPO_TRACKING_HOSTS. A tracker's credentials come from the server's
         environment, so a client that could name any host could have them sent there (or have
         the cluster call its cloud metadata address): only the operator's servers are allowed."""
-        return frozenset(host.lower() for host in _entries(self.tracking_hosts))
+        return frozenset(host.lower() for host in comma_entries(self.tracking_hosts))
 
     def allowlist(self) -> OperatorAllowlist:
         """What a run sent over the API may name beyond the inputs folder: the tracking servers
@@ -245,7 +245,7 @@ class ApiSettings(TokenSettings):
         token is read from (KPO_SANDBOX_TOKEN_ENVS). Raises ValueError naming the setting for a
         sandbox URL that is not scheme://host[:port]."""
         servers = []
-        for entry in _entries(self.sandbox_urls):
+        for entry in comma_entries(self.sandbox_urls):
             origin = sandbox_origin(entry)
             if isinstance(origin, SandboxUrlRefused):
                 raise ValueError(f"KPO_SANDBOX_URLS: {entry!r}: {origin}")
@@ -253,7 +253,7 @@ class ApiSettings(TokenSettings):
         return OperatorAllowlist(
             tracking_servers=self.tracking_servers(),
             sandbox_servers=frozenset(servers),
-            sandbox_token_envs=frozenset(_entries(self.sandbox_token_envs)),
+            sandbox_token_envs=frozenset(comma_entries(self.sandbox_token_envs)),
         )
 
     def trusted_hosts(self, has_token: bool, bind_host: str) -> list[str]:
@@ -266,7 +266,7 @@ class ApiSettings(TokenSettings):
         and is the default with one. Raises ValueError for `*` without a token.
         """
         if self.allowed_hosts is not None:
-            hosts = _entries(self.allowed_hosts)
+            hosts = comma_entries(self.allowed_hosts)
             if not hosts:
                 raise ValueError("KPO_ALLOWED_HOSTS is empty: name at least one host, or unset it")
             if "*" in hosts and not has_token:
@@ -278,25 +278,4 @@ class ApiSettings(TokenSettings):
             return hosts
         if has_token:
             return ["*"]
-        hosts = list(LOOPBACK_HOSTS)
-        bound = _host_header_form(bind_host)
-        if bound is not None and bound not in hosts:
-            hosts.append(bound)
-        return hosts
-
-
-def _entries(setting: str | None) -> list[str]:
-    """The entries of a comma-separated setting, stripped, empty ones left out."""
-    return [entry.strip() for entry in (setting or "").split(",") if entry.strip()]
-
-
-def _host_header_form(bind_host: str) -> str | None:
-    """`bind_host` as a Host header names it; None for an any-address bind (0.0.0.0, ::), which
-    no client sends."""
-    try:
-        address = ipaddress.ip_address(bind_host)
-    except ValueError:
-        return bind_host.lower()
-    if address.is_unspecified:
-        return None
-    return f"[{address}]" if address.version == 6 else str(address)
+        return own_host_names(bind_host)

@@ -176,20 +176,21 @@ def _tracking_errors(spec: RunSpec, servers: frozenset[str]) -> list[dict[str, A
 
 def _sandbox_errors(spec: RunSpec, allowed: OperatorAllowlist) -> list[dict[str, Any]]:
     """The worker sends the variable `sandbox_token_env` names to `sandbox_url` with every
-    call: over the API both must be the operator's (checked whether or not tools are enabled,
-    so that a stored spec never holds a pair that a later edit could switch on)."""
-    errors = []
+    call: over the API both must be the operator's wherever a URL is named (checked whether or
+    not tools are enabled, so that a stored spec never holds a pair that a later edit could
+    switch on). Without a URL the variable is sent nowhere, so any name passes: an operator
+    who lists other variables does not refuse every spec that keeps the default."""
+    errors: list[dict[str, Any]] = []
     tools = spec.tools
-    if tools.sandbox_url is not None:
-        origin = sandbox_origin(tools.sandbox_url)
-        if isinstance(origin, SandboxUrlRefused):
-            errors.append(_error(("tools", "sandbox_url"), origin))
-        elif origin not in allowed.sandbox_servers:
-            listed = (
-                ", ".join(sorted(allowed.sandbox_servers)) or "none (KPO_SANDBOX_URLS is unset)"
-            )
-            message = f"{origin} is not one of the sandbox servers the operator allows: {listed}"
-            errors.append(_error(("tools", "sandbox_url"), message))
+    if tools.sandbox_url is None:
+        return errors
+    origin = sandbox_origin(tools.sandbox_url)
+    if isinstance(origin, SandboxUrlRefused):
+        errors.append(_error(("tools", "sandbox_url"), origin))
+    elif origin not in allowed.sandbox_servers:
+        listed = ", ".join(sorted(allowed.sandbox_servers)) or "none (KPO_SANDBOX_URLS is unset)"
+        message = f"{origin} is not one of the sandbox servers the operator allows: {listed}"
+        errors.append(_error(("tools", "sandbox_url"), message))
     if tools.sandbox_token_env not in allowed.sandbox_token_envs:
         listed = ", ".join(sorted(allowed.sandbox_token_envs)) or "none"
         message = (

@@ -59,7 +59,6 @@ requests).
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -97,6 +96,7 @@ from services.weights.base import StateDictMismatchError, WeightGroup, WeightsMa
 from services.weights.buckets import bucket_tensors
 from services.weights.loading import check_manifest
 from services.weights.shared_memory import shared_bucket
+from services.weights.stores import member_host
 
 if TYPE_CHECKING:
     from vllm import LLM, SamplingParams
@@ -132,18 +132,6 @@ def _finish_reason(output: CompletionOutput) -> FinishReason:
     # vLLM reports "stop" (EOS / stop token), "length" (max_tokens or model length) or
     # "abort"; an aborted request did not run out of budget, so it counts as stopped.
     return "length" if output.finish_reason == "length" else "stop"
-
-
-def _receiver_host(group: WeightGroup) -> str:
-    """The address a worker's end of `group` binds to: loopback for a group served on loopback
-    (it cannot span nodes), else this node's address (vLLM's workers share the backend's node)."""
-    host = group.address.rpartition(":")[0].strip("[]")
-    with contextlib.suppress(ValueError):
-        if ipaddress.ip_address(host).is_loopback:
-            return host
-    from services.weights.stores import node_address
-
-    return node_address()
 
 
 @dataclass(frozen=True)
@@ -608,7 +596,9 @@ class VLLMBackend(GenerationBackend):
         """Every vLLM worker joins `group`, worker w as rank `first_rank + w` (blocks until every
         rank joined). Leaves a group joined before."""
         self.close_weight_group()
-        self._rpc("kpo_join_weight_group", group_to_wire(group), first_rank, _receiver_host(group))
+        self._rpc(
+            "kpo_join_weight_group", group_to_wire(group), first_rank, member_host(group.address)
+        )
         self._weight_group = group
 
     def close_weight_group(self) -> None:

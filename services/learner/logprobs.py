@@ -9,9 +9,10 @@ behaviour distribution the on-policy ratio is pi_T(y) / pi_trunc(y) <= 1, not 1.
 Memory and speed: the decoder runs once over the micro-batch (padded [B, P+T], or its rows
 packed into one sequence without padding: `packed_attention`); only the hidden states of the
 response positions (N of them) meet the head, through `vocab_chunked_logprobs`: chunks of
-`chunk_tokens` positions times `vocab_chunk` vocabulary entries with an online log-sum-exp,
-recomputed in the backward, so neither pass holds more than [chunk_tokens, vocab_chunk] float32
-logits (an 8k-token row of a 152k vocabulary held 5 GB unchunked).
+`chunk_tokens` positions times `vocab_chunk` vocabulary entries, each with its own log-sum-exp
+(combined per position), recomputed in the backward, so neither pass holds more than
+[chunk_tokens, vocab_chunk] float32 logits (an 8k-token row of a 152k vocabulary held 5 GB
+unchunked).
 
 Which positions are scored is known on the host (`TrainingBatch.response_lengths`): the indices
 are built there and copied once, and no step here waits on the device for a value or a shape.

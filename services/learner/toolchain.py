@@ -16,7 +16,7 @@ from pathlib import Path
 
 # The variable a user sets to name a compiler, and the names searched for without one.
 _COMPILERS = {
-    "cuda": ("CC", ("gcc", "clang", "cc")),
+    "cuda": ("CC", ("gcc", "clang")),
     "cpu": ("CXX", ("g++", "c++", "clang++")),
 }
 

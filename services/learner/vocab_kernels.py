@@ -64,10 +64,16 @@ class _Kernels:
 
     def __init__(self) -> None:
         self.compiled: tuple[BlockStats, BlockProbs] | None = None
-        self.auto_works: dict[str, bool] = {}  # device type -> auto's probe compiled and ran
+        # (device type, dtype, scale) -> auto's probe compiled and ran there
+        self.auto_works: dict[tuple[str, torch.dtype, float], bool] = {}
 
-    def get(self, kernel: LogprobKernel, device: torch.device) -> tuple[BlockStats, BlockProbs]:
-        if kernel == "torch" or (kernel == "auto" and not self._auto_compiles(device)):
+    def get(
+        self, kernel: LogprobKernel, device: torch.device, dtype: torch.dtype, scale: float
+    ) -> tuple[BlockStats, BlockProbs]:
+        """The functions for blocks of products in `dtype` at `scale` (1 / temperature)."""
+        if kernel == "torch" or (
+            kernel == "auto" and not self._auto_compiles(device, dtype, scale)
+        ):
             return block_stats, block_probs
         return self._compiled()
 
@@ -78,22 +84,26 @@ class _Kernels:
             self.compiled = (torch.compile(block_stats), torch.compile(block_probs))
         return self.compiled
 
-    def _auto_compiles(self, device: torch.device) -> bool:
-        """auto: CUDA only, and only if both functions compile and run there (once per process:
-        a missing Triton or compiler must not fail a run that eager code would serve)."""
+    def _auto_compiles(self, device: torch.device, dtype: torch.dtype, scale: float) -> bool:
+        """auto: CUDA only, and only if both functions compile and run there on blocks of the
+        run's dtype and scale (once per process and setting: a missing Triton or compiler, or
+        a dtype the GPU's kernels lack, must not fail a run that eager code would serve; a
+        probe in another dtype would compile other kernels than the run's)."""
         if device.type != "cuda":
             return False
-        if device.type not in self.auto_works:
+        key = (device.type, dtype, scale)
+        if key not in self.auto_works:
             stats, probs = self._compiled()
-            probe = torch.zeros(2, 8, device=device)
+            probe = torch.zeros(2, 8, device=device, dtype=dtype)
+            accumulate = torch.promote_types(dtype, torch.float32)
             try:
-                stats(probe, 1.0, True)
-                probs(probe, 1.0, torch.float32, torch.float32)
-                self.auto_works[device.type] = True
+                stats(probe, scale, True)
+                probs(probe, scale, accumulate, dtype)
+                self.auto_works[key] = True
             except Exception as error:  # any compiler failure means eager
                 log.warning("logprob_kernel auto: the compiled head failed (%s); eager", error)
-                self.auto_works[device.type] = False
-        return self.auto_works[device.type]
+                self.auto_works[key] = False
+        return self.auto_works[key]
 
 
 KERNELS = _Kernels()

@@ -207,7 +207,7 @@ class _VocabChunkedLogProbs(torch.autograd.Function):
         log_z = torch.empty(count, dtype=plan.accumulate, device=hidden.device)
         block_lse = torch.empty((count, blocks), dtype=plan.accumulate, device=hidden.device)
         chosen, entropy = torch.empty_like(log_z), torch.empty_like(log_z)
-        stats, _ = KERNELS.get(plan.kernel, hidden.device)
+        stats, _ = KERNELS.get(plan.kernel, hidden.device, plan.dtype, plan.scale)
         # The casts run once, not once per block; autocast is off below so that nothing is
         # cast twice (the backward, which autocast does not cover, casts the same way).
         w, b = weight.to(plan.dtype), _operand_bias(bias, plan)
@@ -248,7 +248,7 @@ class _VocabChunkedLogProbs(torch.autograd.Function):
         grad_bias = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
         grads = (grad_weight, grad_bias)
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
-        _, probs_of = KERNELS.get(plan.kernel, hidden.device)
+        _, probs_of = KERNELS.get(plan.kernel, hidden.device, plan.dtype, plan.scale)
         w, b = weight.to(plan.dtype), _operand_bias(bias, plan)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], plan.position_chunk):

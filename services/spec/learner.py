@@ -124,7 +124,7 @@ class LearnerConfig(StrictModel):
         32_768,
         ge=1,
         le=MAX_TOKEN_BUDGET,
-        description="vocabulary entries per block of that projection (online log-sum-exp): "
+        description="vocabulary entries per block of that projection (a log-sum-exp per block): "
         "the float32 logits held at once are logprob_chunk_tokens x this, forward and backward",
     )
     logprob_kernel: Literal["auto", "torch", "compiled"] = Field(

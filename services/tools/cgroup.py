@@ -8,7 +8,8 @@ between cgroups unasked): a cgroup's directory (under /sys/fs/cgroup), or `auto`
 process's own cgroup (a container's, where the runtime delegates it).
 
 The layout follows cgroup v2's rule that only leaves hold processes once controllers are enabled
-below a cgroup: this process moves into `<base>/server` when it was in `<base>` itself, the
+below a cgroup: every process in `<base>` itself moves into `<base>/server` (this process, and
+under the chart's `tini --` entrypoint tini, PID 1, in the container's cgroup beside it), the
 memory and pids controllers are enabled in `<base>`, and slot N's calls run in `<base>/call-N`
 with memory.max (the call's memory, its tmpfs pages included), memory.swap.max 0, pids.max
 (its processes and threads) and memory.oom.group 1 (an out-of-memory kill ends the whole call,
@@ -19,6 +20,7 @@ ends whatever of a call is left.
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -64,6 +66,31 @@ def _write(path: Path, value: str) -> None:
         file.write(value)
 
 
+def vacate(base: Path) -> list[int]:
+    """Move every process of cgroup `base` into `<base>/server` (made when there is one); the
+    pids moved."""
+    pids = [int(pid) for pid in (base / "cgroup.procs").read_text().split()]
+    if not pids:
+        return []
+    (base / "server").mkdir(exist_ok=True)
+    return move_processes(pids, base / "server")
+
+
+def move_processes(pids: list[int], cgroup: Path) -> list[int]:
+    """Move the processes `pids` into `cgroup`; those moved (one that has exited since it was
+    listed is not, and is no error)."""
+    moved = []
+    # Unbuffered: cgroup.procs takes one pid per write(2), and says which one failed.
+    with open(cgroup / "cgroup.procs", "wb", buffering=0) as procs:
+        for pid in pids:
+            try:
+                procs.write(f"{pid}\n".encode())
+            except ProcessLookupError:  # ESRCH: gone since it was listed
+                continue
+            moved.append(pid)
+    return moved
+
+
 class SlotCgroups:
     """`<base>/call-<slot>` for each slot, limited as one call may be."""
 
@@ -86,10 +113,18 @@ class SlotCgroups:
     @staticmethod
     def _enable(base: Path) -> None:
         # A cgroup with processes of its own cannot enable controllers for its children.
-        if own_cgroup() == base:
-            (base / "server").mkdir(exist_ok=True)
-            _write(base / "server" / "cgroup.procs", str(os.getpid()))
-        _write(base / "cgroup.subtree_control", " ".join(f"+{c}" for c in CONTROLLERS))
+        vacate(base)
+        try:
+            _write(base / "cgroup.subtree_control", " ".join(f"+{c}" for c in CONTROLLERS))
+        except OSError as error:
+            if error.errno != errno.EBUSY:
+                raise
+            left = " ".join((base / "cgroup.procs").read_text().split())
+            raise CgroupUnavailable(
+                f"cannot enable {' and '.join(CONTROLLERS)} below {base}: processes are still "
+                f"in it ({left or 'none listed'}), and cgroup v2 enables controllers only "
+                "above cgroups without processes of their own"
+            ) from error
 
     @staticmethod
     def _limit(path: Path, memory_bytes: int, pids: int) -> None:

@@ -132,5 +132,7 @@ class ToolsConfig(StrictModel):
 
     @property
     def calls_allowed(self) -> int:
-        """Calls run per response (`max_calls`, which defaults to one per turn but the last)."""
-        return self.max_turns - 1 if self.max_calls is None else self.max_calls
+        """Calls run per response: `max_calls`, which `_calls_fit_turns` sets to one per turn
+        but the last when it is not given (the field stays optional for the spec's null)."""
+        assert self.max_calls is not None  # set by the validator
+        return self.max_calls

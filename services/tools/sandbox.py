@@ -606,15 +606,17 @@ class SandboxRunner:
         finally:
             if pipes is not None:
                 pipes.close_child_ends()
+        # Once: when the leader exits (so that what holds the pipes goes), or after a call
+        # stopped before it did; a second would spawn another killer as the slot's uid for
+        # nothing (what the first killed could fork nothing more).
+        end_leftovers = _once(lambda: self._end_leftovers(slot))
         try:
-            result, stopped = self._collect(
-                proc, timeout_s, started, lambda: self._end_leftovers(slot)
-            )
+            result, stopped = self._collect(proc, timeout_s, started, end_leftovers)
         finally:
             for stream in (proc.stdout, proc.stderr):
                 if stream is not None:
                     stream.close()
-            self._end_leftovers(slot)
+            end_leftovers()
             reap_call_orphans(self._uid(slot) if self._per_slot_uid else None)
         started_code = stopped or pipes is None or pipes.code_ran()
         self._record_start(started_code, result.output)
@@ -724,6 +726,19 @@ class SandboxRunner:
         if proc.returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
             line = _SIGNAL_LINES[signal.SIGXCPU]
         return ToolResult(_compose(text, line, max_chars), "error", seconds), False
+
+
+def _once(action: Callable[[], None]) -> Callable[[], None]:
+    """`action`, run by the first call that gets through it (one that raised runs it again)."""
+    done = False
+
+    def run() -> None:
+        nonlocal done
+        if not done:
+            action()
+            done = True
+
+    return run
 
 
 def _decode(data: bytes | bytearray) -> str:

@@ -46,8 +46,13 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.config import LOGGING_CONFIG
 
-from services.http_listener import ServerWithProbes, listener_config
-from services.tools.reaper import become_subreaper
+from services.http_listener import (
+    ServerWithProbes,
+    comma_entries,
+    listener_config,
+    own_host_names,
+)
+from services.tools.reaper import become_subreaper, is_reaper
 from services.tools.sandbox import (
     MAX_CODE_BYTES,
     Backend,
@@ -65,9 +70,6 @@ EXTRA_CONNECTIONS = 32
 # What the orchestrator's probes call: never guarded by the token, and served on the probes'
 # listener too.
 PROBE_PATHS = frozenset({"/healthz", "/readyz"})
-# The names a loopback server is reached by. A rebinding page cannot send one of them (its
-# requests name its own site), so they are always answered.
-LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 # A Host header (RFC 9110 7.2): a name or IPv4 address, or an IPv6 address in brackets, and a
 # port. Anything else (user info, a path) is no host of this server's.
 HOST_HEADER = re.compile(
@@ -129,7 +131,7 @@ class SandboxSettings(BaseSettings):
     @field_validator("trusted_hosts")
     @classmethod
     def _hosts_are_host_names(cls, value: str | None) -> str | None:
-        for entry in _entries(value):
+        for entry in comma_entries(value):
             if host_name(entry) is None:
                 raise ValueError(f"{entry!r} is not a host name (e.g. kpo-sandbox.ns.svc)")
         return value
@@ -137,9 +139,7 @@ class SandboxSettings(BaseSettings):
     def host_names(self, bind_host: str | None) -> frozenset[str]:
         """The Host names the server answers (as `host_name` gives them): its loopback names,
         `bind_host` (not an any-address one: no client names it), and KPO_SANDBOX_TRUSTED_HOSTS."""
-        entries = [*LOOPBACK_HOSTS, *_entries(self.trusted_hosts)]
-        if bind_host is not None and not _is_unspecified(bind_host):
-            entries.append(bind_host)
+        entries = [*own_host_names(bind_host), *comma_entries(self.trusted_hosts)]
         return frozenset(name for name in map(host_name, entries) if name is not None)
 
     def limits(self) -> SandboxLimits:
@@ -206,18 +206,6 @@ class BodyLimit:
 
 def _too_large(max_bytes: int) -> JSONResponse:
     return JSONResponse({"detail": f"request body over {max_bytes} bytes"}, status_code=413)
-
-
-def _entries(setting: str | None) -> list[str]:
-    """The entries of a comma-separated setting, stripped, empty ones left out."""
-    return [entry.strip() for entry in (setting or "").split(",") if entry.strip()]
-
-
-def _is_unspecified(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_unspecified
-    except ValueError:
-        return False
 
 
 def host_name(value: str) -> str | None:
@@ -427,6 +415,9 @@ def create_app(
             "admitted": admission.admitted,
             "capacity": admission.capacity,
             "calls": dict(admission.statuses),
+            # Whether what calls leave behind comes to this process to be reaped (SandboxServer
+            # makes it so): false, their zombies count against the slots' process budgets.
+            "reaps_orphans": is_reaper(),
         }
 
     # The dependency goes in the decorator: a closure's name in a string annotation
@@ -465,7 +456,13 @@ class SandboxServer(ServerWithProbes):
     `stop`). The ports are bound when it is made: a port in use is an OSError here.
 
     `app`: the app to serve (default: `create_app(settings, bind_host=host)`, which raises
-    SandboxUnavailable when the backend cannot run code here)."""
+    SandboxUnavailable when the backend cannot run code here).
+
+    Making one makes this process a child subreaper, before any call runs (the runner's own
+    check is one): what calls leave behind (bwrap's namespace init, a `process` call's setsid
+    grandchild) comes to this process, which reaps it after each call (services/tools/reaper.py),
+    not to an init that may reap it late or never while it counts against the slot's process
+    budget."""
 
     def __init__(
         self,
@@ -477,6 +474,7 @@ class SandboxServer(ServerWithProbes):
         log_config: dict[str, Any] | None = LOGGING_CONFIG,
         log_level: str | None = "info",
     ) -> None:
+        become_subreaper()
         self.app = create_app(settings, bind_host=host) if app is None else app
         log.info(
             "sandbox: backend %s, %d workers, queue %d",
@@ -507,12 +505,3 @@ class SandboxServer(ServerWithProbes):
     def calls(self) -> uvicorn.Server:
         """The call port's server."""
         return self.main
-
-
-def serve(settings: SandboxSettings, host: str, port: int) -> None:
-    """Run the server until interrupted (raises SandboxUnavailable first when the backend
-    cannot run code here, OSError when a port cannot be listened on)."""
-    # What calls leave behind comes to this process, which reaps it after each call
-    # (services/tools/reaper.py), not to an init that may never reap it.
-    become_subreaper()
-    SandboxServer(settings, host, port).run()

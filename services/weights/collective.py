@@ -27,9 +27,11 @@ construction alone, under a lock every NCCL process group construction here take
 Neither the store nor gloo/NCCL authenticate anyone, so every message a member acts on is
 authenticated with the group's key (`services.weights.auth`; the key travels inside the
 `WeightGroup`, through Ray, never through the store): `joined/<rank>` and `gpu/<rank>` are
-sealed store values, the header carries a tag, and each bucket is followed by a tag that
-commits to its content digest (the sender's, computed where the bytes are); a receiver checks
-both before it yields anything, and refuses (`WeightAuthenticationError`) otherwise. The store
+sealed store values, the header carries a tag, and each bucket of host memory (gloo) is
+followed by a tag that commits to its content digest (the sender's, computed where the bytes
+are); a receiver checks both before it yields anything, and refuses
+(`WeightAuthenticationError`) otherwise. NCCL's buckets, in GPU memory the host does not read,
+carry no tag: the header's alone is checked. The store
 listens only on the address it announces (`services.weights.stores`): loopback for a group on
 one node.
 """
@@ -71,7 +73,7 @@ from services.weights.base import (
     header_values,
 )
 from services.weights.buckets import bucket_nbytes, checked_buckets, pack_bucket, unpack_bucket
-from services.weights.stores import is_loopback, node_address, serve_store, serving_host
+from services.weights.stores import member_host, node_address, serve_store, serving_host
 
 DEFAULT_TIMEOUT_S = 600.0
 # Every rank joins between two engine steps (the learner's between two training steps), so a
@@ -261,7 +263,7 @@ def connect(
         raise ValueError(f"rank {rank} is outside weight group of size {group.world_size}")
     timeout = timedelta(seconds=timeout_s)
     join_timeout = timedelta(seconds=join_timeout_s)
-    host = host or _member_host(group)
+    host = host or member_host(group.address)
     try:
         # The store's own timeout bounds connecting to it and every wait that names none (NCCL's
         # exchange of its unique id at the hello): all of them are part of joining.
@@ -285,13 +287,6 @@ def connect(
     if int(hello.item()) != group.generation:
         raise RuntimeError(f"weight group {group.address}: generation {int(hello.item())} answered")
     return channel
-
-
-def _member_host(group: WeightGroup) -> str:
-    """Where a member's gloo connections listen by default: loopback for a group served on
-    loopback (it cannot span nodes), else this node's address."""
-    host = group.address.rpartition(":")[0]
-    return host.strip("[]") if is_loopback(host) else node_address()
 
 
 def _one_gpu(group: WeightGroup, rank: int, store: Store, timeout: timedelta) -> bool:

@@ -21,7 +21,9 @@ counting the channel's publishes:
                      header is)
     n/i              rank 0: the handle of bucket i and the digest of its content (taken by
                      rank 0 where the bytes are; each receiver takes it again over the memory
-                     it mapped and loads nothing unless both match)
+                     it mapped and loads nothing unless both match; of a CUDA bucket, whose
+                     bytes the host does not read, the digest covers its length only: its
+                     handle, sealed with the rest, is what is authenticated)
     n/i/ack/r        receiver r: done with bucket i (its load finished; on CUDA, synchronised)
 
 A value that fails its check (a stranger's write, a genuine value moved to another key, a
@@ -192,11 +194,6 @@ def opened_flat(handle: dict[str, Any], nbytes: int) -> Tensor:
         flat: Tensor = rebuild_cuda_tensor(*cuda_rebuild_args(handle, index))  # type: ignore[no-untyped-call]
         return flat
     raise ValueError(f"unknown weight handle kind {kind!r}")
-
-
-def opened(handle: dict[str, Any], specs: Sequence[TensorSpec]) -> dict[str, Tensor]:
-    """name -> a view of the bucket a handle (JSON form) points at, mapped into this process."""
-    return unpack_bucket(opened_flat(handle, bucket_nbytes(specs)), specs)
 
 
 # --- the channel --------------------------------------------------------------------------------

@@ -36,6 +36,14 @@ def is_loopback(host: str) -> bool:
     return host == "localhost"
 
 
+def member_host(group_address: str) -> str:
+    """Where a weight group member's own connections listen, for a group served at
+    `group_address` (host:port): loopback for a group served on loopback (it cannot span
+    nodes), else this node's address."""
+    host = group_address.rpartition(":")[0]
+    return host.strip("[]") if is_loopback(host) else node_address()
+
+
 def single_node() -> bool:
     """Whether this process belongs to a Ray cluster of one live node (every actor of the run,
     present and to come, then shares this host); False outside Ray."""

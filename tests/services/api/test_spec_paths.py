@@ -342,6 +342,23 @@ def test_a_token_variable_from_the_operators_list_may_be_named(api_factory: ApiF
         assert api.client.post("/v1/runs", json=spec_with(tools=tools)).status_code == 201
 
 
+def test_listing_other_token_variables_refuses_only_specs_that_name_a_sandbox_url(
+    api_factory: ApiFactory,
+) -> None:
+    # Without a URL the variable is sent nowhere: the default name must not make every spec,
+    # tools or none, a 422 once the operator lists other variables.
+    env = {"KPO_SANDBOX_URLS": SANDBOX, "KPO_SANDBOX_TOKEN_ENVS": "TEAM_B"}
+    with api_factory(**env) as api:
+        for tools in ({}, {"enabled": True}, {"enabled": True, "sandbox_token_env": "OTHER"}):
+            response = api.client.post("/v1/runs", json=spec_with(tools=tools))
+            assert response.status_code == 201, response.text
+        response = api.client.post("/v1/runs", json=spec_with(tools={"sandbox_url": SANDBOX}))
+        assert response.status_code == 422
+        (error,) = response.json()["error"]["fields"]
+        assert error["field"] == "tools.sandbox_token_env"
+        assert "KPO_SANDBOX_TOKEN is not a sandbox token variable" in error["message"]
+
+
 @pytest.mark.parametrize("value", ["kpo-sandbox:8000", "http://s:8000/path", "http://u@s:1"])
 def test_a_sandbox_url_setting_that_is_no_origin_fails_at_start(value: str) -> None:
     with pytest.raises(ValueError, match="KPO_SANDBOX_URLS"):

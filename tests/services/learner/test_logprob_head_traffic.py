@@ -152,8 +152,14 @@ def test_bfloat16_products_give_the_log_probs_of_their_rounded_logits() -> None:
 
 
 def test_auto_is_eager_off_cuda() -> None:
-    assert KERNELS.get("auto", torch.device("cpu")) == (block_stats, block_probs)
-    assert KERNELS.get("torch", torch.device("cpu")) == (block_stats, block_probs)
+    assert KERNELS.get("auto", torch.device("cpu"), torch.float32, 1.0) == (
+        block_stats,
+        block_probs,
+    )
+    assert KERNELS.get("torch", torch.device("cpu"), torch.bfloat16, 2.0) == (
+        block_stats,
+        block_probs,
+    )
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile on CPU needs g++")

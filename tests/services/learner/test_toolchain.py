@@ -30,7 +30,7 @@ def headers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return include
 
 
-def test_a_gpu_compiler_is_cc_else_gcc_else_clang_and_cpu_takes_cxx(
+def test_a_gpu_compiler_is_cc_var_else_gcc_else_clang_and_cpu_takes_cxx(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tools = tmp_path / "bin"
@@ -38,6 +38,8 @@ def test_a_gpu_compiler_is_cc_else_gcc_else_clang_and_cpu_takes_cxx(
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.delenv("CXX", raising=False)
     assert compiler("cuda") is None and compiler("cpu") is None
+    executable(tools, "cc")
+    assert compiler("cuda") is None  # Triton looks for gcc and clang, not cc
     clang = executable(tools, "clang")
     assert compiler("cuda") == str(clang)
     gcc = executable(tools, "gcc")

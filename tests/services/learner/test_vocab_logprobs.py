@@ -1,4 +1,4 @@
-"""The head's log-probs and entropy chunked over positions and vocabulary (online log-sum-exp)
+"""The head's log-probs and entropy chunked over positions and vocabulary (a log-sum-exp per block)
 against the per-position-chunk path it replaced (`chunk_logprobs`: [n, V] logits at once), in
 float32: values and gradients of the hidden states, the head weight and its bias, within 1e-5.
 """

@@ -21,19 +21,24 @@ from services.tools.sandbox import SandboxLimits, SandboxRunner
 PR_SET_CHILD_SUBREAPER = 36
 
 
-def zombie_children() -> list[int]:
-    """This process's children (of every thread) that have exited and not been reaped."""
+def zombie_children(pid: int | str = "self") -> list[int]:
+    """The children of process `pid` (this one by default; of every thread) that have exited
+    and not been reaped."""
     zombies = []
-    for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/children", encoding="ascii") as children:
-            for pid in children.read().split():
-                try:
-                    with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as stat:
-                        # The state follows the command name, which is in parentheses.
-                        if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
-                            zombies.append(int(pid))
-                except FileNotFoundError:
-                    continue
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children", encoding="ascii") as children:
+                listed = children.read().split()
+        except FileNotFoundError:  # a thread that has ended since
+            continue
+        for child in listed:
+            try:
+                with open(f"/proc/{child}/stat", encoding="utf-8", errors="replace") as stat:
+                    # The state follows the command name, which is in parentheses.
+                    if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        zombies.append(int(child))
+            except FileNotFoundError:
+                continue
     return zombies
 
 

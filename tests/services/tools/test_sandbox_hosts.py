@@ -102,6 +102,10 @@ def test_the_bind_address_is_a_name_and_an_any_address_is_not() -> None:
     assert settings.host_names("10.1.2.3") == frozenset(names | {"10.1.2.3"})
     assert settings.host_names("0.0.0.0") == frozenset(names)
     assert settings.host_names("::") == frozenset(names)
+    assert settings.host_names(None) == frozenset(names)
+    # An IPv6 bind address as a Host header names it (brackets) reads as the address itself.
+    assert settings.host_names("FD00::7") == frozenset(names | {"fd00::7"})
+    assert settings.host_names("Sandbox.Local") == frozenset(names | {"sandbox.local"})
 
 
 def test_a_trusted_host_that_is_no_host_name_is_a_clear_error() -> None:

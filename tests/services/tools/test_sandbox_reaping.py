@@ -19,10 +19,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from services.tools.sandbox import SandboxLimits, SandboxRunner, SandboxUnavailable
-from tests.services.tools.sandbox_server import REPO_ROOT, needs_bwrap
+from tests.services.tools.sandbox_driver import zombie_children
+from tests.services.tools.sandbox_server import (
+    REPO_ROOT,
+    free_port,
+    needs_bwrap,
+    subprocess_server,
+    wait_healthy,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -95,6 +103,29 @@ def test_as_a_subreaper_twice_the_process_budget_in_calls() -> None:
     assert_every_call_ran(result)
 
 
+@needs_bwrap
+def test_kpo_sandbox_serve_is_a_subreaper() -> None:
+    """`kpo sandbox serve`, neither PID 1 nor under an init here, makes itself a subreaper:
+    otherwise what its calls leave goes to an init that may never reap it, and the runner,
+    which reaps only as a reaper, leaves it to count against the slot's process budget."""
+    port = free_port()
+    token = "sandbox-reaper-token-0123456789"
+    with subprocess_server(port, {"KPO_SANDBOX_TOKEN": token}) as server:
+        url = f"http://127.0.0.1:{port}"
+        health = wait_healthy(url)
+        assert health["reaps_orphans"] is True, health
+        call = httpx.post(
+            f"{url}/v1/run",
+            json={"code": "print('ran')"},
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=60,
+        )
+        assert (call.status_code, call.json()["output"]) == (200, "ran"), call.text
+        # bwrap's namespace init came to the server as an orphan, and was reaped before the
+        # answer: nothing of the call is left as a zombie of the server.
+        assert zombie_children(server.pid) == []
+
+
 def test_become_subreaper() -> None:
     code = (
         "from services.tools.reaper import become_subreaper, is_reaper\n"
@@ -153,6 +184,31 @@ def test_process_backend_ends_every_process_of_the_calls_uid() -> None:
     result = runner.run(SETSID_GRANDCHILD + "\nimport time; time.sleep(30)", timeout_s=1.0)
     assert result.status == "timeout"
     assert live_processes_of(PROCESS_UID_BASE) == []
+
+
+@needs_root
+def test_process_backend_ends_a_calls_leftovers_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each end of a call's leftovers starts a python as the slot's uid: once per call, whether
+    the code ended on its own (then as soon as it has) or was stopped at its timeout."""
+    runner = SandboxRunner(
+        "process",
+        SandboxLimits(timeout_s=5.0),
+        allow_unsafe_process=True,
+        slots=1,
+        uid_base=PROCESS_UID_BASE,
+    )
+    ends: list[int] = []
+    end_leftovers = runner._end_leftovers
+
+    def counted(slot: int) -> None:
+        ends.append(slot)
+        end_leftovers(slot)
+
+    monkeypatch.setattr(runner, "_end_leftovers", counted)
+    assert runner.run("print(1)").status == "ok"
+    assert ends == [0]
+    assert runner.run("import time; time.sleep(30)", timeout_s=1.0).status == "timeout"
+    assert ends == [0, 0]
 
 
 REFUSAL = """

@@ -17,7 +17,7 @@ import torch
 from services.weights.base import Channel, TensorSpec, WeightGroupError, WeightsManifest
 from services.weights.buckets import plan_buckets
 from services.weights.collective import connect, open_weight_group, stop_serving
-from services.weights.ipc import IpcChannel, cuda_handle_to_wire, cuda_rebuild_args, opened
+from services.weights.ipc import IpcChannel, cuda_handle_to_wire, cuda_rebuild_args, opened_flat
 from services.weights.shared_memory import FILE_PREFIX, shared_dir
 
 HOST = "127.0.0.1"
@@ -197,4 +197,4 @@ def test_a_cuda_handle_crosses_as_json_and_back() -> None:
 
 def test_an_unknown_handle_kind_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown weight handle kind 'rdma'"):
-        opened({"kind": "rdma"}, ())
+        opened_flat({"kind": "rdma"}, 0)

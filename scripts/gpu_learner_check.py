@@ -212,7 +212,8 @@ def environment() -> dict[str, Any]:
     except importlib.metadata.PackageNotFoundError:
         found["triton"] = None
     found["c_compiler"] = compiler("cuda")
-    found["python_h"] = str(python_header()) if python_header() else None
+    header = python_header()
+    found["python_h"] = str(header) if header else None
     found["compile_problem"] = compile_problem("cuda")
     found["varlen_attn"] = varlen_signature()
     return found

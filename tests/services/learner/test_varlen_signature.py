@@ -10,6 +10,7 @@ it such a function (or a broken one) and a CPU device.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -200,20 +201,11 @@ def test_the_probe_passes_a_kernel_that_attends_as_per_row_attention_does(
 
 
 def failing(error: Exception) -> Callable[..., Tensor]:
-    """A kernel of torch 2.10's signature that imports but cannot run here."""
+    """A kernel of torch 2.10's signature (`varlen_attn_2_10`'s: `inspect.signature` follows
+    `__wrapped__`) that imports but cannot run here."""
 
-    def varlen_attn(
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        cu_seq_q: Tensor,
-        cu_seq_k: Tensor,
-        max_q: int,
-        max_k: int,
-        *,
-        return_aux: Any = None,
-        is_causal: bool = False,
-    ) -> Tensor:
+    @functools.wraps(varlen_attn_2_10)
+    def varlen_attn(*args: Any, **kwargs: Any) -> Tensor:
         raise error
 
     return varlen_attn
@@ -241,19 +233,12 @@ def test_the_probe_refuses_a_kernel_that_attends_across_rows(
 ) -> None:
     installed(varlen_attn_2_10)
 
+    @functools.wraps(varlen_attn_2_10)
     def one_sequence(
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        cu_seq_q: Tensor,
-        cu_seq_k: Tensor,
-        max_q: int,
-        max_k: int,
-        *,
-        return_aux: Any = None,
-        is_causal: bool = False,
+        query: Tensor, key: Tensor, value: Tensor, *rest: Any, **options: Any
     ) -> Tensor:
         """Ignores the rows' bounds: every token attends to the earlier rows too."""
+        _, _, max_q, max_k = rest
         whole = torch.tensor([0, query.shape[0]], dtype=torch.int32)
         return varlen_attn_2_10(query, key, value, whole, whole, max_q, max_k, is_causal=True)
 

@@ -168,15 +168,20 @@ print("left behind")
 """
 
 
-@needs_root
-def test_process_backend_ends_every_process_of_the_calls_uid() -> None:
-    runner = SandboxRunner(
+def process_runner() -> SandboxRunner:
+    """The process backend with one slot of its own uid (root only)."""
+    return SandboxRunner(
         "process",
         SandboxLimits(timeout_s=5.0),
         allow_unsafe_process=True,
         slots=1,
         uid_base=PROCESS_UID_BASE,
     )
+
+
+@needs_root
+def test_process_backend_ends_every_process_of_the_calls_uid() -> None:
+    runner = process_runner()
     result = runner.run(SETSID_GRANDCHILD)
     assert (result.status, result.output) == ("ok", "left behind")
     assert live_processes_of(PROCESS_UID_BASE) == []
@@ -190,13 +195,7 @@ def test_process_backend_ends_every_process_of_the_calls_uid() -> None:
 def test_process_backend_ends_a_calls_leftovers_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each end of a call's leftovers starts a python as the slot's uid: once per call, whether
     the code ended on its own (then as soon as it has) or was stopped at its timeout."""
-    runner = SandboxRunner(
-        "process",
-        SandboxLimits(timeout_s=5.0),
-        allow_unsafe_process=True,
-        slots=1,
-        uid_base=PROCESS_UID_BASE,
-    )
+    runner = process_runner()
     ends: list[int] = []
     end_leftovers = runner._end_leftovers
 

@@ -89,6 +89,12 @@ def job_status(launcher: RayJobLauncher, run_id: str) -> JobStatus:
     return status
 
 
+def driver_pid(launcher: RayJobLauncher, submission_id: str) -> int | None:
+    """The pid of the job's driver, once Ray has started it."""
+    info = launcher.client().get_job_info(submission_id).driver_info
+    return int(info.pid) if info is not None and info.pid else None
+
+
 def tiny_run(*overrides: str) -> dict[str, Any]:
     """TINY_RUN with overrides, resolved as the API stores it."""
     spec = RunSpec.model_validate(apply_overrides(TINY_RUN, overrides))

@@ -44,6 +44,7 @@ from services.pipeline.job import run_output_dir
 from services.store import LocalStore, RunRecord, RunStatus, Store
 from tests.services.jobs.ray_support import (
     DRIVER_SLOT,
+    driver_pid,
     final,
     job_status,
     launcher_for,
@@ -202,16 +203,14 @@ def test_a_run_whose_driver_is_killed_is_resubmitted_and_resumes_from_its_checkp
     run = store.create_run(tiny_run("pipeline.steps=8", "pipeline.checkpoint_every=2"))
     launcher.submit(run)
     checkpoints = run_output_dir(head.data_dir, run.id) / "checkpoints"
-    wait_until(lambda: latest_checkpoint(checkpoints), 180, "the run's first checkpoint")
-
-    def driver_pid() -> int | None:
-        info = launcher.client().get_job_info(run.id).driver_info
-        return int(info.pid) if info is not None and info.pid else None
-
-    pid = wait_until(driver_pid, 30, "the driver's pid")
+    pid = wait_until(lambda: driver_pid(launcher, run.id), 120, "the run's driver")
+    # Killed the moment its first checkpoint shows, before a fast machine finishes the run.
+    wait_until(
+        lambda: latest_checkpoint(checkpoints), 180, "the run's first checkpoint", every_s=0.02
+    )
+    os.kill(pid, signal.SIGKILL)  # no checkpoint, no report: the driver is just gone
     assert store.get_run(run.id).status == RunStatus.RUNNING
     assert len(store.read_metrics(run.id)) < 8
-    os.kill(pid, signal.SIGKILL)  # no checkpoint, no report: the driver is just gone
     reconciler = Reconciler(launcher, store, interval_s=0.5)
     done = reconciled_until_final(reconciler, store, run.id, 240)
     assert done.status == RunStatus.SUCCEEDED, done.error

@@ -29,6 +29,7 @@ from services.store import LocalStore, RunStatus
 from tests.services.jobs.ray_support import (
     DRIVER_SLOT,
     HEAD_CPUS,
+    driver_pid,
     final,
     job_status,
     launcher_for,
@@ -169,10 +170,17 @@ def test_a_run_whose_ray_cluster_is_restarted_resumes_on_the_new_one_from_its_ch
             launcher = launcher_for(head, str(store_dir), driver_restarts=1)
             launcher.submit(run)
             checkpoints = run_output_dir(head.data_dir, run.id) / "checkpoints"
-            wait_until(lambda: latest_checkpoint(checkpoints), 180, "the run's first checkpoint")
-            info = launcher.client().get_job_info(run.id).driver_info
-            assert info is not None and info.pid
-            driver = psutil.Process(int(info.pid))
+            pid = wait_until(lambda: driver_pid(launcher, run.id), 120, "the run's driver")
+            driver = psutil.Process(pid)
+            wait_until(
+                lambda: latest_checkpoint(checkpoints),
+                180,
+                "the run's first checkpoint",
+                every_s=0.02,
+            )
+            # Frozen the moment its first checkpoint shows, the driver writes nothing more while
+            # the head stops (seconds, in which a fast machine would otherwise finish the run).
+            driver.suspend()
             # A head pod that dies takes every process in it along, the driver too. Here the
             # driver runs in a session of its own, outside the head's process group, so it is
             # killed as the pod's end would kill it, at once and without a word to the store.

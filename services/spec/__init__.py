@@ -14,8 +14,8 @@ amount of work, memory, disk or scheduling. The bounds are far above what a run 
 on a large GPU cluster asks for; past one, the error names the field and the bound.
 
 One module per section (`task`, `generation`, `reward`, `learner`, `pipeline`, `tracking`,
-`eval`, `tools`); this one holds `RunSpec`, the checks across sections, and re-exports every
-section's names, so `from services.spec import ...` reads as before.
+`eval`, `tools`, `stability`); this one holds `RunSpec`, the checks across sections, and
+re-exports every section's names, so `from services.spec import ...` reads as before.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ from services.spec.generation import BackendName, BackendOption, GenerationConfi
 from services.spec.learner import LearnerConfig, LoraConfig
 from services.spec.pipeline import PipelineConfig
 from services.spec.reward import RewardConfig, VerifierName
+from services.spec.stability import StabilityConfig, StabilityObjectives, StabilityRemedy
 from services.spec.task import ArithTask, DatasetTask, JsonlTask, TaskConfig
 from services.spec.tracking import (
     MlflowTracking,
@@ -108,6 +109,11 @@ class RunSpec(StrictModel):
         default_factory=TrackingConfig,
         description="experiment trackers (W&B, MLflow, TensorBoard) that mirror every metrics "
         "record; none by default",
+    )
+    stability: StabilityConfig = Field(
+        default_factory=StabilityConfig,
+        description="the stability guard: objectives on each step's signals, and what "
+        "breaking one does (warn, rollback, pause, cancel); off by default",
     )
 
     @model_validator(mode="after")
@@ -233,6 +239,9 @@ __all__ = [
     "RewardConfig",
     "RunSpec",
     "SandboxUrl",
+    "StabilityConfig",
+    "StabilityObjectives",
+    "StabilityRemedy",
     "TaskConfig",
     "TensorboardTracking",
     "ToolsConfig",

@@ -1,0 +1,194 @@
+"""The `stability` section: the run's stability guard (off by default).
+
+Per learner step the guard (services/pipeline/guard.py) reads signals the metrics record
+already carries (services/metrics.py) and compares each with an objective: entropy against its
+running baseline and its trend, the clip fraction, the gradient norm against its running median,
+non-finite tokens, the batch reward against its running baseline, held-out accuracy against the
+best seen, and KPO's filtered switch frequency. An objective broken for `patience` consecutive
+evaluations makes the guard act by `action`. Every objective may be null (not checked).
+
+The default bounds are provisional: they are set from the signals' scales in the study's reports
+(docs/results.md) and from the study's collapse criterion (benchmarks/stability_study/
+summary.py), not yet measured on its healthy runs. A later step derives them from the
+distribution of each signal over the study's healthy runs and replaces these numbers.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from kpo_core.config import EstimatorConfig, StrictModel
+from services.spec.bounds import MAX_STALENESS, MAX_STEPS, NameText
+
+# The guard keeps up to this many values per objective and saves them with every checkpoint:
+# 10,000 steps of a signal is far more history than a running median needs, and keeps the
+# saved state of every objective within a few hundred kilobytes.
+MAX_BASELINE_WINDOW = 10_000
+# Each rollback reloads a checkpoint (100 GB for an 8B model with its optimiser state): a run
+# that rolled back 100 times will not become stable on the 101st.
+MAX_ROLLBACKS = 100
+
+
+def estimator_names() -> tuple[str, ...]:
+    """The estimator names `algorithm.estimator.name` accepts, read from kpo_core's union."""
+    union = typing.get_args(EstimatorConfig)[0]
+    return tuple(member.model_fields["name"].default for member in typing.get_args(union))
+
+
+class StabilityRemedy(StrictModel):
+    """What the run changes when it resumes from a rollback; null keeps the run's setting."""
+
+    lr_scale: float | None = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        description="multiply learner.lr by this after a rollback (e.g. 0.5)",
+    )
+    max_staleness: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_STALENESS,
+        description="pipeline.max_staleness after a rollback (fresher batches)",
+    )
+    estimator: NameText | None = Field(
+        None,
+        description="algorithm.estimator.name after a rollback, with that estimator's "
+        "default settings",
+    )
+
+    @field_validator("estimator")
+    @classmethod
+    def _known_estimator(cls, value: str | None) -> str | None:
+        names = estimator_names()
+        if value is not None and value not in names:
+            raise ValueError(f"unknown estimator {value!r}; valid: {', '.join(names)}")
+        return value
+
+
+class StabilityObjectives(StrictModel):
+    """The bounds the guard holds each signal to; null switches an objective off.
+
+    An objective is evaluated only in a record that carries its key (services/metrics.py); a
+    value that is not finite breaks it. Baselines are running medians over the last
+    `baseline_window` steps in which the objective held, so a collapse does not drag its own
+    baseline down.
+    """
+
+    entropy_min_fraction: float | None = Field(
+        0.5,
+        gt=0.0,
+        lt=1.0,
+        allow_inf_nan=False,
+        description="`entropy` below this fraction of its running baseline breaks it",
+    )
+    entropy_slope_min: float | None = Field(
+        -0.02,
+        ge=-1.0,
+        lt=0.0,
+        allow_inf_nan=False,
+        description="the least-squares slope of `entropy` over the last baseline_window "
+        "steps, per step and relative to its running baseline, below this breaks it "
+        "(-0.02: losing 2% of the baseline per step)",
+    )
+    clip_fraction_max: float | None = Field(
+        0.4,
+        ge=0.0,
+        lt=1.0,
+        allow_inf_nan=False,
+        description="`clip_fraction` (tokens whose ratio was clipped) above this breaks it",
+    )
+    grad_norm_max_ratio: float | None = Field(
+        5.0,
+        gt=1.0,
+        allow_inf_nan=False,
+        description="`grad_norm` (before clipping) above this multiple of its running median "
+        "breaks it",
+    )
+    nonfinite_tokens_max: float | None = Field(
+        0.0,
+        ge=0.0,
+        allow_inf_nan=False,
+        description="`nonfinite_tokens` (tokens masked for a NaN/inf log-prob or advantage, "
+        "per pass) above this breaks it",
+    )
+    reward_drop_max: float | None = Field(
+        0.2,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="`reward_mean` more than this below its running baseline (an absolute "
+        "drop, in reward units) breaks it",
+    )
+    held_out_drop_max: float | None = Field(
+        0.05,
+        gt=0.0,
+        le=1.0,
+        allow_inf_nan=False,
+        description="held-out `eval_accuracy_avg_at_k` more than this below the best seen "
+        "breaks it (evaluated in the records an evaluation joins)",
+    )
+    switch_frequency_max: float | None = Field(
+        0.2,
+        ge=0.0,
+        lt=1.0,
+        allow_inf_nan=False,
+        description="KPO only (records with `kalman_gain_mean`): `filtered_switch_frequency` "
+        "above this breaks it; the other estimators' ratio is the token ratio, whose "
+        "switching is the noise KPO filters",
+    )
+
+
+class StabilityConfig(StrictModel):
+    """The stability guard: objectives on each step's signals, and what breaking one does."""
+
+    enabled: bool = Field(False, description="run the guard (off: no objective is checked)")
+    action: Literal["warn", "rollback", "pause", "cancel"] = Field(
+        "warn",
+        description="when an objective has been broken for `patience` steps: warn (log and "
+        "record an event), rollback (resume from the newest healthy checkpoint, then apply "
+        "`remedy`), pause, or cancel the run",
+    )
+    patience: int = Field(
+        3,
+        ge=1,
+        le=MAX_STEPS,
+        description="consecutive broken evaluations of an objective before the guard acts; "
+        "also the clean steps after a checkpoint that make it healthy, and after an action "
+        "that re-arm the guard",
+    )
+    warmup_steps: int = Field(
+        10,
+        ge=0,
+        le=MAX_STEPS,
+        description="first steps whose values only form the baselines: no objective breaks "
+        "in them, except on a value that is not finite",
+    )
+    baseline_window: int = Field(
+        20,
+        ge=3,
+        le=MAX_BASELINE_WINDOW,
+        description="steps of each running median, and of the entropy slope's fit",
+    )
+    max_rollbacks: int = Field(
+        2,
+        ge=0,
+        le=MAX_ROLLBACKS,
+        description="rollbacks of the run; the next broken objective stops it as unstable",
+    )
+    max_healthy_age_steps: int = Field(
+        50,
+        ge=0,
+        le=MAX_STEPS,
+        description="at the first warning of an episode the guard asks for a checkpoint when "
+        "the newest healthy one is older than this many steps (or there is none)",
+    )
+    remedy: StabilityRemedy = Field(
+        default_factory=StabilityRemedy,
+        description="what changes when the run resumes from a rollback",
+    )
+    objectives: StabilityObjectives = Field(
+        default_factory=StabilityObjectives,
+        description="the bounds on each step's signals",
+    )

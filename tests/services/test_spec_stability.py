@@ -1,0 +1,140 @@
+"""The run spec's `stability` section: off by default, strict, bounded, null switches off."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from kpo_core.config import describe_validation_error
+from services.pipeline.specs import SpecError, load_run_spec
+from services.spec import RunSpec, StabilityConfig, StabilityObjectives
+
+RUN_YAML = """\
+name: guarded
+stability:
+  enabled: true
+  action: rollback
+  {line}
+"""
+
+
+def stability_error(stability: dict[str, Any]) -> str:
+    with pytest.raises(ValidationError) as caught:
+        RunSpec.model_validate({"stability": stability})
+    return describe_validation_error(caught.value, "run.yaml")
+
+
+def load(tmp_path: Path, line: str) -> RunSpec:
+    path = tmp_path / "run.yaml"
+    path.write_text(RUN_YAML.format(line=line))
+    return load_run_spec(path)
+
+
+def test_the_guard_is_off_by_default_with_every_objective_on() -> None:
+    stability = RunSpec().stability
+    assert stability == StabilityConfig()
+    assert stability.enabled is False and stability.action == "warn"
+    assert all(value is not None for value in stability.objectives.model_dump().values())
+
+
+def test_a_yaml_run_file_sets_the_section(tmp_path: Path) -> None:
+    spec = load(tmp_path, "objectives: {clip_fraction_max: null, grad_norm_max_ratio: 8}")
+    assert spec.stability.enabled and spec.stability.action == "rollback"
+    assert spec.stability.objectives.clip_fraction_max is None
+    assert spec.stability.objectives.grad_norm_max_ratio == 8.0
+    assert spec.stability.objectives.entropy_min_fraction == 0.5  # the others keep defaults
+
+
+@pytest.mark.parametrize(
+    ("line", "path"),
+    [
+        ("patiense: 3", "stability.patiense"),
+        ("objectives: {entropy_min_fracton: 0.3}", "stability.objectives.entropy_min_fracton"),
+        ("remedy: {lr_scal: 0.5}", "stability.remedy.lr_scal"),
+    ],
+)
+def test_a_key_typo_in_the_section_is_an_error_naming_it(
+    tmp_path: Path, line: str, path: str
+) -> None:
+    with pytest.raises(SpecError) as caught:
+        load(tmp_path, line)
+    assert str(caught.value) == f"{tmp_path / 'run.yaml'}: {path}: Extra inputs are not permitted"
+
+
+@pytest.mark.parametrize(
+    ("stability", "path", "message"),
+    [
+        ({"action": "retry"}, "stability.action", "'warn', 'rollback', 'pause' or 'cancel'"),
+        ({"patience": 0}, "stability.patience", "greater than or equal to 1"),
+        ({"baseline_window": 2}, "stability.baseline_window", "greater than or equal to 3"),
+        ({"max_rollbacks": -1}, "stability.max_rollbacks", "greater than or equal to 0"),
+        ({"remedy": {"lr_scale": 0}}, "stability.remedy.lr_scale", "greater than 0"),
+        ({"remedy": {"lr_scale": 1.5}}, "stability.remedy.lr_scale", "less than or equal to 1"),
+        (
+            {"remedy": {"estimator": "kalmn"}},
+            "stability.remedy.estimator",
+            "unknown estimator 'kalmn'; valid: token, sequence, geometric, kalman, cumulative",
+        ),
+        (
+            {"objectives": {"entropy_slope_min": 0.01}},
+            "stability.objectives.entropy_slope_min",
+            "less than 0",
+        ),
+        (
+            {"objectives": {"grad_norm_max_ratio": 1.0}},
+            "stability.objectives.grad_norm_max_ratio",
+            "greater than 1",
+        ),
+        (
+            {"objectives": {"nonfinite_tokens_max": float("inf")}},
+            "stability.objectives.nonfinite_tokens_max",
+            "finite number",
+        ),
+        (
+            {"objectives": {"reward_drop_max": float("nan")}},
+            "stability.objectives.reward_drop_max",
+            "finite number",
+        ),
+    ],
+)
+def test_bad_values_are_refused_naming_the_field(
+    stability: dict[str, Any], path: str, message: str
+) -> None:
+    error = stability_error(stability)
+    assert error.startswith(f"run.yaml: {path}: "), error
+    assert message in error
+
+
+# (field, the largest value it takes): every count is bounded (services/spec/bounds.py).
+COUNT_BOUNDS = [
+    ("patience", 10_000_000),
+    ("warmup_steps", 10_000_000),
+    ("baseline_window", 10_000),
+    ("max_rollbacks", 100),
+    ("max_healthy_age_steps", 10_000_000),
+]
+
+
+@pytest.mark.parametrize(("field", "limit"), COUNT_BOUNDS)
+def test_every_count_has_an_upper_bound_that_names_the_field(field: str, limit: int) -> None:
+    assert getattr(RunSpec.model_validate({"stability": {field: limit}}).stability, field) == limit
+    error = stability_error({field: limit + 1})
+    assert error == f"run.yaml: stability.{field}: Input should be less than or equal to {limit}"
+
+
+def test_the_remedys_staleness_is_bounded_like_the_pipelines() -> None:
+    spec = RunSpec.model_validate({"stability": {"remedy": {"max_staleness": 256}}})
+    assert spec.stability.remedy.max_staleness == 256
+    error = stability_error({"remedy": {"max_staleness": 257}})
+    assert error == (
+        "run.yaml: stability.remedy.max_staleness: Input should be less than or equal to 256"
+    )
+
+
+def test_every_objective_may_be_switched_off_with_null() -> None:
+    off = dict.fromkeys(StabilityObjectives.model_fields)
+    spec = RunSpec.model_validate({"stability": {"enabled": True, "objectives": off}})
+    assert set(spec.stability.objectives.model_dump().values()) == {None}

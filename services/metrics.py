@@ -535,6 +535,24 @@ FAULTS = Group(
         ),
     ),
 )
+GUARD = Group(
+    "stability guard (only with `stability.enabled`; services/pipeline/guard.py)",
+    (
+        _gauge(
+            "guard_broken_objectives",
+            "kpo_guard_broken_objectives",
+            "objectives",
+            "Stability objectives broken at this step, acted on or not.",
+            _D,
+        ),
+        _counter(
+            "guard_actions_total",
+            "kpo_guard_actions_total",
+            "actions",
+            "Actions the stability guard took in the run (warn, cancel).",
+        ),
+    ),
+)
 THROUGHPUT = Group(
     "throughput",
     (
@@ -644,6 +662,7 @@ GROUPS = (
     RATIO_DIAGNOSTICS,
     STALENESS,
     FAULTS,
+    GUARD,
     THROUGHPUT,
     LEARNER_GROUP,
     TOOLS,
@@ -660,6 +679,8 @@ LEARNER_TOTALS = tuple(
 )
 # Faults the run survived: run totals the driver keeps and writes into every record.
 FAULT_COUNTERS = tuple(metric.key for metric in FAULTS.keys)
+# The stability guard's keys: in the records of a run with `stability.enabled` only.
+GUARD_KEYS = tuple(metric.key for metric in GUARD.keys)
 
 
 def exported(kind: Kind, staged: bool = False) -> tuple[MetricKey, ...]:

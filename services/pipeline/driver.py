@@ -30,11 +30,20 @@ A learner rank that dies takes the attempt with it: every actor is stopped and t
 from its last checkpoint, up to `pipeline.learner_restarts` times. Nothing is trained twice:
 results of the lost attempt are dropped with it. The driver's part of a checkpoint, as written
 and as read back, is services/pipeline/driver_state.py's.
+
+With `stability.enabled` the stability guard (services/pipeline/guard.py) judges each step's
+record before it is emitted; the record gains `guard_broken_objectives` and
+`guard_actions_total`. An action is logged as a warning; `warn` does nothing more, `cancel`
+stops the run as `cancel()` does, with the guard's reason in the final status (`guard`). At the
+first warning of an episode the guard may ask for a checkpoint: with `pipeline.checkpoint_every`
+set and no checkpoint being written, that step is checkpointed. The guard's state is saved with
+every checkpoint and taken over on resume. (`rollback` and `pause` are refused by the spec.)
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -80,6 +89,7 @@ from services.pipeline.driver_state import (
 )
 from services.pipeline.evaluation import Evaluator
 from services.pipeline.faults import ActorFaults
+from services.pipeline.guard import GuardDecision, StabilityGuard
 from services.pipeline.held_out import held_out_prompts
 from services.pipeline.outputs import EVAL_FILE, RunDirectory
 from services.pipeline.prompts import PromptStream, chats_strings
@@ -137,6 +147,7 @@ class RunDriver:
             else None
         )
         self._final_eval: dict[str, float] | None = None
+        self._guard_stop: dict[str, Any] | None = None  # the guard's cancel, for the status
         self._start_from_scratch()
 
     # --- lifecycle --------------------------------------------------------------------------
@@ -149,6 +160,8 @@ class RunDriver:
         self.prompts = PromptStream(self.spec.task, self.spec.seed)
         self._resume_path: Path | None = None
         self._last_checkpoint_step = -1
+        stability = self.spec.stability
+        self.guard = StabilityGuard(stability) if stability.enabled else None
 
     def restore(self) -> int | None:
         """Load the newest complete checkpoint's driver state; its step, or None if none."""
@@ -158,6 +171,13 @@ class RunDriver:
         step, path = found
         state = restore_driver_state(self.spec, read_driver_state(path))
         self.counters, self.prompts, self.buffer = state.counters, state.prompts, state.buffer
+        stability = self.spec.stability
+        if not stability.enabled:
+            self.guard = None
+        elif state.guard is not None:
+            self.guard = StabilityGuard.from_state(stability, state.guard)
+        else:  # a checkpoint of a run without the guard: its baselines start afresh
+            self.guard = StabilityGuard(stability)
         self._resume_path = path
         self._last_checkpoint_step = step
         self.run_dir.keep_metrics_through(step)
@@ -206,6 +226,9 @@ class RunDriver:
             details: dict[str, Any] = {}
             if self._final_eval is not None:
                 details["final_eval"] = self._final_eval
+            if self._cancel and self._guard_stop is not None:
+                details["error"] = f"stability guard: {self._guard_stop['message']}"
+                details["guard"] = self._guard_stop
             self._report_status(state, **details)
             return state
         except CancelRequested:
@@ -573,8 +596,9 @@ class RunDriver:
         if self.evals is not None:
             record.update(self.evals.take_result() or {})
             self.evals.start(self.counters.step, [stream.actor for stream in self._streams])
+        guard_checkpoint = self._judge(record)
         every = self.spec.pipeline.checkpoint_every
-        if every and self.counters.step % every == 0:
+        if every and (self.counters.step % every == 0 or guard_checkpoint):
             # The record waits for the checkpoint: a step recorded at a checkpoint boundary is
             # never lost, even when the learner dies while it is written and the run is then
             # cancelled.
@@ -584,6 +608,39 @@ class RunDriver:
             self._records_after_checkpoint.append(record)
         else:
             self._emit(record)
+
+    def _judge(self, record: MetricsRecord) -> bool:
+        """The stability guard's judgement of the step's `record`, added to it and acted on;
+        whether the guard asks for a checkpoint of this step that can be started now."""
+        if self.guard is None:
+            return False
+        decision = self.guard.observe(record)
+        if decision.action != "none":
+            self.counters.guard_actions_total += 1
+            self._act(decision)
+        record["guard_broken_objectives"] = len(decision.broken)
+        record["guard_actions_total"] = self.counters.guard_actions_total
+        return self.guard.wants_checkpoint(decision.step) and not self._checkpoints.busy
+
+    def _act(self, decision: GuardDecision) -> None:
+        """Carry out the guard's action: log it; `cancel` also stops the run."""
+        # The message names the step, the objective (reason), its key, value, limit and bound.
+        log.warning("stability guard, %s", decision.message)
+        if decision.action == "cancel" and self._guard_stop is None:
+            value = decision.value
+            self._guard_stop = {
+                "action": decision.action,
+                "reason": decision.reason,
+                "step": decision.step,
+                "since": decision.since,
+                "key": decision.key,
+                "value": value if value is not None and math.isfinite(value) else None,
+                "bound": decision.bound,
+                "message": decision.message,
+            }
+            self.cancel()
+        elif decision.action not in ("warn", "cancel"):  # refused by the spec (services/spec)
+            raise RuntimeError(f"stability guard action {decision.action!r} is not available")
 
     def _emit(self, record: MetricsRecord) -> None:
         for observer in self.observers:
@@ -599,8 +656,16 @@ class RunDriver:
             return actors.learner.save_checkpoint(str(path))
 
         in_flight = in_flight_prompts(self._streams, self._pending.values())
+        if self.guard is not None:  # the state saved knows the checkpoint it is saved with
+            self.guard.checkpointed(self.counters.step)
         state = capture_driver_state(
-            self.counters, self._elapsed(), self.prompts, self.buffer, in_flight, self._held_record
+            self.counters,
+            self._elapsed(),
+            self.prompts,
+            self.buffer,
+            in_flight,
+            self._held_record,
+            None if self.guard is None else self.guard.state(),
         )
         self._checkpoints.start(
             self.run_dir.checkpoints,

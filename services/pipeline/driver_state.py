@@ -3,7 +3,8 @@ what a resumed run takes over from the driver to go on where the checkpoint left
 
 It holds the run's counters, the prompt stream's position and the prompts to issue again (those
 handed back, and those still being generated or scored when the checkpoint was taken), every
-buffered group, and the checkpointed step's metrics record while that is not yet emitted.
+buffered group, the checkpointed step's metrics record while that is not yet emitted, and the
+stability guard's state (`StabilityGuard.state()`) in a run with the guard on.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class DriverState:
     buffer: RolloutBuffer
     # The checkpointed step's record, if the checkpoint holds it (JSON-safe, as written).
     record: MetricsRecord | None
+    # The stability guard's state, if the run that wrote the checkpoint had the guard on.
+    guard: dict[str, Any] | None = None
 
 
 def in_flight_prompts(
@@ -59,11 +62,13 @@ def capture_driver_state(
     buffer: RolloutBuffer,
     in_flight: Sequence[Prompt],
     record: MetricsRecord | None,
+    guard: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The driver's state as a checkpoint stores it (JSON-ready), taken between learner steps.
 
     `elapsed_seconds` is the run's wall time so far, `in_flight` the prompts being generated or
-    scored, and `record` the step's metrics record that waits for this checkpoint, if any.
+    scored, `record` the step's metrics record that waits for this checkpoint, if any, and
+    `guard` the stability guard's state (JSON), if the guard is on.
     """
     counters = Counters(**asdict(counters))  # a copy: the run's own go on counting
     counters.elapsed_seconds = elapsed_seconds
@@ -77,6 +82,8 @@ def capture_driver_state(
     }
     if record is not None:  # the step's record, for a driver killed before it emitted it
         state["record"] = json_safe_record(record)
+    if guard is not None:
+        state["guard"] = guard
     return state
 
 
@@ -95,4 +102,4 @@ def restore_driver_state(spec: RunSpec, state: dict[str, Any]) -> DriverState:
     # The buffer's drop tallies go on from the run's, as the counters are read from them.
     buffer.dropped_groups = counters.groups_dropped_stale
     buffer.dropped_responses = counters.rollouts_dropped_stale
-    return DriverState(counters, prompts, buffer, state.get("record"))
+    return DriverState(counters, prompts, buffer, state.get("record"), state.get("guard"))

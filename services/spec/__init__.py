@@ -174,6 +174,25 @@ class RunSpec(StrictModel):
         ]
         raise ValidationError.from_exception_data("RunSpec", errors)
 
+    @model_validator(mode="after")
+    def _guard_actions_available(self) -> RunSpec:
+        # The driver carries out `warn` and `cancel`; rolling back to a healthy checkpoint and
+        # pausing a run come later. A guard that would decide them is refused now, rather than
+        # a run that meets its first broken objective without a way to act on it.
+        action = self.stability.action
+        if action not in ("rollback", "pause"):
+            return self
+        message = (
+            "{action} is not available yet: the run driver carries out the guard's warn and "
+            "cancel only; set warn or cancel"
+        )
+        error = InitErrorDetails(
+            type=PydanticCustomError("guard_action", message, {"action": action}),
+            loc=("stability", "action"),
+            input=action,
+        )
+        raise ValidationError.from_exception_data("RunSpec", [error])
+
     @property
     def overlaps_publish(self) -> bool:
         """Whether each publish runs beside the next learner step (`pipeline.overlap_publish`

@@ -148,7 +148,8 @@ class StabilityConfig(StrictModel):
         "warn",
         description="when an objective has been broken for `patience` steps: warn (log and "
         "record an event), rollback (resume from the newest healthy checkpoint, then apply "
-        "`remedy`), pause, or cancel the run",
+        "`remedy`), pause, or cancel the run; rollback and pause are not available yet "
+        "(refused by the run spec)",
     )
     patience: int = Field(
         3,

@@ -24,6 +24,7 @@ from services.metrics import (
     BY_KEY,
     EVAL_KEYS,
     FAULT_COUNTERS,
+    GUARD_KEYS,
     LEARNER_TOTALS,
     RECORD,
     TOOL_KEYS,
@@ -87,6 +88,8 @@ EXPORTED = {
     ("counter", "kpo_verifier_replacements_total", "verifier_replacements"),
     ("counter", "kpo_rescored_groups_total", "rescored_groups"),
     ("counter", "kpo_unverified_groups_total", "unverified_groups"),
+    ("gauge", "kpo_guard_broken_objectives", "guard_broken_objectives"),
+    ("counter", "kpo_guard_actions_total", "guard_actions_total"),
     ("histogram", "kpo_learner_step_seconds", "step_seconds"),
     ("gauge", "kpo_learner_idle_seconds", "learner_idle_seconds"),
     ("histogram", "kpo_generation_batch_seconds", "generation_batch_seconds"),
@@ -149,11 +152,25 @@ def test_the_driver_writes_exactly_the_keys_declared_as_its_own(tmp_path: Path) 
     (record,) = run_dir.read_metrics()
     added = record.keys() - learner_part.keys()
     # The evaluation's keys join a record only after an evaluation (`eval`, off here), the
-    # tools' only in a run with tools.
-    assert added == declared(Source.DRIVER) - set(EVAL_KEYS) - set(TOOL_KEYS)
+    # tools' only in a run with tools, the guard's only with `stability.enabled`.
+    assert added == declared(Source.DRIVER) - set(EVAL_KEYS) - set(TOOL_KEYS) - set(GUARD_KEYS)
     # The run totals the driver keeps, from the constants it reads them by.
     assert {*FAULT_COUNTERS, *(f"{key}_total" for key in LEARNER_TOTALS)} <= added
     assert record["nonfinite_rewards_total"] == 1.0  # summed from the learner's count
+
+
+def test_a_guarded_run_records_the_guards_keys(tmp_path: Path) -> None:
+    run_dir = RunDirectory(tmp_path)
+    spec = tiny_spec("pipeline.checkpoint_every=0", "stability.enabled=true")
+    run = driver.RunDriver(spec, run_dir, [])
+    call = driver.LearnerCall(time.perf_counter())
+    run._on_trained(SimpleNamespace(generation=[]), call, {"tokens_trained": 6.0})
+
+    (record,) = run_dir.read_metrics()
+    assert {key: record[key] for key in GUARD_KEYS} == {
+        "guard_broken_objectives": 0,
+        "guard_actions_total": 0,
+    }
 
 
 def test_a_run_with_tools_records_the_tool_keys_of_its_batch(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ RUN_YAML = """\
 name: guarded
 stability:
   enabled: true
-  action: rollback
+  action: cancel
   {line}
 """
 
@@ -42,7 +42,7 @@ def test_the_guard_is_off_by_default_with_every_objective_on() -> None:
 
 def test_a_yaml_run_file_sets_the_section(tmp_path: Path) -> None:
     spec = load(tmp_path, "objectives: {clip_fraction_max: null, grad_norm_max_ratio: 8}")
-    assert spec.stability.enabled and spec.stability.action == "rollback"
+    assert spec.stability.enabled and spec.stability.action == "cancel"
     assert spec.stability.objectives.clip_fraction_max is None
     assert spec.stability.objectives.grad_norm_max_ratio == 8.0
     assert spec.stability.objectives.entropy_min_fraction == 0.5  # the others keep defaults
@@ -106,6 +106,21 @@ def test_bad_values_are_refused_naming_the_field(
     error = stability_error(stability)
     assert error.startswith(f"run.yaml: {path}: "), error
     assert message in error
+
+
+@pytest.mark.parametrize("action", ["rollback", "pause"])
+@pytest.mark.parametrize("enabled", [True, False])
+def test_actions_the_driver_does_not_carry_out_yet_are_refused(action: str, enabled: bool) -> None:
+    error = stability_error({"enabled": enabled, "action": action})
+    assert error == (
+        f"run.yaml: stability.action: {action} is not available yet: the run driver carries "
+        "out the guard's warn and cancel only; set warn or cancel"
+    )
+
+
+@pytest.mark.parametrize("action", ["warn", "cancel"])
+def test_warn_and_cancel_are_accepted(action: str) -> None:
+    assert RunSpec.model_validate({"stability": {"action": action}}).stability.action == action
 
 
 # (field, the largest value it takes): every count is bounded (services/spec/bounds.py).

@@ -1,0 +1,132 @@
+"""The stability guard in the run driver: its keys in each record, warn and cancel on a real
+local Ray run with the tiny model, and its state carried by the driver's checkpoints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.pipeline.buffer import RolloutBuffer
+from services.pipeline.calls import Counters
+from services.pipeline.checkpoints import checkpoint_name, latest_checkpoint, read_driver_state
+from services.pipeline.driver import RunDriver
+from services.pipeline.driver_state import capture_driver_state, restore_driver_state
+from services.pipeline.guard import StabilityGuard
+from services.pipeline.launch import execute_run
+from services.pipeline.outputs import RunDirectory, read_metrics
+from services.pipeline.prompts import PromptStream
+from tests.services.pipeline.conftest import tiny_spec
+
+# Objectives no run keeps: any clipped token, any drop of entropy or reward from its baseline,
+# any rise of the gradient norm over its median breaks one, acted on at once.
+MUST_BREAK = (
+    "stability.enabled=true",
+    "stability.patience=1",
+    "stability.warmup_steps=0",
+    "stability.objectives.clip_fraction_max=0.0",
+    "stability.objectives.entropy_min_fraction=0.999",
+    "stability.objectives.grad_norm_max_ratio=1.0001",
+    "stability.objectives.reward_drop_max=1.0e-9",
+)
+
+
+def status_of(out: Path) -> dict[str, Any]:
+    return json.loads((out / "status.json").read_text())
+
+
+@pytest.mark.usefixtures("ray_instance")
+@pytest.mark.timeout(300)
+class TestGuardedRuns:
+    def test_warn_records_the_action_and_the_run_succeeds(self, tmp_path: Path) -> None:
+        spec = tiny_spec(
+            *MUST_BREAK,
+            "stability.action=warn",
+            "pipeline.steps=4",
+            "pipeline.checkpoint_every=10",
+            "pipeline.keep_checkpoints=10",
+        )
+        assert execute_run(spec, RunDirectory(tmp_path)) == "succeeded"
+        records = read_metrics(tmp_path)
+        assert [r["step"] for r in records] == [1, 2, 3, 4]
+        actions = [r["guard_actions_total"] for r in records]
+        assert actions[-1] >= 1 and actions == sorted(actions)
+        # The first step with a broken objective opened an episode and asked for a checkpoint
+        # (none was healthy): the driver wrote one there, besides the final one.
+        first = next(r["step"] for r in records if r["guard_broken_objectives"] > 0)
+        assert (tmp_path / "checkpoints" / checkpoint_name(first)).is_dir()
+        found = latest_checkpoint(tmp_path / "checkpoints")
+        assert found is not None and found[0] == 4
+        guard = read_driver_state(found[1])["guard"]  # saved with the driver's state
+        assert guard["seen"] == 4 and guard["last_checkpoint"] == 4
+        assert status_of(tmp_path)["state"] == "succeeded"
+        # A driver resuming from it takes the guard over as it was, and the actions' count.
+        resumed = RunDriver(spec, RunDirectory(tmp_path), [])
+        assert resumed.restore() == 4
+        assert resumed.guard is not None and resumed.guard.state() == guard
+        assert resumed.counters.guard_actions_total == actions[-1]
+
+    def test_cancel_ends_the_run_cancelled_with_the_guards_reason(self, tmp_path: Path) -> None:
+        spec = tiny_spec(*MUST_BREAK, "stability.action=cancel", "pipeline.steps=20")
+        assert execute_run(spec, RunDirectory(tmp_path)) == "cancelled"
+        records = read_metrics(tmp_path)
+        assert records[-1]["guard_actions_total"] == 1
+        assert records[-1]["step"] < 20
+        status = status_of(tmp_path)
+        assert status["state"] == "cancelled"
+        guard = status["guard"]
+        assert guard["action"] == "cancel"
+        assert guard["reason"] in spec.stability.objectives.model_dump()
+        assert guard["bound"] is not None and guard["step"] <= records[-1]["step"]
+        acted = next(r for r in records if r["guard_actions_total"] == 1)
+        assert guard["step"] == acted["step"]
+        assert status["error"].startswith("stability guard: ")
+        assert guard["reason"] in status["error"]
+
+    def test_default_objectives_fire_nothing_on_a_normal_run(self, tmp_path: Path) -> None:
+        spec = tiny_spec("stability.enabled=true", "stability.warmup_steps=1", "pipeline.steps=5")
+        assert execute_run(spec, RunDirectory(tmp_path)) == "succeeded"
+        records = read_metrics(tmp_path)
+        assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+        assert all(r["guard_actions_total"] == 0 for r in records)
+
+
+def test_the_guards_state_round_trips_through_the_driver_state() -> None:
+    spec = tiny_spec(*MUST_BREAK)
+    guard = StabilityGuard(spec.stability)
+    for step, entropy in enumerate([1.0, 1.1, 0.5, 0.4], start=1):
+        guard.observe({"step": step, "entropy": entropy, "clip_fraction": 0.1 * step})
+    guard.checkpointed(4)
+    state = capture_driver_state(
+        Counters(step=4, guard_actions_total=1),
+        1.0,
+        PromptStream(spec.task, spec.seed),
+        RolloutBuffer(spec.pipeline.buffer_groups, spec.pipeline.max_staleness),
+        [],
+        None,
+        guard.state(),
+    )
+    restored = restore_driver_state(spec, json.loads(json.dumps(state)))
+    assert restored.guard is not None
+    assert restored.counters.guard_actions_total == 1
+    again = StabilityGuard.from_state(spec.stability, restored.guard)
+    assert again.state() == guard.state()
+    # Both judge the next step alike.
+    record = {"step": 5, "entropy": 0.3, "clip_fraction": 0.0}
+    assert again.observe(record) == guard.observe(record)
+
+
+def test_a_driver_state_without_the_guard_restores_none() -> None:
+    spec = tiny_spec()
+    state = capture_driver_state(
+        Counters(),
+        0.0,
+        PromptStream(spec.task, spec.seed),
+        RolloutBuffer(spec.pipeline.buffer_groups, spec.pipeline.max_staleness),
+        [],
+        None,
+    )
+    assert "guard" not in state
+    assert restore_driver_state(spec, state).guard is None

@@ -549,7 +549,21 @@ GUARD = Group(
             "guard_actions_total",
             "kpo_guard_actions_total",
             "actions",
-            "Actions the stability guard took in the run (warn, cancel).",
+            "Actions the stability guard took in the run (warn, rollback, cancel, stop).",
+        ),
+        _gauge(
+            "guard_rollbacks",
+            "kpo_guard_rollbacks",
+            "rollbacks",
+            "Rollbacks of the run so far (stability.max_rollbacks at most).",
+            _D,
+        ),
+        _counter(
+            "rollouts_rolled_back_total",
+            "kpo_rollouts_rolled_back_total",
+            "responses",
+            "Responses sampled after the checkpoint a rollback returned to: dropped, whether "
+            "trained on, buffered or in flight.",
         ),
     ),
 )

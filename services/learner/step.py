@@ -93,6 +93,15 @@ def linear_warmup(warmup_steps: int) -> Callable[[int], float]:
     return factor
 
 
+def set_base_lr(scheduler: LambdaLR, lr: float) -> None:
+    """Make `lr` the schedule's base rate, at the point of the schedule it has reached."""
+    scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
+    for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+        group["initial_lr"] = lr
+        group["lr"] = lr * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+
+
 class MicroBatchTooLarge(RuntimeError):
     """A micro-batch's forward or backward ran out of device memory (the message says which
     setting to change, and to what)."""
@@ -750,5 +759,8 @@ class LearnerCore:
         state = checkpoint.load_checkpoint(
             path, self.model.policy, self._training_state(), adapters_only=adapters
         )
+        # The schedule's base rate comes back from the checkpoint; the run's spec says what it
+        # is now (the same, unless a rollback's remedy or a resume's patch changed learner.lr).
+        set_base_lr(self.scheduler, self.learner.lr)
         self._version, self._steps = state.version, state.steps
         return self._version

@@ -44,6 +44,7 @@ class Counters:
     extreme_ratio_tokens_total: float = 0.0
     skipped_minibatches_total: float = 0.0
     guard_actions_total: int = 0  # actions of the stability guard (services/pipeline/guard.py)
+    rollouts_rolled_back_total: int = 0  # sampled after a rollback's checkpoint: dropped
 
     def faults(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in FAULT_COUNTERS}

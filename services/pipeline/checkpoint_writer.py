@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,7 @@ class CheckpointWriter:
         driver_state: dict[str, Any],
         write_learner: Callable[[Path], Callable[[], object]],
         keep: int,
+        protect: Collection[int] = (),
     ) -> None:
         """Write checkpoint `step` under `root` in the background (`driver_state` is final).
 
@@ -80,7 +81,7 @@ class CheckpointWriter:
             wait_for_learner()
             self._learner_written.set()
             finish_checkpoint(root, step, tmp, driver_state)
-            prune_checkpoints(root, keep)
+            prune_checkpoints(root, keep, protect)
             return step
 
         self._future = self._pool.submit(write)

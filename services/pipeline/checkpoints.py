@@ -24,7 +24,7 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -175,12 +175,34 @@ def latest_checkpoint(root: Path) -> tuple[int, Path] | None:
     return None
 
 
-def prune_checkpoints(root: Path, keep: int) -> None:
-    """Delete all but the newest `keep` checkpoints, and leftovers of interrupted writes."""
+def prune_checkpoints(root: Path, keep: int, protect: Collection[int] = ()) -> None:
+    """Delete all but the newest `keep` checkpoints and those of the steps in `protect` (the
+    stability guard's healthy one), and leftovers of interrupted writes."""
     for leftover in root.glob(".tmp-*"):
         shutil.rmtree(leftover, ignore_errors=True)
-    for _, path in list_checkpoints(root)[:-keep]:
-        shutil.rmtree(path, ignore_errors=True)
+    for step, path in list_checkpoints(root)[:-keep]:
+        if step not in protect:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def discard_checkpoints_after(root: Path, step: int) -> list[int]:
+    """Delete the checkpoints of steps after `step` (a rollback's abandoned steps: a resume
+    must never pick one); the steps deleted."""
+    discarded = []
+    for at, path in list_checkpoints(root):
+        if at > step:
+            shutil.rmtree(path, ignore_errors=True)
+            discarded.append(at)
+    return discarded
+
+
+def checkpoint_at(root: Path, step: int) -> Path:
+    """The complete checkpoint of `step` (FileNotFoundError naming what is wrong otherwise)."""
+    path = root / checkpoint_name(step)
+    problem = verify_checkpoint(path) if path.is_dir() else "it is not there"
+    if problem is not None:
+        raise FileNotFoundError(f"checkpoint {path} cannot be resumed from: {problem}")
+    return path
 
 
 def read_driver_state(path: Path) -> dict[str, Any]:

@@ -32,12 +32,18 @@ results of the lost attempt are dropped with it. The driver's part of a checkpoi
 and as read back, is services/pipeline/driver_state.py's.
 
 With `stability.enabled` the stability guard (services/pipeline/guard.py) judges each step's
-record before it is emitted; the record gains `guard_broken_objectives` and
-`guard_actions_total`. An action is logged as a warning; `warn` does nothing more, `cancel`
-stops the run as `cancel()` does, with the guard's reason in the final status (`guard`). At the
-first warning of an episode the guard may ask for a checkpoint: with `pipeline.checkpoint_every`
-set and no checkpoint being written, that step is checkpointed. The guard's state is saved with
-every checkpoint and taken over on resume. (`rollback` and `pause` are refused by the spec.)
+record before it is emitted; the record gains the guard's keys (services/metrics.py's GUARD).
+An action is logged as a warning; `warn` does nothing more, `cancel` stops the run as `cancel()`
+does, with the guard's reason in the final status (`guard`). `rollback` ends the attempt as a
+learner death does and starts the next one from the newest checkpoint the guard judged healthy
+(from step 0 if none is): checkpoints after it are deleted, every rollout sampled after it is
+dropped (counted in `rollouts_rolled_back_total`) and its prompts are issued again, and the run
+trains on with `RunSpec.remedied` (the remedy once more per rollback). Past
+`stability.max_rollbacks` the run stops and fails as unstable. At the first warning of an
+episode the guard may ask for a checkpoint: with `pipeline.checkpoint_every` set and no
+checkpoint being written, that step is checkpointed. The guard's state is saved with every
+checkpoint and taken over on resume, so a resumed run trains with the remedies of its
+rollbacks. (`pause` is refused by the spec.)
 """
 
 from __future__ import annotations
@@ -77,7 +83,9 @@ from services.pipeline.calls import (
 from services.pipeline.checkpoint_writer import CheckpointWriter
 from services.pipeline.checkpoints import (
     LEARNER_DIR,
+    checkpoint_at,
     checkpoint_name,
+    discard_checkpoints_after,
     latest_checkpoint,
     read_driver_state,
 )
@@ -112,12 +120,22 @@ POLL_SECONDS = 5.0  # longest a worker's next_groups waits before answering with
 __all__ = ["FaultBudgetExhausted", "GenerationFailed", "RunDriver"]
 
 
+class RollbackRequested(Exception):
+    """The stability guard decided a rollback: the loop unwinds to `RunDriver.run`, which
+    starts the next attempt from the guard's healthy checkpoint."""
+
+    def __init__(self, decision: GuardDecision) -> None:
+        super().__init__(decision.message)
+        self.decision = decision
+
+
 class RunDriver:
     """Drives one run to `spec.pipeline.steps` learner steps, reporting to `observers`."""
 
     def __init__(
         self, spec: RunSpec, run_dir: RunDirectory, observers: Sequence[RunObserver]
     ) -> None:
+        self.submitted_spec = spec  # as submitted; `spec` is it with the rollbacks' remedies
         self.spec = spec
         self.run_dir = run_dir
         self.observers = [run_dir, *observers]
@@ -163,21 +181,31 @@ class RunDriver:
         stability = self.spec.stability
         self.guard = StabilityGuard(stability) if stability.enabled else None
 
-    def restore(self) -> int | None:
-        """Load the newest complete checkpoint's driver state; its step, or None if none."""
-        found = latest_checkpoint(self.run_dir.checkpoints)
-        if found is None:
-            return None
-        step, path = found
-        state = restore_driver_state(self.spec, read_driver_state(path))
+    def restore(self, at_step: int | None = None) -> int | None:
+        """Load the driver state of the checkpoint of `at_step` (default: the newest complete
+        one); its step, or None if there is none."""
+        if at_step is None:
+            found = latest_checkpoint(self.run_dir.checkpoints)
+            if found is None:
+                return None
+            step, path = found
+        else:
+            step, path = at_step, checkpoint_at(self.run_dir.checkpoints, at_step)
+        saved = read_driver_state(path)
+        stability = self.submitted_spec.stability
+        guard = None
+        if stability.enabled:  # a checkpoint of a run without the guard starts it afresh
+            found_guard = saved.get("guard")
+            guard = (
+                StabilityGuard(stability)
+                if found_guard is None
+                else StabilityGuard.from_state(stability, found_guard)
+            )
+        # The run trains on as its rollbacks left it (each one's remedy), in this attempt too.
+        self.guard = guard
+        self.spec = self.submitted_spec.remedied(0 if guard is None else guard.rollbacks)
+        state = restore_driver_state(self.spec, saved)
         self.counters, self.prompts, self.buffer = state.counters, state.prompts, state.buffer
-        stability = self.spec.stability
-        if not stability.enabled:
-            self.guard = None
-        elif state.guard is not None:
-            self.guard = StabilityGuard.from_state(stability, state.guard)
-        else:  # a checkpoint of a run without the guard: its baselines start afresh
-            self.guard = StabilityGuard(stability)
         self._resume_path = path
         self._last_checkpoint_step = step
         self.run_dir.keep_metrics_through(step)
@@ -222,6 +250,9 @@ class RunDriver:
                             log.warning("the learner died during the cancel: %s", error)
                             break
                         actors, resumed_step = self._restart_from_checkpoint(actors, error)
+                    except RollbackRequested as rollback:
+                        self._checkpoints.abandon()
+                        actors, resumed_step = self._roll_back(actors, rollback.decision)
             state: RunState = "cancelled" if self._cancel else "succeeded"
             details: dict[str, Any] = {}
             if self._final_eval is not None:
@@ -229,6 +260,8 @@ class RunDriver:
             if self._cancel and self._guard_stop is not None:
                 details["error"] = f"stability guard: {self._guard_stop['message']}"
                 details["guard"] = self._guard_stop
+                if self._guard_stop["action"] == "stop_unstable":
+                    state = "failed"  # unstable: its rollbacks did not make it stable
             self._report_status(state, **details)
             return state
         except CancelRequested:
@@ -289,23 +322,8 @@ class RunDriver:
                 f"the learner died again after {allowed} restarts "
                 f"(pipeline.learner_restarts): {type(error).__name__}: {error}"
             ) from error
-        elapsed = self._elapsed()
-        actors.kill()
-        self._pending.clear()
-        self._held_record = None
-        self._records_after_checkpoint.clear()
-        self._publish_due = False
-        self.weights.reset()
-        if self.evals is not None:
-            self.evals.reset()
-        resumed_step = self.restore()
-        if resumed_step is None:
-            self._start_from_scratch()
-            self.run_dir.keep_metrics_through(0)
         faults["learner_restarts"] += 1
-        for name, value in faults.items():
-            setattr(self.counters, name, value)
-        self.counters.elapsed_seconds, self._started = elapsed, time.perf_counter()
+        resumed_step = self._end_attempt(actors, None, faults)
         log.warning(
             "the learner died (%s); restart %d of %d from %s",
             type(error).__name__,
@@ -319,6 +337,76 @@ class RunDriver:
             actors=self.supervisor.pids,
             resumed_from=resumed_step if resumed_step is not None else 0,
             learner_restarts=faults["learner_restarts"],
+        )
+        return actors, resumed_step
+
+    def _end_attempt(
+        self, actors: RunActors, at_step: int | None, carried: dict[str, int]
+    ) -> int | None:
+        """Stop this attempt's actors and drop what it had in flight, then restore the
+        checkpoint of `at_step` (default: the newest; step 0 where there is none) with the run
+        totals in `carried` kept as they are now. Returns the step restored (None: step 0)."""
+        elapsed = self._elapsed()
+        actors.kill()
+        self._pending.clear()
+        self._held_record = None
+        self._records_after_checkpoint.clear()
+        self._publish_due = False
+        self.weights.reset()
+        if self.evals is not None:
+            self.evals.reset()
+        resumed_step = self.restore(at_step)
+        if resumed_step is None:
+            self._start_from_scratch()
+            self.run_dir.keep_metrics_through(0)
+        for name, value in carried.items():
+            setattr(self.counters, name, value)
+        self.counters.elapsed_seconds, self._started = elapsed, time.perf_counter()
+        return resumed_step
+
+    def _roll_back(
+        self, actors: RunActors, decision: GuardDecision
+    ) -> tuple[RunActors, int | None]:
+        """The guard decided a rollback: end this attempt and go on from its healthy
+        checkpoint (step 0 where none is healthy), with the remedy applied once more."""
+        target = decision.rollback_to
+        issued = self.counters.groups_issued
+        carried = {
+            **self.counters.faults(),
+            "guard_actions_total": self.counters.guard_actions_total,
+            "rollouts_rolled_back_total": self.counters.rollouts_rolled_back_total,
+        }
+        discarded = discard_checkpoints_after(self.run_dir.checkpoints, target or 0)
+        resumed_step = self._end_attempt(actors, target, carried)
+        if resumed_step is None:  # the guard of step 0 starts afresh: it counts rollbacks on
+            self.guard = StabilityGuard(self.submitted_spec.stability)
+        assert self.guard is not None  # a rollback is the guard's
+        self.guard.rolled_back(resumed_step, decision.rollbacks)
+        self.spec = self.submitted_spec.remedied(decision.rollbacks)
+        self.buffer.max_staleness = self.spec.pipeline.max_staleness
+        # Every group asked of generation since that checkpoint is dropped: trained on,
+        # buffered or in flight. Their prompts come again from the restored stream.
+        dropped = (issued - self.counters.groups_issued) * self.spec.generation.group_size
+        self.counters.rollouts_rolled_back_total += dropped
+        log.warning(
+            "stability guard: rollback %d of %d to %s (checkpoints %s deleted); %d rollouts "
+            "sampled after it dropped; training on with lr %.6g, max_staleness %d, "
+            "estimator %s",
+            decision.rollbacks,
+            self.spec.stability.max_rollbacks,
+            "step 0" if resumed_step is None else f"the checkpoint of step {resumed_step}",
+            discarded or "none",
+            dropped,
+            self.spec.learner.lr,
+            self.spec.pipeline.max_staleness,
+            self.spec.algorithm.estimator.name,
+        )
+        actors = self._start_actors()
+        self._report_status(
+            "running",
+            actors=self.supervisor.pids,
+            resumed_from=resumed_step if resumed_step is not None else 0,
+            guard=self._guard_details(decision),
         )
         return actors, resumed_step
 
@@ -620,27 +708,38 @@ class RunDriver:
             self._act(decision)
         record["guard_broken_objectives"] = len(decision.broken)
         record["guard_actions_total"] = self.counters.guard_actions_total
+        record["guard_rollbacks"] = self.guard.rollbacks
+        record["rollouts_rolled_back_total"] = self.counters.rollouts_rolled_back_total
         return self.guard.wants_checkpoint(decision.step) and not self._checkpoints.busy
 
     def _act(self, decision: GuardDecision) -> None:
-        """Carry out the guard's action: log it; `cancel` also stops the run."""
+        """Carry out the guard's action: log it; `cancel` and `stop_unstable` also stop the
+        run, `rollback` unwinds the loop to `run` (RollbackRequested)."""
         # The message names the step, the objective (reason), its key, value, limit and bound.
         log.warning("stability guard, %s", decision.message)
-        if decision.action == "cancel" and self._guard_stop is None:
-            value = decision.value
-            self._guard_stop = {
-                "action": decision.action,
-                "reason": decision.reason,
-                "step": decision.step,
-                "since": decision.since,
-                "key": decision.key,
-                "value": value if value is not None and math.isfinite(value) else None,
-                "bound": decision.bound,
-                "message": decision.message,
-            }
+        if decision.action == "rollback":
+            raise RollbackRequested(decision)
+        if decision.action in ("cancel", "stop_unstable") and self._guard_stop is None:
+            self._guard_stop = self._guard_details(decision)
             self.cancel()
-        elif decision.action not in ("warn", "cancel"):  # refused by the spec (services/spec)
+        elif decision.action not in ("warn", "cancel", "stop_unstable"):  # refused by the spec
             raise RuntimeError(f"stability guard action {decision.action!r} is not available")
+
+    @staticmethod
+    def _guard_details(decision: GuardDecision) -> dict[str, Any]:
+        """The guard's action as the run's status reports it (JSON)."""
+        value = decision.value
+        return {
+            "action": decision.action,
+            "reason": decision.reason,
+            "step": decision.step,
+            "since": decision.since,
+            "key": decision.key,
+            "value": value if value is not None and math.isfinite(value) else None,
+            "bound": decision.bound,
+            "rollbacks": decision.rollbacks,
+            "message": decision.message,
+        }
 
     def _emit(self, record: MetricsRecord) -> None:
         for observer in self.observers:
@@ -673,6 +772,8 @@ class RunDriver:
             state,
             write_learner,
             self.spec.pipeline.keep_checkpoints,
+            # A rollback returns to the guard's healthy checkpoint: never pruned.
+            protect=() if self.guard is None else self.guard.kept_checkpoints(),
         )
 
     def _on_checkpointed(self) -> None:

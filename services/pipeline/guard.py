@@ -385,9 +385,29 @@ class StabilityGuard:
         last = self._last_checkpoint
         self._last_checkpoint = step if last is None else max(last, step)
 
+    def rolled_back(self, step: int | None, rollbacks: int) -> None:
+        """The run went back to the checkpoint of `step` (None: to the start), this guard being
+        the one saved with it; `rollbacks`: the run's rollbacks, this one included. That
+        checkpoint is the healthy one, the episode that acted is closed, and newer checkpoints
+        are gone with the steps they held."""
+        self._rollbacks = rollbacks
+        self._episode_start, self._fired, self._clean_run = None, False, 0
+        self._pending = []  # older than the healthy one: they no longer matter
+        self._healthy = step
+        self._last_checkpoint = step
+        self._last_step = step
+        for track in self._tracks.values():
+            track.streak, track.since = 0, None
+
     def healthy_checkpoint(self) -> int | None:
         """The newest checkpoint followed by `patience` steps with no objective open."""
         return self._healthy
+
+    def kept_checkpoints(self) -> tuple[int, ...]:
+        """The checkpoints a rollback may still return to: the healthy one, and those not yet
+        judged (pruning them could leave none healthy when one becomes so)."""
+        healthy = () if self._healthy is None else (self._healthy,)
+        return (*healthy, *self._pending)
 
     def wants_checkpoint(self, step: int) -> bool:
         """Whether the driver should write a checkpoint after `step`: the first warning of an

@@ -20,7 +20,7 @@ re-exports every section's names, so `from services.spec import ...` reads as be
 
 from __future__ import annotations
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from kpo_core.config import AlgorithmConfig, StrictModel
@@ -73,6 +73,9 @@ from services.tools.config import (
     SandboxUrl,
     ToolsConfig,
 )
+
+# The validation context of a spec made by `RunSpec.remedied`.
+REMEDIED = "remedied"
 
 
 class RunSpec(StrictModel):
@@ -176,15 +179,14 @@ class RunSpec(StrictModel):
 
     @model_validator(mode="after")
     def _guard_actions_available(self) -> RunSpec:
-        # The driver carries out `warn` and `cancel`; rolling back to a healthy checkpoint and
-        # pausing a run come later. A guard that would decide them is refused now, rather than
-        # a run that meets its first broken objective without a way to act on it.
+        # Pausing a run for an operator comes later: a guard that would decide it is refused
+        # now, rather than a run that meets its first broken objective without a way to act.
         action = self.stability.action
-        if action not in ("rollback", "pause"):
+        if action != "pause":
             return self
         message = (
-            "{action} is not available yet: the run driver carries out the guard's warn and "
-            "cancel only; set warn or cancel"
+            "{action} is not available yet: the run driver carries out the guard's warn, "
+            "rollback and cancel; set one of those"
         )
         error = InitErrorDetails(
             type=PydanticCustomError("guard_action", message, {"action": action}),
@@ -192,6 +194,34 @@ class RunSpec(StrictModel):
             input=action,
         )
         raise ValidationError.from_exception_data("RunSpec", [error])
+
+    @model_validator(mode="after")
+    def _remedy_applies(self, info: ValidationInfo) -> RunSpec:
+        # A remedy that would make an invalid spec (a staleness bound under lead_batches, or in
+        # a sync run) is refused now, not at the run's first rollback. (`remedied` validates
+        # the spec it makes with REMEDIED in the context: that one is not checked again.)
+        if not self.stability.enabled or self.stability.action != "rollback":
+            return self
+        if info.context is not None and info.context.get(REMEDIED):
+            return self
+        try:
+            self.remedied(1)
+        except ValidationError as invalid:
+            problem = "; ".join(
+                f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}"
+                for error in invalid.errors()
+            )
+            error = InitErrorDetails(
+                type=PydanticCustomError(
+                    "guard_remedy",
+                    "the remedy makes an invalid run spec: {problem}",
+                    {"problem": problem},
+                ),
+                loc=("stability", "remedy"),
+                input=self.stability.remedy.model_dump(),
+            )
+            raise ValidationError.from_exception_data("RunSpec", [error]) from None
+        return self
 
     @property
     def overlaps_publish(self) -> bool:
@@ -201,6 +231,22 @@ class RunSpec(StrictModel):
         the step's own) and puts or broadcasts beside it."""
         pipe = self.pipeline
         return pipe.overlap_publish and pipe.mode == "async"
+
+    def remedied(self, rollbacks: int) -> RunSpec:
+        """This spec as it trains after `rollbacks` rollbacks of its stability guard: each one
+        scales `learner.lr` by the remedy's `lr_scale` again; the remedy's `max_staleness` and
+        `estimator` (with that estimator's defaults) hold from the first one."""
+        remedy = self.stability.remedy
+        if rollbacks == 0:
+            return self
+        data = self.model_dump(mode="json")
+        if remedy.lr_scale is not None:
+            data["learner"]["lr"] = self.learner.lr * remedy.lr_scale**rollbacks
+        if remedy.max_staleness is not None:
+            data["pipeline"]["max_staleness"] = remedy.max_staleness
+        if remedy.estimator is not None and remedy.estimator != self.algorithm.estimator.name:
+            data["algorithm"]["estimator"] = {"name": remedy.estimator}
+        return RunSpec.model_validate(data, context={REMEDIED: True})
 
     @model_validator(mode="after")
     def _minibatches_fit(self) -> RunSpec:

@@ -147,9 +147,9 @@ class StabilityConfig(StrictModel):
     action: Literal["warn", "rollback", "pause", "cancel"] = Field(
         "warn",
         description="when an objective has been broken for `patience` steps: warn (log and "
-        "record an event), rollback (resume from the newest healthy checkpoint, then apply "
-        "`remedy`), pause, or cancel the run; rollback and pause are not available yet "
-        "(refused by the run spec)",
+        "record an event), rollback (resume from the newest healthy checkpoint, or step 0 "
+        "when none is, and train on with `remedy` applied once more), pause, or cancel the "
+        "run; pause is not available yet (refused by the run spec)",
     )
     patience: int = Field(
         3,
@@ -176,7 +176,7 @@ class StabilityConfig(StrictModel):
         2,
         ge=0,
         le=MAX_ROLLBACKS,
-        description="rollbacks of the run; the next broken objective stops it as unstable",
+        description="rollbacks of the run; the next broken objective stops it, failed as unstable",
     )
     max_healthy_age_steps: int = Field(
         50,

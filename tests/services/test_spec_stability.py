@@ -108,19 +108,68 @@ def test_bad_values_are_refused_naming_the_field(
     assert message in error
 
 
-@pytest.mark.parametrize("action", ["rollback", "pause"])
 @pytest.mark.parametrize("enabled", [True, False])
-def test_actions_the_driver_does_not_carry_out_yet_are_refused(action: str, enabled: bool) -> None:
-    error = stability_error({"enabled": enabled, "action": action})
+def test_pause_is_refused_until_the_driver_carries_it_out(enabled: bool) -> None:
+    error = stability_error({"enabled": enabled, "action": "pause"})
     assert error == (
-        f"run.yaml: stability.action: {action} is not available yet: the run driver carries "
-        "out the guard's warn and cancel only; set warn or cancel"
+        "run.yaml: stability.action: pause is not available yet: the run driver carries "
+        "out the guard's warn, rollback and cancel; set one of those"
     )
 
 
-@pytest.mark.parametrize("action", ["warn", "cancel"])
-def test_warn_and_cancel_are_accepted(action: str) -> None:
+@pytest.mark.parametrize("action", ["warn", "rollback", "cancel"])
+def test_warn_rollback_and_cancel_are_accepted(action: str) -> None:
     assert RunSpec.model_validate({"stability": {"action": action}}).stability.action == action
+
+
+ROLLBACK = {"enabled": True, "action": "rollback"}
+
+
+def test_the_remedy_compounds_its_rate_and_sets_staleness_and_estimator() -> None:
+    spec = RunSpec.model_validate(
+        {
+            "learner": {"lr": 1.0e-5},
+            "pipeline": {"max_staleness": 4},
+            "algorithm": {"estimator": {"name": "token"}},
+            "stability": {
+                **ROLLBACK,
+                "remedy": {"lr_scale": 0.5, "max_staleness": 1, "estimator": "kalman"},
+            },
+        }
+    )
+    assert spec.remedied(0) is spec
+    once, twice = spec.remedied(1), spec.remedied(2)
+    assert once.learner.lr == pytest.approx(5.0e-6) and twice.learner.lr == pytest.approx(2.5e-6)
+    assert once.pipeline.max_staleness == twice.pipeline.max_staleness == 1
+    assert once.algorithm.estimator.name == twice.algorithm.estimator.name == "kalman"
+    # Everything else is the submitted spec's.
+    assert once.model_dump(exclude={"learner", "pipeline", "algorithm"}) == spec.model_dump(
+        exclude={"learner", "pipeline", "algorithm"}
+    )
+    assert once.learner.model_dump(exclude={"lr"}) == spec.learner.model_dump(exclude={"lr"})
+
+
+def test_an_empty_remedy_changes_nothing() -> None:
+    spec = RunSpec.model_validate({"stability": ROLLBACK})
+    assert spec.remedied(3) == spec
+
+
+def test_a_remedy_that_makes_an_invalid_spec_is_refused_at_once() -> None:
+    with pytest.raises(ValidationError) as caught:
+        RunSpec.model_validate(
+            {
+                "pipeline": {"lead_batches": 1},
+                "stability": {**ROLLBACK, "remedy": {"max_staleness": 0}},
+            }
+        )
+    error = describe_validation_error(caught.value, "run.yaml")
+    assert error.startswith("run.yaml: stability.remedy: the remedy makes an invalid run spec: ")
+    assert "lead_batches (1) must not exceed max_staleness (0)" in error
+    # Not checked where the guard cannot roll back.
+    spec = RunSpec.model_validate(
+        {"stability": {"enabled": True, "action": "warn", "remedy": {"max_staleness": 0}}}
+    )
+    assert spec.stability.remedy.max_staleness == 0
 
 
 # (field, the largest value it takes): every count is bounded (services/spec/bounds.py).

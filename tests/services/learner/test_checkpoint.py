@@ -50,6 +50,25 @@ def test_a_resumed_learner_continues_exactly_like_the_original(
     assert resumed.version == original.version == 2
 
 
+def test_a_resumed_learner_trains_at_its_own_rate_from_the_checkpoints_schedule(
+    tiny_model_dir: Path, groups: list[ScoredGroup], tmp_path: Path
+) -> None:
+    # A rollback's remedy (or a resume's patch) changes learner.lr: the schedule's position
+    # comes from the checkpoint, its base rate from the learner's own settings.
+    original = make_core(tiny_model_dir, **SETTINGS)
+    original.train_step(groups)
+    original.save_checkpoint(tmp_path / "ckpt")
+    resumed = make_core(tiny_model_dir, **{**SETTINGS, "lr": 2.5e-4})
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    # Warm-up of 3 steps, one taken: both at 2/3 of their base rate.
+    assert original.scheduler.get_last_lr() == pytest.approx([1e-3 * 2 / 3])
+    assert resumed.scheduler.get_last_lr() == pytest.approx([2.5e-4 * 2 / 3])
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(2.5e-4 * 2 / 3)
+    expected = original.train_step(groups)["lr"]
+    assert resumed.train_step(groups)["lr"] == pytest.approx(expected / 4)
+    assert resumed.scheduler.get_last_lr() == pytest.approx([2.5e-4])  # warm-up over
+
+
 def test_a_checkpoint_holds_sharded_state_and_what_an_export_needs(
     tiny_model_dir: Path, groups: list[ScoredGroup], tmp_path: Path
 ) -> None:

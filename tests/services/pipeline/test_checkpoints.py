@@ -9,6 +9,8 @@ import pytest
 
 from services.messages import ScoredGroup
 from services.pipeline.checkpoints import (
+    checkpoint_at,
+    discard_checkpoints_after,
     latest_checkpoint,
     list_checkpoints,
     prune_checkpoints,
@@ -32,6 +34,33 @@ def test_written_checkpoints_are_found_newest_first_and_pruned(tmp_path: Path) -
     assert read_driver_state(found[1]) == {"step": 6}
     prune_checkpoints(tmp_path, keep=2)
     assert [step for step, _ in list_checkpoints(tmp_path)] == [4, 6]
+
+
+def test_pruning_keeps_the_protected_checkpoints(tmp_path: Path) -> None:
+    for step in (2, 4, 6, 8):
+        write_checkpoint(tmp_path, step, {"step": step}, fake_learner)
+    prune_checkpoints(tmp_path, keep=1, protect=(2, 5))  # 5: none there, nothing happens
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [2, 8]
+
+
+def test_a_rollback_discards_the_checkpoints_after_its_own(tmp_path: Path) -> None:
+    for step in (2, 4, 6):
+        write_checkpoint(tmp_path, step, {"step": step}, fake_learner)
+    assert discard_checkpoints_after(tmp_path, 2) == [4, 6]
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [2]
+    assert read_driver_state(checkpoint_at(tmp_path, 2)) == {"step": 2}
+    with pytest.raises(FileNotFoundError, match=r"step-0*4 cannot be resumed from: it is not"):
+        checkpoint_at(tmp_path, 4)
+    assert discard_checkpoints_after(tmp_path, 0) == [2]
+    assert list_checkpoints(tmp_path) == []
+
+
+def test_a_damaged_checkpoint_is_not_resumed_at_its_step(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, 2, {"step": 2}, fake_learner)
+    path = checkpoint_at(tmp_path, 2)
+    (path / "learner" / "model.safetensors").write_bytes(b"w" * 99)
+    with pytest.raises(FileNotFoundError, match=r"cannot be resumed from: .*size"):
+        checkpoint_at(tmp_path, 2)
 
 
 def test_a_damaged_checkpoint_is_skipped_for_the_previous_one(

@@ -375,6 +375,45 @@ def test_rollbacks_stop_the_run_as_unstable_after_max_rollbacks() -> None:
     assert guard.rollbacks == 2
 
 
+def test_a_guard_restored_from_its_healthy_checkpoint_goes_on_from_there() -> None:
+    # As the driver does it: the guard saved with each checkpoint; at a rollback, the one of
+    # the healthy checkpoint comes back, told of the rollback, and judges the steps again.
+    config = enabled(action="rollback", max_rollbacks=3)
+    records = spikes(healthy_stream(8), range(100, 103))
+    guard = StabilityGuard(config)
+    saved: dict[int, dict[str, Any]] = {}
+    for record in records[:102]:
+        decision = guard.observe(record)
+        if record["step"] % 20 == 0:
+            guard.checkpointed(record["step"])
+            saved[record["step"]] = json.loads(json.dumps(guard.state()))
+    assert (decision.action, decision.rollback_to, decision.rollbacks) == ("rollback", 80, 1)
+    assert guard.kept_checkpoints() == (80,)  # 100 spoilt by the broken steps after it
+    back = StabilityGuard.from_state(config, saved[80])
+    assert back.kept_checkpoints() == (60, 80)  # as saved: 80 pending then
+    back.rolled_back(80, decision.rollbacks)
+    assert back.rollbacks == 1 and back.healthy_checkpoint() == 80
+    assert back.kept_checkpoints() == (80,)
+    assert not back.wants_checkpoint(81)
+    # The same steps again: healthy ones pass, the spike acts again, now the second rollback.
+    again = run(back, records[80:102])
+    assert [(a.step, a.action, a.rollback_to, a.rollbacks) for a in acted(again)] == [
+        (102, "rollback", 80, 2)
+    ]
+    # Without the spike the steps after the checkpoint are clean and it stays healthy.
+    calm = StabilityGuard.from_state(config, saved[80])
+    calm.rolled_back(80, 1)
+    assert acted(run(calm, healthy_stream(8)[80:140])) == []
+    assert calm.healthy_checkpoint() == 80 and calm.rollbacks == 1
+
+
+def test_a_rollback_to_step_0_leaves_no_healthy_checkpoint() -> None:
+    guard = StabilityGuard(enabled(action="rollback"))
+    guard.rolled_back(None, 1)
+    assert guard.healthy_checkpoint() is None and guard.kept_checkpoints() == ()
+    assert guard.rollbacks == 1
+
+
 def test_no_rollbacks_allowed_stops_at_the_first_episode() -> None:
     guard = StabilityGuard(enabled(action="rollback", max_rollbacks=0))
     actions = acted(run(guard, spikes(healthy_stream(8), [100, 101, 102])))

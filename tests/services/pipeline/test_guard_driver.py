@@ -85,6 +85,57 @@ class TestGuardedRuns:
         assert status["error"].startswith("stability guard: ")
         assert guard["reason"] in status["error"]
 
+    def test_rollback_returns_to_the_healthy_checkpoint_with_its_remedy_then_stops_unstable(
+        self, tmp_path: Path
+    ) -> None:
+        # Clean through the guard's warm-up (steps 1-4), broken at almost every step after: the
+        # first rollback returns to a checkpoint judged healthy, the next broken objective
+        # finds no rollback left (max_rollbacks 1) and stops the run as unstable.
+        spec = tiny_spec(
+            *MUST_BREAK,
+            "stability.warmup_steps=4",
+            "stability.action=rollback",
+            "stability.max_rollbacks=1",
+            "stability.remedy.lr_scale=0.5",
+            "learner.warmup_steps=0",
+            "pipeline.steps=40",
+            "pipeline.checkpoint_every=2",
+            "pipeline.keep_checkpoints=1",
+        )
+        assert execute_run(spec, RunDirectory(tmp_path)) == "failed"
+        status = status_of(tmp_path)
+        guard = status["guard"]
+        assert guard["action"] == "stop_unstable" and guard["rollbacks"] == 1
+        assert status["error"].startswith("stability guard: ") and "unstable" in status["error"]
+        target = status["resumed_from"]  # the rollback's checkpoint: healthy, so kept
+        assert target >= 2 and target % 2 == 0
+        # The steps after the checkpoint were trained again: the records hold each step once.
+        records = read_metrics(tmp_path)
+        steps = [r["step"] for r in records]
+        assert steps == list(range(1, len(steps) + 1))
+        before = [r for r in records if r["guard_rollbacks"] == 0]
+        after = [r for r in records if r["guard_rollbacks"] == 1]
+        assert before[-1]["step"] == target and after[0]["step"] == target + 1
+        assert after[-1]["step"] == guard["step"]  # the step that stopped it is recorded
+        # The remedy: the learner trains on at half its rate (its schedule's base rate is the
+        # remedied spec's, not the checkpoint's).
+        assert all(r["lr"] == pytest.approx(0.5 * before[-1]["lr"]) for r in after)
+        # Every response sampled after the checkpoint was dropped and counted.
+        dropped = after[0]["rollouts_rolled_back_total"]
+        assert dropped > 0 and dropped % spec.generation.group_size == 0
+        assert all(r["rollouts_rolled_back_total"] == dropped for r in after)
+        assert [r["guard_actions_total"] for r in after] == [1] * (len(after) - 1) + [2]
+        # No checkpoint of the abandoned steps is left; the final one holds the rollback.
+        found = latest_checkpoint(tmp_path / "checkpoints")
+        assert found is not None and found[0] > target
+        saved = read_driver_state(found[1])
+        assert saved["guard"]["rollbacks"] == 1
+        assert saved["counters"]["rollouts_rolled_back_total"] == dropped
+        # A driver resumed from it trains with the remedy, as this one did.
+        resumed = RunDriver(spec, RunDirectory(tmp_path), [])
+        assert resumed.restore() == found[0]
+        assert resumed.spec.learner.lr == pytest.approx(0.5 * spec.learner.lr)
+
     def test_default_objectives_fire_nothing_on_a_normal_run(self, tmp_path: Path) -> None:
         spec = tiny_spec("stability.enabled=true", "stability.warmup_steps=1", "pipeline.steps=5")
         assert execute_run(spec, RunDirectory(tmp_path)) == "succeeded"

@@ -90,6 +90,8 @@ EXPORTED = {
     ("counter", "kpo_unverified_groups_total", "unverified_groups"),
     ("gauge", "kpo_guard_broken_objectives", "guard_broken_objectives"),
     ("counter", "kpo_guard_actions_total", "guard_actions_total"),
+    ("gauge", "kpo_guard_rollbacks", "guard_rollbacks"),
+    ("counter", "kpo_rollouts_rolled_back_total", "rollouts_rolled_back_total"),
     ("histogram", "kpo_learner_step_seconds", "step_seconds"),
     ("gauge", "kpo_learner_idle_seconds", "learner_idle_seconds"),
     ("histogram", "kpo_generation_batch_seconds", "generation_batch_seconds"),
@@ -170,6 +172,8 @@ def test_a_guarded_run_records_the_guards_keys(tmp_path: Path) -> None:
     assert {key: record[key] for key in GUARD_KEYS} == {
         "guard_broken_objectives": 0,
         "guard_actions_total": 0,
+        "guard_rollbacks": 0,
+        "rollouts_rolled_back_total": 0,
     }
 
 

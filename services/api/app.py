@@ -9,11 +9,12 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import kpo_core
-from services.api import dashboard, routes_runs, routes_system
+from services.api import dashboard, routes_alerts, routes_runs, routes_system
 from services.api.auth import BearerAuth
 from services.api.errors import install_error_handlers
 from services.api.prometheus import ApiMetrics, build_registry
 from services.api.request_guard import RequestBodyGuard
+from services.api.routes_alerts import ALERTS_PATH, UNAUTHORIZED_ALERT
 from services.api.routes_system import ReadinessProbe
 from services.api.settings import ApiSettings
 from services.api.spec_paths import inputs_dir
@@ -49,6 +50,8 @@ def create_app(
     app.state.store = store
     app.state.launcher = launcher
     app.state.auth = BearerAuth(token, settings.auth_reads)
+    alert_token = settings.alert_token()
+    app.state.alert_auth = BearerAuth(alert_token, guard_reads=True, refusal=UNAUTHORIZED_ALERT)
     app.state.trusted_hosts = settings.trusted_hosts(token is not None, bind_host)
     app.state.trusted_proxies = settings.proxy_networks()
     app.state.inputs_dir = inputs_dir(settings.data_dir)
@@ -64,9 +67,16 @@ def create_app(
     if settings.metrics_port is None:  # else `kpo serve` serves it on that port
         app.include_router(routes_system.metrics_router)
     app.include_router(dashboard.router)
+    if alert_token is not None:  # Alertmanager's webhook, with a token of its own
+        app.include_router(routes_alerts.router)
     # Outermost last. RequestMetrics sees every request, refused ones too; a Host the server
     # does not answer is refused before anything reads the body.
-    app.add_middleware(RequestBodyGuard, max_bytes=settings.max_body_bytes, auth=app.state.auth)
+    app.add_middleware(
+        RequestBodyGuard,
+        max_bytes=settings.max_body_bytes,
+        auth=app.state.auth,
+        path_auth={ALERTS_PATH: app.state.alert_auth} if alert_token is not None else {},
+    )
     app.add_middleware(
         TrustedHostMiddleware, allowed_hosts=app.state.trusted_hosts, www_redirect=False
     )

@@ -14,9 +14,11 @@ UNAUTHORIZED = "missing or wrong API token: send `Authorization: Bearer <KPO_API
 class BearerAuth:
     """Checks `Authorization: Bearer <token>`; with no token configured, everything passes."""
 
-    def __init__(self, token: str | None, guard_reads: bool) -> None:
+    def __init__(self, token: str | None, guard_reads: bool, refusal: str = UNAUTHORIZED) -> None:
+        """`refusal`: the 401's message, naming the token to send."""
         self._token = token.encode() if token else None
         self.guard_reads = guard_reads
+        self.refusal = refusal
 
     @property
     def enabled(self) -> bool:
@@ -35,4 +37,4 @@ class BearerAuth:
     def check(self, request: Request, write: bool) -> None:
         """Raise 401 unless the request carries the token (or this call needs none)."""
         if not self.allows(request.headers, write):
-            raise HTTPException(status.HTTP_401_UNAUTHORIZED, UNAUTHORIZED, headers=CHALLENGE)
+            raise HTTPException(status.HTTP_401_UNAUTHORIZED, self.refusal, headers=CHALLENGE)

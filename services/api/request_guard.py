@@ -19,11 +19,13 @@ Invalid UTF-8 and malformed JSON inside an accepted body are reported by the err
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.api.auth import CHALLENGE, UNAUTHORIZED, BearerAuth
+from services.api.auth import CHALLENGE, BearerAuth
 from services.api.errors import error_response
 
 JSON_MEDIA_TYPE = "application/json"
@@ -42,10 +44,19 @@ def too_large_message(max_bytes: int) -> str:
 class RequestBodyGuard:
     """Refuses oversized and non-JSON request bodies before the routes read them (see module)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, auth: BearerAuth) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        auth: BearerAuth,
+        path_auth: Mapping[str, BearerAuth] | None = None,
+    ) -> None:
+        """`path_auth`: the auth of the paths guarded by a token of their own (Alertmanager's
+        webhook), instead of the API's."""
         self.app = app
         self.max_bytes = max_bytes
         self.auth = auth
+        self.path_auth = dict(path_auth or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -64,8 +75,9 @@ class RequestBodyGuard:
     def _refusal(self, scope: Scope, headers: Headers) -> ASGIApp | None:
         """The error response for a body its headers already rule out; None if none does."""
         write = scope["method"] in WRITE_METHODS and scope["path"].startswith("/v1/")
-        if write and not self.auth.allows(headers, write=True):
-            return error_response(401, "unauthorized", UNAUTHORIZED, headers=CHALLENGE)
+        auth = self.path_auth.get(scope["path"], self.auth)
+        if write and not auth.allows(headers, write=True):
+            return error_response(401, "unauthorized", auth.refusal, headers=CHALLENGE)
         declared = _declared_length(headers)
         if declared is not None and declared > self.max_bytes:
             # Answered unread: the client learns at once, and the server reads nothing.

@@ -12,6 +12,7 @@ from pathlib import Path
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.api.alerts import AlertAction
 from services.api.spec_paths import OperatorAllowlist, SandboxUrlRefused, sandbox_origin
 from services.http_listener import comma_entries, own_host_names
 
@@ -22,6 +23,28 @@ MIN_TOKEN_LENGTH = 16
 # Largest request body by default: run specs are a few kilobytes (examples/ as JSON: < 1 KB
 # before defaults, about 2 KB resolved).
 MAX_BODY_BYTES = 256 * 1024
+
+
+def secret_value(
+    value: SecretStr | None, file: Path | None, variable: str, what: str
+) -> str | None:
+    """A bearer token from `variable` or the file `variable`_FILE names; None when neither is
+    set. Raises ValueError for an unreadable file, a placeholder, or one too short."""
+    if file is not None:
+        try:
+            text = file.expanduser().read_text(encoding="utf-8").strip()
+        except OSError as error:
+            raise ValueError(f"{variable}_FILE {file}: {error}") from None
+    elif value is not None:
+        text = value.get_secret_value().strip()
+    else:
+        return None
+    if text.lower() in PLACEHOLDER_TOKENS or len(text) < MIN_TOKEN_LENGTH:
+        raise ValueError(
+            f"the {what} must be a real secret of at least {MIN_TOKEN_LENGTH} characters "
+            "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
+        )
+    return text
 
 
 class TokenSettings(BaseSettings):
@@ -133,6 +156,21 @@ class ApiSettings(TokenSettings):
         description="comma-separated environment variables a run sent over the API may name in "
         "tools.sandbox_token_env (the workers send the variable's value to the sandbox)",
     )
+    alert_token_value: SecretStr | None = Field(
+        None,
+        validation_alias="KPO_ALERT_TOKEN",
+        description="the bearer token Alertmanager's webhook sends to POST /v1/alerts (its own, "
+        "not the API token); unset: the route is not served",
+    )
+    alert_token_file: Path | None = Field(
+        None, validation_alias="KPO_ALERT_TOKEN_FILE", description="a file holding it"
+    )
+    alert_default_action: AlertAction = Field(
+        "warn",
+        validation_alias="KPO_ALERT_DEFAULT_ACTION",
+        description="what a firing alert does to its run when its rule sets no `kpo_action` "
+        "label: warn, checkpoint, pause or cancel",
+    )
     max_active_runs: int = Field(
         16, ge=0, validation_alias="KPO_MAX_ACTIVE_RUNS", description="queued + running; 0: no cap"
     )
@@ -170,6 +208,8 @@ class ApiSettings(TokenSettings):
     def _one_token_source(self) -> ApiSettings:
         if self.api_token is not None and self.api_token_file is not None:
             raise ValueError("set KPO_API_TOKEN or KPO_API_TOKEN_FILE, not both")
+        if self.alert_token_value is not None and self.alert_token_file is not None:
+            raise ValueError("set KPO_ALERT_TOKEN or KPO_ALERT_TOKEN_FILE, not both")
         return self
 
     @model_validator(mode="after")
@@ -201,21 +241,14 @@ class ApiSettings(TokenSettings):
 
         Raises ValueError for a token that is a placeholder or too short to be a secret.
         """
-        if self.api_token_file is not None:
-            try:
-                value = self.api_token_file.expanduser().read_text(encoding="utf-8").strip()
-            except OSError as error:
-                raise ValueError(f"KPO_API_TOKEN_FILE {self.api_token_file}: {error}") from None
-        elif self.api_token is not None:
-            value = self.api_token.get_secret_value().strip()
-        else:
-            return None
-        if value.lower() in PLACEHOLDER_TOKENS or len(value) < MIN_TOKEN_LENGTH:
-            raise ValueError(
-                f"the API token must be a real secret of at least {MIN_TOKEN_LENGTH} characters "
-                "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
-            )
-        return value
+        return secret_value(self.api_token, self.api_token_file, "KPO_API_TOKEN", "API token")
+
+    def alert_token(self) -> str | None:
+        """The Alertmanager webhook's bearer token (KPO_ALERT_TOKEN or KPO_ALERT_TOKEN_FILE);
+        None: `POST /v1/alerts` is not served. Raises ValueError as `token` does."""
+        return secret_value(
+            self.alert_token_value, self.alert_token_file, "KPO_ALERT_TOKEN", "alert token"
+        )
 
     def proxy_networks(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
         """KPO_TRUSTED_PROXIES as networks (an address is a network of one).

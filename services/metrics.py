@@ -498,6 +498,22 @@ STALENESS = Group(
             "Scored groups waiting in the buffer.",
             _D,
         ),
+        _gauge(
+            "staleness_bound",
+            "kpo_staleness_bound",
+            "versions",
+            "The adaptive staleness bound in force for the batches taken after this step.",
+            _D,
+            note="Only with `pipeline.max_staleness: {auto: ...}` (services/pipeline/"
+            "staleness.py); the step's own batch was taken under the previous record's bound.",
+        ),
+        _counter(
+            "staleness_bound_changes_total",
+            "kpo_staleness_bound_changes_total",
+            "changes",
+            "Times the adaptive staleness bound moved (tightened or loosened) in the run.",
+            note="Only with `pipeline.max_staleness: {auto: ...}`.",
+        ),
     ),
 )
 FAULTS = Group(
@@ -695,6 +711,9 @@ LEARNER_TOTALS = tuple(
 FAULT_COUNTERS = tuple(metric.key for metric in FAULTS.keys)
 # The stability guard's keys: in the records of a run with `stability.enabled` only.
 GUARD_KEYS = tuple(metric.key for metric in GUARD.keys)
+# The adaptive staleness bound's keys: in the records of a run with
+# `pipeline.max_staleness: {auto: ...}` only.
+STALENESS_AUTO_KEYS = ("staleness_bound", "staleness_bound_changes_total")
 
 
 def exported(kind: Kind, staged: bool = False) -> tuple[MetricKey, ...]:
@@ -712,6 +731,9 @@ def _check_declaration() -> None:
     for key in LEARNER_TOTALS:
         if key not in BY_KEY or BY_KEY[key].source is not Source.LEARNER:
             raise ValueError(f"the run total {key}_total sums an undeclared learner key {key!r}")
+    undeclared = [key for key in STALENESS_AUTO_KEYS if BY_KEY.get(key) not in STALENESS.keys]
+    if undeclared:
+        raise ValueError(f"adaptive staleness keys not declared in STALENESS: {undeclared}")
 
 
 _check_declaration()

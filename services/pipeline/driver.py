@@ -102,6 +102,7 @@ from services.pipeline.held_out import held_out_prompts
 from services.pipeline.outputs import EVAL_FILE, RunDirectory
 from services.pipeline.prompts import PromptStream, chats_strings
 from services.pipeline.signals import on_stop_signals
+from services.pipeline.staleness import StalenessController
 from services.pipeline.streams import WorkerStream
 from services.pipeline.supervisor import ActorSupervisor, FaultBudgetExhausted
 from services.pipeline.weight_sync import WeightSync
@@ -175,6 +176,7 @@ class RunDriver:
         self.counters = Counters()
         pipe = self.spec.pipeline
         self.buffer = RolloutBuffer(pipe.buffer_groups, pipe.max_staleness)
+        self._set_staleness(None)
         self.prompts = PromptStream(self.spec.task, self.spec.seed)
         self._resume_path: Path | None = None
         self._last_checkpoint_step = -1
@@ -288,6 +290,8 @@ class RunDriver:
 
     def _start(self, actors: RunActors, resumed_step: int | None) -> None:
         self._pending.clear()
+        if resumed_step is not None:
+            self._resume_staleness()
         self._streams = [WorkerStream(actor) for actor in actors.generation]
         self.weights.connect(actors, self._streams)
         if resumed_step is not None and self._resume_path is not None:
@@ -497,9 +501,10 @@ class RunDriver:
         # takes no prompt before it acknowledged it) and is trained after the groups admitted
         # before it, so with the total admitted kept within (version + max_staleness + 1)
         # batches, none ages past the bound on the way. The learner's step may be ahead of it
-        # while its publish is gathered.
+        # while its publish is gathered. The bound is the buffer's: max_staleness, or the
+        # adaptive bound in force (groups admitted under a looser one may then be dropped).
         version = self.weights.delivered_version
-        budget = (version + pipe.max_staleness + 1) * pipe.batch_groups
+        budget = (version + self.buffer.max_staleness + 1) * pipe.batch_groups
         dropped = self.buffer.dropped_groups + self.counters.groups_dropped_invalid
         admitted = self.counters.groups_issued - dropped
         return min(self.buffer.free(), budget - admitted)
@@ -681,6 +686,7 @@ class RunDriver:
             **totals,
             **self.counters.faults(),
         }
+        self._adapt_staleness(record)
         if self.evals is not None:
             record.update(self.evals.take_result() or {})
             self.evals.start(self.counters.step, [stream.actor for stream in self._streams])
@@ -748,6 +754,47 @@ class RunDriver:
     def _elapsed(self) -> float:
         return self.counters.elapsed_seconds + time.perf_counter() - self._started
 
+    # --- the adaptive staleness bound (pipeline.max_staleness: {auto: ...}) --------------------
+
+    def _set_staleness(self, state: dict[str, Any] | None) -> None:
+        """With an adaptive bound: its controller, afresh or from a checkpoint's `state`, and
+        its bound as the buffer's. Without: no controller (the bound is max_staleness)."""
+        auto = self.spec.pipeline.staleness_auto
+        if auto is None:
+            self.staleness: StalenessController | None = None
+            return
+        if state is None:
+            self.staleness = StalenessController(auto.min, auto.max, start=auto.start)
+        else:
+            self.staleness = StalenessController.from_state(auto.min, auto.max, state)
+        self.buffer.max_staleness = self.staleness.bound
+
+    def _resume_staleness(self) -> None:
+        """Take the adaptive bound over from the checkpoint being resumed (a checkpoint of a
+        run without it starts the controller afresh)."""
+        if self.spec.pipeline.staleness_auto is not None and self._resume_path is not None:
+            self._set_staleness(read_driver_state(self._resume_path).get("staleness"))
+
+    def _adapt_staleness(self, record: MetricsRecord) -> None:
+        """With an adaptive bound: judge the step's `record`, make the bound the buffer's (so
+        the admission budget's too) for the batches taken from now on, and add it and the
+        count of its moves to the record."""
+        if self.staleness is None:
+            return
+        decision = self.staleness.observe(record)
+        self.buffer.max_staleness = decision.bound
+        if decision.moved:
+            log.info(
+                "staleness bound, step %d: %d -> %d (%s: %s)",
+                decision.step,
+                decision.previous,
+                decision.bound,
+                decision.direction,
+                decision.reason,
+            )
+        record["staleness_bound"] = decision.bound
+        record["staleness_bound_changes_total"] = self.staleness.changes
+
     def _start_checkpoint(self, actors: RunActors) -> None:
         """Checkpoint the current step beside the loop (the learner is idle between steps)."""
 
@@ -765,6 +812,7 @@ class RunDriver:
             in_flight,
             self._held_record,
             None if self.guard is None else self.guard.state(),
+            staleness=None if self.staleness is None else self.staleness.state(),
         )
         self._checkpoints.start(
             self.run_dir.checkpoints,

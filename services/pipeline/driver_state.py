@@ -5,6 +5,9 @@ It holds the run's counters, the prompt stream's position and the prompts to iss
 handed back, and those still being generated or scored when the checkpoint was taken), every
 buffered group, the checkpointed step's metrics record while that is not yet emitted, and the
 stability guard's state (`StabilityGuard.state()`) in a run with the guard on.
+
+A run with an adaptive staleness bound also saves its controller's state under `staleness`
+(`StalenessController.state()`); a checkpoint without it starts the controller afresh.
 """
 
 from __future__ import annotations
@@ -63,12 +66,14 @@ def capture_driver_state(
     in_flight: Sequence[Prompt],
     record: MetricsRecord | None,
     guard: dict[str, Any] | None = None,
+    staleness: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The driver's state as a checkpoint stores it (JSON-ready), taken between learner steps.
 
     `elapsed_seconds` is the run's wall time so far, `in_flight` the prompts being generated or
     scored, `record` the step's metrics record that waits for this checkpoint, if any, and
-    `guard` the stability guard's state (JSON), if the guard is on.
+    `guard` the stability guard's state (JSON), if the guard is on; `staleness` the adaptive
+    staleness bound's controller state (JSON), with an adaptive bound.
     """
     counters = Counters(**asdict(counters))  # a copy: the run's own go on counting
     counters.elapsed_seconds = elapsed_seconds
@@ -80,6 +85,8 @@ def capture_driver_state(
         "handed_back": [prompt_to_json(p) for p in [*in_flight, *prompts.handed_back]],
         "buffer": [group_to_json(g) for g in buffer.groups],
     }
+    if staleness is not None:  # the adaptive staleness bound's controller (its state, JSON)
+        state["staleness"] = staleness
     if record is not None:  # the step's record, for a driver killed before it emitted it
         state["record"] = json_safe_record(record)
     if guard is not None:

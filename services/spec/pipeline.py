@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import (
     Field,
+    ValidationError,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from kpo_core.config import StrictModel
 from services.spec.bounds import (
@@ -17,6 +19,58 @@ from services.spec.bounds import (
     MAX_STALENESS,
     MAX_STEPS,
 )
+
+# The adaptive bound starts here, clamped into its range: the static default (async).
+AUTO_START = 2
+
+
+class StalenessAuto(StrictModel):
+    """The range of an adaptive staleness bound (`max_staleness: {auto: {min: M, max: N}}`):
+    the driver moves the bound within [min, max] from the run's ratio health
+    (services/pipeline/staleness.py)."""
+
+    min: int = Field(ge=0, le=MAX_STALENESS, description="the lowest bound (the floor)")
+    max: int = Field(
+        ge=0, le=MAX_STALENESS, description="the highest bound (the ceiling; max_staleness)"
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> StalenessAuto:
+        if self.max < self.min:
+            raise _error(("max",), f"must be at least min ({self.min}), got {self.max}", self.max)
+        return self
+
+    @property
+    def start(self) -> int:
+        """The bound a run starts with: AUTO_START clamped into [min, max]."""
+        return min(self.max, max(self.min, AUTO_START))
+
+
+class _AutoForm(StrictModel):
+    auto: StalenessAuto
+
+
+def _error(loc: tuple[str | int, ...], message: str, value: Any) -> ValidationError:
+    """A validation error at `loc` (within the model that raises it) saying `message`."""
+    details = InitErrorDetails(
+        type=PydanticCustomError("staleness", "{message}", {"message": message}),
+        loc=loc,
+        input=value,
+    )
+    return ValidationError.from_exception_data("PipelineConfig", [details])
+
+
+def _relocated(error: ValidationError, prefix: tuple[str | int, ...]) -> ValidationError:
+    """`error`'s problems, each located under `prefix` (where the user wrote the value)."""
+    details = [
+        InitErrorDetails(
+            type=PydanticCustomError(item["type"], "{message}", {"message": item["msg"]}),
+            loc=(*prefix, *item["loc"]),
+            input=item["input"],
+        )
+        for item in error.errors()
+    ]
+    return ValidationError.from_exception_data("PipelineConfig", details)
 
 
 class PipelineConfig(StrictModel):
@@ -30,7 +84,14 @@ class PipelineConfig(StrictModel):
         -1,
         ge=-1,
         le=MAX_STALENESS,
-        description="max learner version minus a group's version; -1: 0 (sync), 2",
+        description="max learner version minus a group's version; -1: 0 (sync), 2. Or, async, "
+        "{auto: {min: M, max: N}}: an adaptive bound the driver moves within [M, N] from the "
+        "run's ratio health (docs/pipeline.md); max_staleness then reads N, the ceiling",
+    )
+    staleness_auto: StalenessAuto | None = Field(
+        None,
+        description="the range of an adaptive bound, filled from max_staleness: {auto: ...} "
+        "(None: the bound is max_staleness, fixed)",
     )
     admission: Literal["staleness", "capacity"] = Field(
         "staleness",
@@ -121,8 +182,29 @@ class PipelineConfig(StrictModel):
         "under the new weights (exact, costs a prefill) instead of keeping it",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_form(cls, data: Any) -> Any:
+        """`max_staleness: {auto: {min, max}}` is the ceiling `max` in `max_staleness` (the
+        field every reader uses) and the range in `staleness_auto`."""
+        if not isinstance(data, dict) or not isinstance(data.get("max_staleness"), dict):
+            return data
+        try:
+            auto = _AutoForm.model_validate(data["max_staleness"]).auto
+        except ValidationError as error:
+            raise _relocated(error, ("max_staleness",)) from None
+        if data.get("staleness_auto") is not None:
+            raise _error(
+                ("staleness_auto",),
+                "set by max_staleness: {auto: ...}; give one of the two",
+                data["staleness_auto"],
+            )
+        return {**data, "max_staleness": auto.max, "staleness_auto": auto}
+
     @model_validator(mode="after")
     def _resolve(self) -> PipelineConfig:
+        if self.staleness_auto is not None:
+            self._check_auto(self.staleness_auto)
         if self.mode == "sync" and self.max_staleness > 0:
             raise ValueError(
                 f"mode 'sync' trains on-policy, so max_staleness must be 0 or left out "
@@ -145,6 +227,34 @@ class PipelineConfig(StrictModel):
         if self.recompute_kv and not self.in_flight_updates:
             raise ValueError("recompute_kv applies to in_flight_updates: set that too")
         return self
+
+    def _check_auto(self, auto: StalenessAuto) -> None:
+        if self.mode == "sync":
+            raise _error(
+                ("max_staleness", "auto"),
+                "an adaptive staleness bound needs mode 'async': mode 'sync' trains on-policy "
+                "(staleness 0); give max_staleness 0 or leave it out",
+                auto.model_dump(),
+            )
+        if self.max_staleness == -1:  # the range given on its own (as a dumped spec holds it)
+            object.__setattr__(self, "max_staleness", auto.max)
+        elif self.max_staleness != auto.max:
+            raise _error(
+                ("staleness_auto", "max"),
+                f"must equal max_staleness ({self.max_staleness}), the ceiling of the adaptive "
+                f"bound, got {auto.max}; write max_staleness: {{auto: {{min, max}}}} instead",
+                auto.max,
+            )
+        if self.lead_batches > auto.min:
+            # The learner waits for lead_batches + 1 batches, which a bound below
+            # lead_batches never lets generation admit.
+            raise _error(
+                ("lead_batches",),
+                f"lead_batches ({self.lead_batches}) must not exceed the adaptive bound's min "
+                f"({auto.min}): the learner would wait for batches that a bound that low "
+                "never admits",
+                self.lead_batches,
+            )
 
     def _check_lead(self) -> None:
         # Every condition below would leave the learner waiting for a buffer level that

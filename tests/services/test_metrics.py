@@ -27,6 +27,7 @@ from services.metrics import (
     GUARD_KEYS,
     LEARNER_TOTALS,
     RECORD,
+    STALENESS_AUTO_KEYS,
     TOOL_KEYS,
     Kind,
     MetricKey,
@@ -69,6 +70,8 @@ EXPORTED = {
     ("gauge", "kpo_staleness_mean", "staleness_mean"),
     ("gauge", "kpo_staleness_max", "staleness_max"),
     ("gauge", "kpo_buffer_groups", "buffer_groups"),
+    ("gauge", "kpo_staleness_bound", "staleness_bound"),
+    ("counter", "kpo_staleness_bound_changes_total", "staleness_bound_changes_total"),
     ("gauge", "kpo_last_step_timestamp_seconds", "time"),
     ("stage gauge", "kpo_ratio_switch_frequency_ratio", "switch_frequency"),
     ("stage gauge", "kpo_ratio_low_frequency_ratio", "low_frequency_ratio"),
@@ -154,8 +157,10 @@ def test_the_driver_writes_exactly_the_keys_declared_as_its_own(tmp_path: Path) 
     (record,) = run_dir.read_metrics()
     added = record.keys() - learner_part.keys()
     # The evaluation's keys join a record only after an evaluation (`eval`, off here), the
-    # tools' only in a run with tools, the guard's only with `stability.enabled`.
-    assert added == declared(Source.DRIVER) - set(EVAL_KEYS) - set(TOOL_KEYS) - set(GUARD_KEYS)
+    # tools' only in a run with tools, the guard's only with `stability.enabled`, the adaptive
+    # staleness bound's only with `pipeline.max_staleness: {auto: ...}`.
+    only_with_options = {*EVAL_KEYS, *TOOL_KEYS, *GUARD_KEYS, *STALENESS_AUTO_KEYS}
+    assert added == declared(Source.DRIVER) - only_with_options
     # The run totals the driver keeps, from the constants it reads them by.
     assert {*FAULT_COUNTERS, *(f"{key}_total" for key in LEARNER_TOTALS)} <= added
     assert record["nonfinite_rewards_total"] == 1.0  # summed from the learner's count
@@ -175,6 +180,26 @@ def test_a_guarded_run_records_the_guards_keys(tmp_path: Path) -> None:
         "guard_rollbacks": 0,
         "rollouts_rolled_back_total": 0,
     }
+
+
+def test_a_run_with_an_adaptive_staleness_bound_records_its_keys(tmp_path: Path) -> None:
+    run_dir = RunDirectory(tmp_path)
+    spec = tiny_spec(
+        "pipeline.checkpoint_every=0",
+        "pipeline.max_staleness.auto.min=0",
+        "pipeline.max_staleness.auto.max=3",
+    )
+    run = driver.RunDriver(spec, run_dir, [])
+    no_actors: Any = SimpleNamespace(generation=[])
+    run._on_trained(no_actors, calls.LearnerCall(time.perf_counter()), {"tokens_trained": 6.0})
+
+    (record,) = run_dir.read_metrics()
+    # The first step is in the warm-up: the bound is still the one it started at (2).
+    assert {key: record[key] for key in STALENESS_AUTO_KEYS} == {
+        "staleness_bound": 2,
+        "staleness_bound_changes_total": 0,
+    }
+    assert run.buffer.max_staleness == 2
 
 
 def test_a_run_with_tools_records_the_tool_keys_of_its_batch(tmp_path: Path) -> None:

@@ -290,8 +290,7 @@ class RunDriver:
 
     def _start(self, actors: RunActors, resumed_step: int | None) -> None:
         self._pending.clear()
-        if resumed_step is not None:
-            self._resume_staleness()
+        self._resume_staleness()
         self._streams = [WorkerStream(actor) for actor in actors.generation]
         self.weights.connect(actors, self._streams)
         if resumed_step is not None and self._resume_path is not None:
@@ -386,8 +385,7 @@ class RunDriver:
             self.guard = StabilityGuard(self.submitted_spec.stability)
         assert self.guard is not None  # a rollback is the guard's
         self.guard.rolled_back(resumed_step, decision.rollbacks)
-        self.spec = self.submitted_spec.remedied(decision.rollbacks)
-        self.buffer.max_staleness = self.spec.pipeline.max_staleness
+        self.spec = self.submitted_spec.remedied(decision.rollbacks)  # bound: `_start`'s
         # Every group asked of generation since that checkpoint is dropped: trained on,
         # buffered or in flight. Their prompts come again from the restored stream.
         dropped = (issued - self.counters.groups_issued) * self.spec.generation.group_size
@@ -762,6 +760,7 @@ class RunDriver:
         auto = self.spec.pipeline.staleness_auto
         if auto is None:
             self.staleness: StalenessController | None = None
+            self.buffer.max_staleness = self.spec.pipeline.max_staleness
             return
         if state is None:
             self.staleness = StalenessController(auto.min, auto.max, start=auto.start)
@@ -770,10 +769,13 @@ class RunDriver:
         self.buffer.max_staleness = self.staleness.bound
 
     def _resume_staleness(self) -> None:
-        """Take the adaptive bound over from the checkpoint being resumed (a checkpoint of a
-        run without it starts the controller afresh)."""
+        """The bound of the attempt starting: the adaptive one taken over from the checkpoint
+        being resumed (afresh from step 0, or from a checkpoint of a run without it), or the
+        spec's fixed one (a rollback's remedy may have replaced an adaptive bound)."""
+        saved = None
         if self.spec.pipeline.staleness_auto is not None and self._resume_path is not None:
-            self._set_staleness(read_driver_state(self._resume_path).get("staleness"))
+            saved = read_driver_state(self._resume_path).get("staleness")
+        self._set_staleness(saved)
 
     def _adapt_staleness(self, record: MetricsRecord) -> None:
         """With an adaptive bound: judge the step's `record`, make the bound the buffer's (so

@@ -234,16 +234,18 @@ class RunSpec(StrictModel):
 
     def remedied(self, rollbacks: int) -> RunSpec:
         """This spec as it trains after `rollbacks` rollbacks of its stability guard: each one
-        scales `learner.lr` by the remedy's `lr_scale` again; the remedy's `max_staleness` and
-        `estimator` (with that estimator's defaults) hold from the first one."""
+        scales `learner.lr` by the remedy's `lr_scale` again; the remedy's `max_staleness` (a
+        fixed bound, in place of an adaptive one) and `estimator` (with that estimator's
+        defaults) hold from the first one."""
         remedy = self.stability.remedy
         if rollbacks == 0:
             return self
         data = self.model_dump(mode="json")
         if remedy.lr_scale is not None:
             data["learner"]["lr"] = self.learner.lr * remedy.lr_scale**rollbacks
-        if remedy.max_staleness is not None:
+        if remedy.max_staleness is not None:  # a fixed bound, an adaptive one's too
             data["pipeline"]["max_staleness"] = remedy.max_staleness
+            data["pipeline"]["staleness_auto"] = None
         if remedy.estimator is not None and remedy.estimator != self.algorithm.estimator.name:
             data["algorithm"]["estimator"] = {"name": remedy.estimator}
         return RunSpec.model_validate(data, context={REMEDIED: True})

@@ -149,6 +149,26 @@ def test_the_remedy_compounds_its_rate_and_sets_staleness_and_estimator() -> Non
     assert once.learner.model_dump(exclude={"lr"}) == spec.learner.model_dump(exclude={"lr"})
 
 
+def test_a_remedys_bound_replaces_an_adaptive_one() -> None:
+    spec = RunSpec.model_validate(
+        {
+            "pipeline": {"max_staleness": {"auto": {"min": 1, "max": 4}}},
+            "stability": {**ROLLBACK, "remedy": {"max_staleness": 1}},
+        }
+    )
+    assert spec.pipeline.staleness_auto is not None
+    remedied = spec.remedied(1).pipeline
+    assert remedied.max_staleness == 1 and remedied.staleness_auto is None
+    # Without a staleness remedy the adaptive bound stays.
+    kept = RunSpec.model_validate(
+        {
+            "pipeline": {"max_staleness": {"auto": {"min": 1, "max": 4}}},
+            "stability": {**ROLLBACK, "remedy": {"lr_scale": 0.5}},
+        }
+    )
+    assert kept.remedied(1).pipeline.staleness_auto == kept.pipeline.staleness_auto
+
+
 def test_an_empty_remedy_changes_nothing() -> None:
     spec = RunSpec.model_validate({"stability": ROLLBACK})
     assert spec.remedied(3) == spec

@@ -7,10 +7,18 @@ non-finite tokens, the batch reward against its running baseline, held-out accur
 best seen, and KPO's filtered switch frequency. An objective broken for `patience` consecutive
 evaluations makes the guard act by `action`. Every objective may be null (not checked).
 
-The default bounds are provisional: they are set from the signals' scales in the study's reports
-(docs/results.md) and from the study's collapse criterion (benchmarks/stability_study/
-summary.py), not yet measured on its healthy runs. A later step derives them from the
-distribution of each signal over the study's healthy runs and replaces these numbers.
+The default bounds are derived from the stability study's recorded runs (docs/results/*/metrics)
+by benchmarks/stability_study/guard_replay.py; `python -m benchmarks.stability_study.guard_replay`
+prints the derivation (docs/results.md, "The stability guard on the study's recorded runs").
+Healthy runs are those of every arm and setting none of whose seeds collapsed by the study's
+criterion (benchmarks/stability_study/summary.py), whether they learned or not. Each bound is
+the most extreme value of its objective's compared quantity that any healthy run held for
+`patience` consecutive evaluations, moved 25% further from the neutral value (1 for a ratio to a
+baseline, 0 otherwise) and rounded away from the healthy runs to two significant figures: the
+guard acts on none of them. `nonfinite_tokens_max` stays 0, as the study did not record the key.
+They come from a 362k-parameter model on one arithmetic task (reward 0 or 1), and catch 10 of
+its 18 collapsed runs, each after the collapse showed in held-out accuracy.
+tests/services/pipeline/test_guard_study.py fails when the data or the rule no longer give them.
 """
 
 from __future__ import annotations
@@ -78,14 +86,14 @@ class StabilityObjectives(StrictModel):
     """
 
     entropy_min_fraction: float | None = Field(
-        0.5,
+        0.72,
         gt=0.0,
         lt=1.0,
         allow_inf_nan=False,
         description="`entropy` below this fraction of its running baseline breaks it",
     )
     entropy_slope_min: float | None = Field(
-        -0.02,
+        -0.026,
         ge=-1.0,
         lt=0.0,
         allow_inf_nan=False,
@@ -94,14 +102,14 @@ class StabilityObjectives(StrictModel):
         "(-0.02: losing 2% of the baseline per step)",
     )
     clip_fraction_max: float | None = Field(
-        0.4,
+        0.79,
         ge=0.0,
         lt=1.0,
         allow_inf_nan=False,
         description="`clip_fraction` (tokens whose ratio was clipped) above this breaks it",
     )
     grad_norm_max_ratio: float | None = Field(
-        5.0,
+        2.5,
         gt=1.0,
         allow_inf_nan=False,
         description="`grad_norm` (before clipping) above this multiple of its running median "
@@ -115,14 +123,14 @@ class StabilityObjectives(StrictModel):
         "per pass) above this breaks it",
     )
     reward_drop_max: float | None = Field(
-        0.2,
+        0.16,
         gt=0.0,
         allow_inf_nan=False,
         description="`reward_mean` more than this below its running baseline (an absolute "
         "drop, in reward units) breaks it",
     )
     held_out_drop_max: float | None = Field(
-        0.05,
+        0.093,
         gt=0.0,
         le=1.0,
         allow_inf_nan=False,
@@ -130,7 +138,7 @@ class StabilityObjectives(StrictModel):
         "breaks it (evaluated in the records an evaluation joins)",
     )
     switch_frequency_max: float | None = Field(
-        0.2,
+        0.096,
         ge=0.0,
         lt=1.0,
         allow_inf_nan=False,

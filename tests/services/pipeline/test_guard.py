@@ -199,7 +199,7 @@ def test_objectives_set_to_null_never_fire() -> None:
     config = enabled(objectives={"entropy_min_fraction": None, "entropy_slope_min": None})
     decisions = run(StabilityGuard(config), records)
     assert acted(decisions) == []
-    assert not any(d.broken for d in decisions)
+    assert broken_steps(decisions, "entropy_min_fraction", "entropy_slope_min") == []
     everything_off = enabled(objectives=dict.fromkeys(StabilityObjectives.model_fields))
     assert StabilityGuard(everything_off).objectives == ()
     bad = with_values(records, "nonfinite_tokens", {s: 9.0 for s in range(50, 60)})
@@ -217,8 +217,9 @@ def test_a_single_gradient_spike_does_not_act_at_patience_3_but_three_in_a_row_d
     assert acted(two) == []
     three = acted(run(StabilityGuard(enabled()), spikes(healthy_stream(2), [150, 151, 152])))
     assert [(a.step, a.reason, a.since) for a in three] == [(152, "grad_norm_max_ratio", 150)]
-    assert three[0].value == 10.0 and three[0].bound == 5.0
-    assert three[0].limit is not None and 2.0 < three[0].limit < 3.0  # 5 x a median of ~0.5
+    bound = StabilityObjectives().grad_norm_max_ratio
+    assert bound is not None and three[0].value == 10.0 and three[0].bound == bound
+    assert three[0].limit is not None and 0.4 * bound < three[0].limit < 0.6 * bound  # x ~0.5
 
 
 def test_patience_1_acts_on_a_single_spike() -> None:
@@ -471,7 +472,9 @@ def test_the_switch_frequency_is_judged_only_with_kpos_gain() -> None:
 def test_the_state_round_trips_mid_stream_to_identical_later_decisions() -> None:
     records = spikes(healthy_stream(11), [60, 61, 62])
     records = scaled(records, "entropy", entropy_collapse(150))
-    config = enabled(action="rollback", max_rollbacks=1)
+    # The entropy bounds the split below was chosen for (a tighter fraction breaks earlier).
+    entropy = {"entropy_min_fraction": 0.5, "entropy_slope_min": -0.02}
+    config = enabled(action="rollback", max_rollbacks=1, objectives=entropy)
     guard = StabilityGuard(config)
     split = 157  # mid-collapse: two objectives broken twice in a row, the action not yet taken
     before = observe_with_checkpoints(guard, records[:split], every=25)

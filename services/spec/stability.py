@@ -99,7 +99,7 @@ class StabilityObjectives(StrictModel):
         allow_inf_nan=False,
         description="the least-squares slope of `entropy` over the last baseline_window "
         "steps, per step and relative to its running baseline, below this breaks it "
-        "(-0.02: losing 2% of the baseline per step)",
+        "(-0.026: losing 2.6% of the baseline per step)",
     )
     clip_fraction_max: float | None = Field(
         0.79,

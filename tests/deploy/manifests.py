@@ -5,7 +5,9 @@ schemas of every Kubernetes release bundled) in strict mode: an unknown field is
 custom resources the project renders (KubeRay's and the Prometheus Operator's) have no schema
 there; they are checked against schemas/*.json, which this project writes for the fields it
 uses, and the pod templates inside RayCluster and RayJob objects are validated as core
-`PodTemplate` objects. Any other kind without a schema is a failure, never a warning.
+`PodTemplate` objects. The AlertmanagerConfig is checked against its CRD's own openAPIV3Schema
+(schemas/monitoring.coreos.com-v1alpha1-alertmanagerconfigs.json), strictly, as the API server's
+field validation does. Any other kind without a schema is a failure, never a warning.
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ CUSTOM_KINDS = {
     "PrometheusRule": "monitoring.coreos.com-v1.json",
 }
 
+# Kinds checked against their CRD's own openAPIV3Schema, as the operator publishes it (the
+# file's `openAPIV3Schema`; its `group` and `version` give the apiVersion).
+CRD_KINDS = {
+    "AlertmanagerConfig": "monitoring.coreos.com-v1alpha1-alertmanagerconfigs.json",
+}
+
 Manifest = dict[str, Any]
 # Where a render's secrets come from (see helm_template).
 Secrets = Literal["existing", "generated", "chart"]
@@ -50,8 +58,10 @@ def helm_template(
     values_files: Sequence[Path] = (),
     sets: Sequence[str] = (),
     secrets: Secrets = "existing",
+    flags: Sequence[str] = (),
 ) -> subprocess.CompletedProcess[str]:
-    """`helm template` of the chart (not checked: callers look at the return code).
+    """`helm template` of the chart (not checked: callers look at the return code), with more
+    `flags` of helm's if given (e.g. `--skip-schema-validation`).
 
     `secrets`: "existing", from the Secret an install creates first (EXISTING_SECRETS, before
     `values_files`), as the chart requires by default; "generated", made by the chart
@@ -67,6 +77,7 @@ def helm_template(
         NAMESPACE,
         "--kube-version",
         KUBERNETES_VERSION,
+        *flags,
     ]
     if secrets == "generated":
         command += ["--set", "secrets.requireExisting=false"]
@@ -143,6 +154,16 @@ def validate(manifest: Manifest) -> None:
     their pod templates as core PodTemplates. Raises AssertionError naming the object."""
     kind, name = manifest.get("kind"), manifest.get("metadata", {}).get("name")
     where = f"{kind}/{name}"
+    if kind in CRD_KINDS:
+        api_version, validator = crd_validator(kind)
+        assert manifest.get("apiVersion") == api_version, (
+            f"{where}: apiVersion is not {api_version}"
+        )
+        errors = sorted(validator.iter_errors(manifest), key=lambda e: list(e.absolute_path))
+        assert not errors, f"{where}: " + "; ".join(
+            f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in errors
+        )
+        return
     if kind in CUSTOM_KINDS:
         errors = sorted(
             custom_validator(kind).iter_errors(manifest), key=lambda e: list(e.absolute_path)
@@ -175,6 +196,43 @@ def custom_validator(kind: str) -> jsonschema.Draft202012Validator:
     root = json.loads((SCHEMAS / CUSTOM_KINDS[kind]).read_text(encoding="utf-8"))
     jsonschema.Draft202012Validator.check_schema(root)
     return jsonschema.Draft202012Validator({**root, "$ref": f"#/kinds/{kind}"})
+
+
+def strict_structural(schema: Any) -> Any:
+    """A CRD's structural schema with the API server's strict field validation made explicit:
+    an object schema that lists its `properties` and neither admits more
+    (`additionalProperties`) nor keeps unknown fields (`x-kubernetes-preserve-unknown-fields`)
+    refuses any other field, as `kubectl apply` (server-side field validation `Strict`) does."""
+    if not isinstance(schema, dict):
+        return schema
+    strict = dict(schema)
+    if "properties" in schema:
+        strict["properties"] = {
+            name: strict_structural(child) for name, child in schema["properties"].items()
+        }
+        if "additionalProperties" not in schema and not schema.get(
+            "x-kubernetes-preserve-unknown-fields"
+        ):
+            strict["additionalProperties"] = False
+    for key in ("items", "additionalProperties", "not"):
+        if isinstance(schema.get(key), dict):
+            strict[key] = strict_structural(schema[key])
+    for key in ("allOf", "anyOf", "oneOf"):
+        if key in schema:
+            strict[key] = [strict_structural(child) for child in schema[key]]
+    return strict
+
+
+@cache
+def crd_validator(kind: str) -> tuple[str, jsonschema.Draft202012Validator]:
+    """The apiVersion of `kind` and a strict validator of its CRD's openAPIV3Schema. OpenAPI's
+    own keywords (`x-kubernetes-*`, `format: int32`, `default`) do not constrain JSON Schema;
+    the structure, types, enums, patterns and bounds do. (Not `check_schema`: some patterns of
+    fields the chart never renders are Go regular expressions that Python's `re` refuses.)"""
+    crd = json.loads((SCHEMAS / CRD_KINDS[kind]).read_text(encoding="utf-8"))
+    assert crd["kind"] == kind
+    schema = strict_structural(crd["openAPIV3Schema"])
+    return f"{crd['group']}/{crd['version']}", jsonschema.Draft202012Validator(schema)
 
 
 def pod_templates(manifest: Manifest) -> Iterator[tuple[str, Manifest]]:

@@ -903,10 +903,20 @@ def test_no_value_takes_a_secret_in_plain_text() -> None:
             "sandbox.token",
             "sandbox.token.existingSecret",
             "sandbox.token.secretKey",
+            "alerting.token",
+            "alerting.token.existingSecret",
+            "alerting.token.secretKey",
         ]
     )
     assert set(values["secrets"]) == {"requireExisting"}
-    for key in ("apiToken", "redis.auth", "ray.auth", "ray.models.hfToken", "sandbox.token"):
+    for key in (
+        "apiToken",
+        "redis.auth",
+        "ray.auth",
+        "ray.models.hfToken",
+        "sandbox.token",
+        "alerting.token",
+    ):
         node = values
         for part in key.split("."):
             node = node[part]

@@ -161,6 +161,8 @@ checksum/secret-redis: {{ include "kpo.secretChecksum" (dict "ctx" $ctx "secret"
 checksum/secret-ray-auth: {{ include "kpo.secretChecksum" (dict "ctx" $ctx "secret" (include "kpo.rayAuthSecretName" $ctx) "key" $v.ray.auth.secretKey "existing" $v.ray.auth.existingSecret) }}
 {{- else if and (eq $which "sandbox-token") $v.sandbox.enabled }}
 checksum/secret-sandbox-token: {{ include "kpo.secretChecksum" (dict "ctx" $ctx "secret" (include "kpo.sandboxTokenSecretName" $ctx) "key" $v.sandbox.token.secretKey "existing" $v.sandbox.token.existingSecret) }}
+{{- else if and (eq $which "alert-token") $v.alerting.enabled }}
+checksum/secret-alert-token: {{ include "kpo.secretChecksum" (dict "ctx" $ctx "secret" (include "kpo.alertTokenSecretName" $ctx) "key" $v.alerting.token.secretKey "existing" $v.alerting.token.existingSecret) }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -183,6 +185,77 @@ checksum/secret-sandbox-token: {{ include "kpo.secretChecksum" (dict "ctx" $ctx 
 {{/* The Secret holding the sandbox server's bearer token. */}}
 {{- define "kpo.sandboxTokenSecretName" -}}
 {{- .Values.sandbox.token.existingSecret | default (include "kpo.componentName" (dict "ctx" . "component" "sandbox-token")) }}
+{{- end }}
+
+{{/* The Secret holding the bearer token of Alertmanager's webhook (alerting.enabled). */}}
+{{- define "kpo.alertTokenSecretName" -}}
+{{- .Values.alerting.token.existingSecret | default (include "kpo.componentName" (dict "ctx" . "component" "alert-token")) }}
+{{- end }}
+
+{{/* The API's Service, inside the cluster: http://<service>.<namespace>.svc:<port>. */}}
+{{- define "kpo.apiServiceUrl" -}}
+{{- printf "http://%s.%s.svc:%v" (include "kpo.componentName" (dict "ctx" . "component" "control-plane")) .Release.Namespace .Values.controlPlane.service.port }}
+{{- end }}
+
+{{/*
+The alerts of deploy/prometheus/rules.yaml (files/rules.yaml) about one run, comma-separated:
+those whose summary names the run (`$labels.run_id`), which alerting.ruleActions may give an
+action. The others (the control plane, its store) name no run, and the webhook has no run to act on.
+*/}}
+{{- define "kpo.runAlertNames" -}}
+{{- $names := list }}
+{{- range $group := (.Files.Get "files/rules.yaml" | fromYaml).groups }}
+{{- range $rule := $group.rules }}
+{{- if and $rule.alert (contains "$labels.run_id" (toString (dig "annotations" "summary" "" $rule))) }}
+{{- $names = append $names $rule.alert }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- join "," $names }}
+{{- end }}
+
+{{/* The actions a firing alert may ask of its run (services/api/alerts.py, ALERT_ACTIONS). */}}
+{{- define "kpo.alertActions" -}}
+warn,checkpoint,pause,cancel
+{{- end }}
+
+{{/* Checks of alerting.* that need more than the schema. */}}
+{{- define "kpo.validateAlerting" -}}
+{{- $alerting := .Values.alerting }}
+{{- $actions := splitList "," (include "kpo.alertActions" .) }}
+{{- if not (has $alerting.defaultAction $actions) }}
+{{- fail (printf "alerting.defaultAction: unknown action %q; valid: %s" (toString $alerting.defaultAction) (join ", " $actions)) }}
+{{- end }}
+{{- with $alerting.ruleActions }}
+{{- if not $alerting.enabled }}
+{{- fail "alerting.ruleActions: the actions are for the webhook of alerting.enabled=true, which is off; set it (or leave alerting.ruleActions empty)" }}
+{{- end }}
+{{- if not $.Values.monitoring.prometheusRule.enabled }}
+{{- fail "alerting.ruleActions labels the alerts of the chart's PrometheusRule, which monitoring.prometheusRule.enabled=false leaves out: set it, or leave alerting.ruleActions empty and add the `kpo_action` label to the rules you load yourself" }}
+{{- end }}
+{{- $known := splitList "," (include "kpo.runAlertNames" $) }}
+{{- range $name, $action := . }}
+{{- if not (has $name $known) }}
+{{- fail (printf "alerting.ruleActions: unknown alert %q; the alerts about one run are %s" $name (join ", " $known)) }}
+{{- end }}
+{{- if not (has $action $actions) }}
+{{- fail (printf "alerting.ruleActions.%s: unknown action %q; valid: %s" $name (toString $action) (join ", " $actions)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if $alerting.enabled }}
+{{- $secret := include "kpo.alertTokenSecretName" . }}
+{{- $key := $alerting.token.secretKey }}
+{{- $others := list (list "API token" (include "kpo.apiTokenSecretName" .) .Values.apiToken.secretKey) }}
+{{- if .Values.redis.auth.enabled }}{{ $others = append $others (list "Redis password" (include "kpo.redisSecretName" .) .Values.redis.auth.secretKey) }}{{ end }}
+{{- if .Values.ray.auth.enabled }}{{ $others = append $others (list "Ray token" (include "kpo.rayAuthSecretName" .) .Values.ray.auth.secretKey) }}{{ end }}
+{{- if .Values.sandbox.enabled }}{{ $others = append $others (list "sandbox token" (include "kpo.sandboxTokenSecretName" .) .Values.sandbox.token.secretKey) }}{{ end }}
+{{- range $other := $others }}
+{{- if and (eq $secret (index $other 1)) (eq $key (index $other 2)) }}
+{{- fail (printf "alerting.token names the %s (Secret %s, key %s): Alertmanager holds the webhook's token, so it must be a token of its own: give it a key of its own (alerting.token.secretKey: alert-token)" (index $other 0) $secret $key) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -670,6 +743,7 @@ that waits past RAY_JOB_START_TIMEOUT_SECONDS (15 minutes), so runs the API acce
 {{- end }}
 {{- include "kpo.validateEgress" . }}
 {{- include "kpo.validateSandbox" . }}
+{{- include "kpo.validateAlerting" . }}
 {{- range $name, $overrides := .Values.ray.workerGroups }}
 {{- $group := mergeOverwrite (deepCopy $.Values.ray.workerDefaults) ($overrides | default dict) }}
 {{- if or (gt (int $group.minReplicas) (int $group.replicas)) (gt (int $group.replicas) (int $group.maxReplicas)) }}
@@ -706,8 +780,11 @@ generated ones and would make new ones each time.
 {{- if and .Values.redis.auth.enabled (not .Values.redis.auth.existingSecret) }}{{ $missing = append $missing "redis.auth.existingSecret" }}{{ end }}
 {{- if and .Values.ray.auth.enabled (not .Values.ray.auth.existingSecret) }}{{ $missing = append $missing "ray.auth.existingSecret" }}{{ end }}
 {{- if and .Values.sandbox.enabled (not .Values.sandbox.token.existingSecret) }}{{ $missing = append $missing "sandbox.token.existingSecret" }}{{ end }}
+{{- if and .Values.alerting.enabled (not .Values.alerting.token.existingSecret) }}{{ $missing = append $missing "alerting.token.existingSecret" }}{{ end }}
+{{- /* The webhook's token (alerting.enabled) is one key more. */}}
+{{- $alertKey := ternary " --from-literal=alert-token=\"$(openssl rand -hex 32)\"" "" .Values.alerting.enabled }}
 {{- if $missing }}
-{{- fail (printf "secrets.requireExisting is true, so set %s: rendered without the cluster (helm template, Argo CD, Flux), the chart cannot read back the secrets it generates and would make new ones on every render. Create them first, each value distinct, with one command: kubectl -n %s create secret generic kpo-secrets --from-literal=token=\"$(openssl rand -hex 32)\" --from-literal=redis-password=\"$(openssl rand -hex 32)\" --from-literal=auth_token=\"$(openssl rand -hex 32)\" --from-literal=sandbox-token=\"$(openssl rand -hex 32)\", and set each of those values to kpo-secrets (the keys are the chart's defaults; docs/deploy.md, step 3); or set secrets.requireExisting=false to have the chart generate them" (join ", " $missing) .Release.Namespace) }}
+{{- fail (printf "secrets.requireExisting is true, so set %s: rendered without the cluster (helm template, Argo CD, Flux), the chart cannot read back the secrets it generates and would make new ones on every render. Create them first, each value distinct, with one command: kubectl -n %s create secret generic kpo-secrets --from-literal=token=\"$(openssl rand -hex 32)\" --from-literal=redis-password=\"$(openssl rand -hex 32)\" --from-literal=auth_token=\"$(openssl rand -hex 32)\" --from-literal=sandbox-token=\"$(openssl rand -hex 32)\"%s, and set each of those values to kpo-secrets (the keys are the chart's defaults; docs/deploy.md, step 3); or set secrets.requireExisting=false to have the chart generate them" (join ", " $missing) .Release.Namespace $alertKey) }}
 {{- end }}
 {{- end }}
 {{- if .Values.sandbox.enabled }}

@@ -117,6 +117,12 @@ def _execute(spec: RunSpec, run_dir: RunDirectory) -> None:
             f"[kpo] {state} at step {records[-1]['step']}: mean reward of the last {len(last)} "
             f"steps {reward:.3f}; curves: {run_dir.curves}"
         )
+        if "guard_actions_total" in records[-1]:  # a run with the stability guard
+            typer.echo(
+                f"[kpo] stability guard: {records[-1]['guard_actions_total']} actions, "
+                f"{records[-1]['guard_rollbacks']} rollbacks, broken objectives at "
+                f"{sum(1 for r in records if r['guard_broken_objectives'])} steps"
+            )
     raise typer.Exit(code=EXIT_CODES[state])
 
 

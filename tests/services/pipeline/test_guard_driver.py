@@ -8,7 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
+from typer.testing import CliRunner
 
+from services.cli import app
 from services.pipeline.buffer import RolloutBuffer
 from services.pipeline.calls import Counters
 from services.pipeline.checkpoints import checkpoint_name, latest_checkpoint, read_driver_state
@@ -18,7 +21,7 @@ from services.pipeline.guard import StabilityGuard
 from services.pipeline.launch import execute_run
 from services.pipeline.outputs import RunDirectory, read_metrics
 from services.pipeline.prompts import PromptStream
-from tests.services.pipeline.conftest import tiny_spec
+from tests.services.pipeline.conftest import TINY_RUN, tiny_spec
 
 # Objectives no run keeps: any clipped token, any drop of entropy or reward from its baseline,
 # any rise of the gradient norm over its median breaks one, acted on at once.
@@ -135,6 +138,24 @@ class TestGuardedRuns:
         resumed = RunDriver(spec, RunDirectory(tmp_path), [])
         assert resumed.restore() == found[0]
         assert resumed.spec.learner.lr == pytest.approx(0.5 * spec.learner.lr)
+
+    def test_kpo_run_ends_with_the_guards_summary(self, tmp_path: Path) -> None:
+        run_file = tmp_path / "run.yaml"
+        run_file.write_text(yaml.safe_dump(TINY_RUN))
+        settings = [*MUST_BREAK, "stability.action=warn", "pipeline.steps=3"]
+        out = tmp_path / "out"
+        result = CliRunner().invoke(
+            app,
+            ["run", str(run_file), "--out", str(out), *(a for s in settings for a in ("--set", s))],
+        )
+        assert result.exit_code == 0, result.output
+        records = read_metrics(out)
+        broken = sum(1 for r in records if r["guard_broken_objectives"])
+        assert broken >= 1
+        assert (
+            f"[kpo] stability guard: {records[-1]['guard_actions_total']} actions, 0 rollbacks, "
+            f"broken objectives at {broken} steps"
+        ) in result.output
 
     def test_default_objectives_fire_nothing_on_a_normal_run(self, tmp_path: Path) -> None:
         spec = tiny_spec("stability.enabled=true", "stability.warmup_steps=1", "pipeline.steps=5")

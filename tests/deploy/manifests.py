@@ -98,6 +98,7 @@ SECRET_PATHS = (
     "redis.auth.existingSecret",
     "ray.auth.existingSecret",
     "sandbox.token.existingSecret",
+    "alerting.token.existingSecret",
 )
 
 

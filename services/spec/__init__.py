@@ -20,6 +20,9 @@ re-exports every section's names, so `from services.spec import ...` reads as be
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from pydantic import Field, ValidationError, ValidationInfo, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
@@ -56,7 +59,15 @@ from services.spec.generation import BackendName, BackendOption, GenerationConfi
 from services.spec.learner import LearnerConfig, LoraConfig
 from services.spec.pipeline import PipelineConfig
 from services.spec.reward import RewardConfig, VerifierName
-from services.spec.stability import StabilityConfig, StabilityObjectives, StabilityRemedy
+from services.spec.stability import (
+    SPEC_PATCH_KEYS,
+    SpecPatchError,
+    StabilityConfig,
+    StabilityObjectives,
+    StabilityRemedy,
+    flatten_patch,
+    merge_patches,
+)
 from services.spec.task import ArithTask, DatasetTask, JsonlTask, TaskConfig
 from services.spec.tracking import (
     MlflowTracking,
@@ -178,24 +189,6 @@ class RunSpec(StrictModel):
         raise ValidationError.from_exception_data("RunSpec", errors)
 
     @model_validator(mode="after")
-    def _guard_actions_available(self) -> RunSpec:
-        # Pausing a run for an operator comes later: a guard that would decide it is refused
-        # now, rather than a run that meets its first broken objective without a way to act.
-        action = self.stability.action
-        if action != "pause":
-            return self
-        message = (
-            "{action} is not available yet: the run driver carries out the guard's warn, "
-            "rollback and cancel; set one of those"
-        )
-        error = InitErrorDetails(
-            type=PydanticCustomError("guard_action", message, {"action": action}),
-            loc=("stability", "action"),
-            input=action,
-        )
-        raise ValidationError.from_exception_data("RunSpec", [error])
-
-    @model_validator(mode="after")
     def _remedy_applies(self, info: ValidationInfo) -> RunSpec:
         # A remedy that would make an invalid spec (a staleness bound under lead_batches, or in
         # a sync run) is refused now, not at the run's first rollback. (`remedied` validates
@@ -248,6 +241,20 @@ class RunSpec(StrictModel):
             data["algorithm"]["estimator"] = {"name": remedy.estimator}
         return RunSpec.model_validate(data, context={REMEDIED: True})
 
+    def patched(self, patch: Mapping[str, Any]) -> RunSpec:
+        """This spec with a resume's `patch` (spec-shaped, services/spec/stability.py) applied:
+        each key it sets replaces the spec's (an estimator whole, with its defaults for what
+        it leaves out). Raises `SpecPatchError` naming every key a resume may not change, and
+        pydantic's ValidationError (both ValueErrors) for a spec the patch makes invalid."""
+        flat = flatten_patch(patch)
+        if not flat:
+            return self
+        data = self.model_dump(mode="json")
+        for dotted, value in flat.items():
+            section, key = dotted.split(".", 1)
+            data[section][key] = value
+        return RunSpec.model_validate(data)
+
     @model_validator(mode="after")
     def _minibatches_fit(self) -> RunSpec:
         rows = self.pipeline.batch_groups * self.generation.group_size
@@ -284,6 +291,7 @@ __all__ = [
     "MAX_TOOL_TIMEOUT_S",
     "MAX_TOOL_TURNS",
     "RAY_BUILTIN_RESOURCES",
+    "SPEC_PATCH_KEYS",
     "ArithTask",
     "AttnImplementation",
     "BackendName",
@@ -304,6 +312,7 @@ __all__ = [
     "RewardConfig",
     "RunSpec",
     "SandboxUrl",
+    "SpecPatchError",
     "StabilityConfig",
     "StabilityObjectives",
     "StabilityRemedy",
@@ -313,4 +322,6 @@ __all__ = [
     "TrackingConfig",
     "VerifierName",
     "WandbTracking",
+    "flatten_patch",
+    "merge_patches",
 ]

@@ -23,6 +23,7 @@ from services.api.settings import ApiSettings, ClientSettings
 from services.observers import RunState
 from services.pipeline.outputs import (
     CONFIG_FILE,
+    STATUS_FILE,
     ProgressPrinter,
     RunDirectory,
     format_progress_line,
@@ -35,7 +36,7 @@ from services.pipeline.specs import (
     preflight,
     read_yaml_mapping,
 )
-from services.spec import RunSpec
+from services.spec import RunSpec, SpecPatchError
 from services.store import (
     RunNotFound,
     Store,
@@ -43,6 +44,7 @@ from services.store import (
     StoreUnavailable,
     open_store,
 )
+from services.store.base import RUN_ID_PATTERN
 from services.store.factory import DEFAULT_DATA_DIR
 
 if TYPE_CHECKING:
@@ -357,6 +359,35 @@ def status(
         typer.echo(f"  {transition['status']:<9}  {_when(transition['at'])}")
     if run.get("error"):
         typer.echo(f"error: {run['error']}")
+    stability = run["spec"].get("stability")
+    if isinstance(stability, dict) and stability.get("enabled"):
+        with _api_client(server) as client, _reporting_api_errors():
+            guard = client.get_guard(run_id)
+        for line in guard_lines(guard):
+            typer.echo(line)
+
+
+def guard_lines(guard: dict[str, Any]) -> list[str]:
+    """What `kpo status` says of a run's stability guard (`GET /v1/runs/{id}/guard`)."""
+    lines = [
+        f"guard: action {guard.get('action')}, {guard['actions']} actions taken, "
+        f"{guard['rollbacks']} rollbacks"
+    ]
+    paused = guard.get("paused")
+    if paused:
+        lines.append(
+            f"guard: paused at step {paused.get('checkpoint')} by {paused.get('reason')} "
+            f"(broken since step {paused.get('since')}): {paused.get('message')}"
+        )
+        lines.append(f"guard: resume it with `kpo resume-paused {guard['run_id']} [--patch FILE]`")
+    elif guard.get("last_action"):
+        last = guard["last_action"]
+        lines.append(
+            f"guard: not paused; last action at step {last.get('step')}: {last.get('message')}"
+        )
+    else:
+        lines.append("guard: not paused")
+    return lines
 
 
 @app.command()
@@ -371,6 +402,70 @@ def cancel(
         typer.echo(f"{run_id}: cancelled")
     else:
         typer.echo(f"{run_id}: cancel requested; it stops after its current learner step")
+
+
+@app.command("resume-paused")
+def resume_paused(
+    target: Annotated[
+        str,
+        typer.Argument(help="a run's id (resumed through the control plane), or a run directory"),
+    ],
+    patch: Annotated[
+        Path | None,
+        typer.Option(
+            help="YAML or JSON file of the spec patch: learner.lr, pipeline.max_staleness and "
+            "algorithm.estimator only (spec-shaped, e.g. `learner: {lr: 5.0e-7}`)"
+        ),
+    ] = None,
+    server: ServerOption = DEFAULT_SERVER,
+) -> None:
+    """Resume a run its stability guard paused (stability.action: pause), with a spec patch."""
+    spec_patch: dict[str, Any] = dict(load_yaml_mapping(patch)) if patch is not None else {}
+    if set(spec_patch) == {"spec_patch"} and isinstance(spec_patch["spec_patch"], dict):
+        spec_patch = spec_patch["spec_patch"]  # the API's body, as a file
+    if RUN_ID_PATTERN.fullmatch(target) and not Path(target).is_dir():
+        with _api_client(server) as client, _reporting_api_errors():
+            client.resume_run(target, spec_patch)
+        typer.echo(f"{target}: resume requested; it resumes within a second")
+        return
+    _request_local_resume(Path(target), spec_patch)
+
+
+def _request_local_resume(run_dir: Path, spec_patch: dict[str, Any]) -> None:
+    """Write RUN_DIR/resume.json for the run's driver, once the patch is checked."""
+    from services.pipeline.pause import RESUME_FILE
+
+    config_path = run_dir / CONFIG_FILE
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        details = json.loads((run_dir / STATUS_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError as missing:
+        fail(f"{missing.filename}: no such file; is {run_dir} the output directory of a run?")
+    except (OSError, ValueError) as error:
+        fail(f"{run_dir}: cannot read the run: {error}")
+    paused = details.get("paused")
+    if not paused:
+        fail(f"{run_dir} is not paused by its stability guard (status.json)")
+    try:
+        parse_run_spec(config, str(config_path)).patched(spec_patch)
+    except SpecError as error:
+        fail(str(error))
+    except SpecPatchError as refused:
+        fail("; ".join(f"spec_patch.{key}: {why}" for key, why in refused.problems))
+    except ValidationError as invalid:
+        fail(describe_validation_error(invalid, "the patched spec"))
+    pending = run_dir / RESUME_FILE
+    if pending.exists():
+        fail(f"{pending} exists already: the run has not taken that request yet")
+    written = pending.with_name(f".{RESUME_FILE}.tmp")
+    written.write_text(json.dumps({"spec_patch": spec_patch}) + "\n", encoding="utf-8")
+    written.replace(pending)  # whole or not at all: the driver never reads half of it
+    where = (
+        "running: it resumes within a second"
+        if details.get("state") == "running"
+        else (f"{details.get('state')}: it resumes when continued with `kpo resume {run_dir}`")
+    )
+    typer.echo(f"[kpo] resume requested from step {paused.get('checkpoint')} ({pending}); {where}")
 
 
 def _when(timestamp: str) -> str:

@@ -565,7 +565,7 @@ GUARD = Group(
             "guard_actions_total",
             "kpo_guard_actions_total",
             "actions",
-            "Actions the stability guard took in the run (warn, rollback, cancel, stop).",
+            "Actions the stability guard took in the run (warn, rollback, pause, cancel, stop).",
         ),
         _gauge(
             "guard_rollbacks",

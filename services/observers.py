@@ -4,11 +4,18 @@ The driver reports each state change and each metrics record to its `RunObserver
 directory and the progress line (services.pipeline.outputs), the control plane's store
 (services.pipeline.store_observer) and the experiment trackers (services.tracking). Declared
 here, below all of them, so that a tracker need not import the driver it observes.
+
+Two optional capabilities, which an observer has when it has their method (checked with
+`isinstance`, so `RunObserver` itself is unchanged and every observer that predates them still
+is one): an `EventObserver` also receives the run's events (the stability guard's actions, its
+pause and resume), and a `ResumeSource` answers a run that the guard paused with the operator's
+resume request.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
 
 RunState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 MetricsRecord = dict[str, Any]  # one learner step's record (keys: services.metrics)
@@ -20,3 +27,39 @@ class RunObserver(Protocol):
     def on_status(self, state: RunState, error: str | None = None, **details: Any) -> None: ...
 
     def on_metrics(self, record: MetricsRecord) -> None: ...
+
+
+@runtime_checkable
+class EventObserver(Protocol):
+    """Receives a run's events: `kind` matches [A-Za-z0-9_.:-]{1,64}, `data` is JSON-ready."""
+
+    def on_event(self, kind: str, data: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class ResumeRequest:
+    """An operator's answer to a paused run. spec_patch: spec-shaped, the keys of
+    services.spec.SPEC_PATCH_KEYS only ({} resumes unchanged); request_id: the source's name of
+    it (a store event's id, a file's path); requested_at: when it was made (epoch seconds);
+    problem: why what the source holds is no request it can read (the driver refuses it)."""
+
+    spec_patch: dict[str, Any] = field(default_factory=dict)
+    request_id: str = ""
+    requested_at: float | None = None
+    problem: str | None = None
+
+
+@runtime_checkable
+class ResumeSource(Protocol):
+    """Where the resume request of a paused run comes from (the store, the run directory)."""
+
+    def take_resume(self, paused_at: int) -> ResumeRequest | None:
+        """The request that answers the pause whose checkpoint is of step `paused_at`; None
+        while there is none. The same request each time it is asked, in this process or in a
+        driver restarted later: a driver that resumed from that checkpoint again (its learner
+        died before the next one) resumes as it did."""
+        ...
+
+    def refuse(self, request: ResumeRequest, reason: str) -> None:
+        """The driver cannot apply `request` (`reason`): it is no longer the answer."""
+        ...

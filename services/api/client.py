@@ -78,6 +78,14 @@ class ApiClient:
     def cancel_run(self, run_id: str) -> Any:
         return self._call("POST", f"/v1/runs/{run_id}/cancel")
 
+    def resume_run(self, run_id: str, spec_patch: dict[str, Any] | None = None) -> Any:
+        return self._call(
+            "POST", f"/v1/runs/{run_id}/resume", json={"spec_patch": spec_patch or {}}
+        )
+
+    def get_guard(self, run_id: str) -> Any:
+        return self._call("GET", f"/v1/runs/{run_id}/guard")
+
     # --- live events -------------------------------------------------------------------------
 
     def events(self, run_id: str, last_event_id: str | None = None) -> Iterator[SseEvent]:

@@ -127,6 +127,7 @@ async def _http(request: Request, error: Exception) -> JSONResponse:
         401: "unauthorized",
         404: "not_found",
         405: "method_not_allowed",
+        409: "conflict",
         413: "payload_too_large",
         429: "too_many_requests",
         503: "unavailable",

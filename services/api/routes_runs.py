@@ -1,16 +1,19 @@
-"""/v1/runs: create, list, get, cancel; metrics history, live events and log tail of a run."""
+"""/v1/runs: create, list, get, cancel; resume a run the stability guard paused, and its guard's
+state; metrics history, live events and log tail of a run."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Header, HTTPException, Query, Request, status
 from fastapi import Path as PathParam
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.api.client_identity import client_key
 from services.api.deps import (
@@ -24,7 +27,8 @@ from services.api.deps import (
 from services.api.spec_paths import confined_spec
 from services.api.sse import EventStreams, SlotResponse, run_events
 from services.jobs.interface import RunLauncher
-from services.spec import RunSpec
+from services.pipeline.pause import RESUME_EVENT, GuardEvents, guard_events
+from services.spec import SPEC_PATCH_KEYS, RunSpec, SpecPatchError, flatten_patch
 from services.store import (
     TERMINAL_STATUSES,
     InvalidTransition,
@@ -105,6 +109,34 @@ class MetricsPage(BaseModel):
 class LogTail(BaseModel):
     run_id: str
     lines: list[str]
+
+
+class ResumeBody(BaseModel):
+    """The body of `POST /v1/runs/{id}/resume` (none, or {}: resume unchanged)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    spec_patch: dict[str, Any] = Field(
+        default_factory=dict,
+        description="spec-shaped changes the run resumes with; only "
+        + ", ".join(SPEC_PATCH_KEYS)
+        + ' (an estimator object, e.g. {"algorithm": {"estimator": {"name": "token"}}})',
+    )
+
+
+class GuardState(BaseModel):
+    """A run's stability guard, as its events tell it. paused: the pause the run waits in (its
+    action's step, objective, key, value, bound, message, and `checkpoint`), while it runs;
+    actions: actions the guard decided; rollbacks: the run's rollbacks; last_action: the
+    newest action."""
+
+    run_id: str
+    enabled: bool | None  # spec.stability.enabled
+    action: str | None  # spec.stability.action
+    paused: dict[str, Any] | None
+    actions: int
+    rollbacks: int
+    last_action: dict[str, Any] | None
 
 
 @router.post(
@@ -228,6 +260,115 @@ def cancel_run(run_id: RunId, store: StoreDep, launcher: LauncherDep) -> RunReco
             "recorded: the run will not be restarted if its driver dies)",
         ) from None
     return run
+
+
+def _paused(run: RunRecord, events: GuardEvents) -> dict[str, Any] | None:
+    """The pause a running run waits in: its newest `guard.paused` event, if no `resume` or
+    `guard.resumed` came after it."""
+    return events.paused if run.status == RunStatus.RUNNING else None
+
+
+@router.post(
+    "/{run_id}/resume",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=RunRecord,
+    dependencies=[WriteAccess],
+)
+def resume_run(run_id: RunId, store: StoreDep, body: ResumeBody | None = None) -> RunRecord:
+    """Resume a run that its stability guard paused (`stability.action: pause`), with
+    `spec_patch` applied: the keys of `learner.lr`, `pipeline.max_staleness` and
+    `algorithm.estimator` only. The request is stored as the run's `resume` event; the run's
+    driver takes it within a second and starts its actors again from the paused checkpoint.
+
+    A run that is not running, or not paused, is a 409; a patch that sets any other key is a
+    422 naming every such key, one that makes an invalid run spec a 422 naming the field.
+    """
+    run = store.get_run(run_id)
+    paused = _paused(run, guard_events(store, run_id))
+    if paused is None:
+        state = "running but not paused" if run.status == RunStatus.RUNNING else run.status.value
+        raise HTTPException(
+            status.HTTP_409_CONFLICT,
+            f"run {run_id} is {state}: only a run its stability guard paused resumes",
+        )
+    patch = body.spec_patch if body is not None else {}
+    _check_patch(run, patch)
+    store.append_event(
+        run_id,
+        RESUME_EVENT,
+        {"spec_patch": patch, "requested_at": time.time(), "checkpoint": paused.get("checkpoint")},
+    )
+    return run
+
+
+def _check_patch(run: RunRecord, patch: dict[str, Any]) -> None:
+    """A 422 naming each key of `patch` a resume may not set, or each field of the run spec the
+    patch makes invalid (`spec_patch.<key>` for a key of the patch, `spec.<field>` for another
+    that it conflicts with)."""
+    try:
+        flat = flatten_patch(patch)
+    except SpecPatchError as refused:
+        raise _patch_error(
+            [(key.split("."), why, "spec_patch_key") for key, why in refused.problems]
+        ) from None
+    if not flat:
+        return
+    try:
+        spec = RunSpec.model_validate(dict(run.spec))
+    except ValidationError:
+        raise HTTPException(
+            status.HTTP_409_CONFLICT,
+            f"run {run.id} holds a spec that is not a valid run spec: it cannot be patched",
+        ) from None
+    try:
+        spec.patched(patch)
+    except ValidationError as invalid:
+        problems = []
+        for error in invalid.errors():
+            loc = [str(part) for part in error["loc"]]
+            dotted = ".".join(loc)
+            # A section's own check (pipeline: max_staleness against lead_batches) names the
+            # patched keys in it.
+            under = [key for key in flat if key.startswith(f"{dotted}.")]
+            if any(dotted == key or dotted.startswith(f"{key}.") for key in flat):
+                problems.append((loc, error["msg"], error["type"]))
+            elif under:
+                problems.extend((key.split("."), error["msg"], error["type"]) for key in under)
+            else:
+                problems.append((["spec", *loc], error["msg"], error["type"]))
+        raise _patch_error(problems) from None
+
+
+def _patch_error(problems: list[tuple[list[str], str, str]]) -> RequestValidationError:
+    """The API's 422 (services/api/errors.py) for patch problems: each (loc, message, type)."""
+    return RequestValidationError(
+        [
+            {
+                "loc": ("body", *(loc if loc[0] == "spec" else ["spec_patch", *loc])),
+                "msg": message,
+                "type": kind,
+            }
+            for loc, message, kind in problems
+        ]
+    )
+
+
+@router.get("/{run_id}/guard", response_model=GuardState, dependencies=[ReadAccess])
+def get_guard(run_id: RunId, store: StoreDep) -> GuardState:
+    """The run's stability guard: paused or not, its actions and rollbacks (from its events)."""
+    run = store.get_run(run_id)
+    events = guard_events(store, run_id)
+    stability = run.spec.get("stability")
+    enabled = stability.get("enabled") if isinstance(stability, Mapping) else None
+    return GuardState(
+        run_id=run_id,
+        enabled=enabled if isinstance(enabled, bool) else None,
+        action=_field(run.spec, str, "stability", "action"),
+        paused=_paused(run, events),
+        actions=events.actions,
+        rollbacks=events.rollbacks,
+        last_action=events.last_action,
+    )
 
 
 @router.get("/{run_id}/metrics", response_model=MetricsPage, dependencies=[ReadAccess])

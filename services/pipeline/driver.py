@@ -39,17 +39,27 @@ learner death does and starts the next one from the newest checkpoint the guard 
 (from step 0 if none is): checkpoints after it are deleted, every rollout sampled after it is
 dropped (counted in `rollouts_rolled_back_total`) and its prompts are issued again, and the run
 trains on with `RunSpec.remedied` (the remedy once more per rollback). Past
-`stability.max_rollbacks` the run stops and fails as unstable. At the first warning of an
-episode the guard may ask for a checkpoint: with `pipeline.checkpoint_every` set and no
-checkpoint being written, that step is checkpointed. The guard's state is saved with every
-checkpoint and taken over on resume, so a resumed run trains with the remedies of its
-rollbacks. (`pause` is refused by the spec.)
+`stability.max_rollbacks` the run stops and fails as unstable. `pause` checkpoints the step
+(marked paused), exports it as a cancel would, ends the attempt (every actor stopped: the run
+holds no GPU while it waits; what was in flight is issued again from the checkpoint) and waits
+for a resume request from its `ResumeSource`s (the store's `resume` events, the run directory's
+`resume.json`; services/pipeline/pause.py), polling every second, or for a cancel, which ends it
+`cancelled`. A resume applies its spec patch (`RunSpec.patched`, merged with those before it and
+saved with every later checkpoint) and starts the next attempt from the paused checkpoint; the
+guard re-arms (`StabilityGuard.resumed`). A driver that resumes from a paused checkpoint (it was
+restarted, or its learner died before the next checkpoint) waits again, and takes the request
+that answered that pause if there is one already. Each action is reported as a `guard.action`
+event to the observers that take events. At the first warning of an episode the guard may ask
+for a checkpoint: with `pipeline.checkpoint_every` set and no checkpoint being written, that step
+is checkpointed. The guard's state is saved with every checkpoint and taken over on resume, so a
+resumed run trains with the remedies of its rollbacks.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -63,7 +73,14 @@ from ray.exceptions import RayActorError, RayTaskError
 from services.generation.base import GroupRequest, SamplingSettings, StreamedGroups
 from services.messages import Prompt, Response
 from services.metrics import LEARNER_TOTALS
-from services.observers import MetricsRecord, RunObserver, RunState
+from services.observers import (
+    EventObserver,
+    MetricsRecord,
+    ResumeRequest,
+    ResumeSource,
+    RunObserver,
+    RunState,
+)
 from services.pipeline.actors import RunActors, check_cluster_resources, start_actors
 from services.pipeline.buffer import RolloutBuffer
 from services.pipeline.calls import (
@@ -99,14 +116,15 @@ from services.pipeline.evaluation import Evaluator
 from services.pipeline.faults import ActorFaults
 from services.pipeline.guard import GuardDecision, StabilityGuard
 from services.pipeline.held_out import held_out_prompts
-from services.pipeline.outputs import EVAL_FILE, RunDirectory
+from services.pipeline.outputs import EVAL_FILE, RunDirectory, json_safe
+from services.pipeline.pause import ACTION_EVENT, PAUSED_EVENT, REFUSED_EVENT, RESUMED_EVENT
 from services.pipeline.prompts import PromptStream, chats_strings
 from services.pipeline.signals import on_stop_signals
 from services.pipeline.staleness import StalenessController
 from services.pipeline.streams import WorkerStream
 from services.pipeline.supervisor import ActorSupervisor, FaultBudgetExhausted
 from services.pipeline.weight_sync import WeightSync
-from services.spec import RunSpec
+from services.spec import RunSpec, merge_patches
 from services.tasks.models import has_chat_template, resolve_model
 from services.tools.metrics import tool_metrics
 
@@ -117,6 +135,7 @@ WAIT_SECONDS = 0.5  # longest the loop sleeps without news (it then checks for a
 CHECKPOINT_POLL_SECONDS = 0.05  # how often the loop looks at a checkpoint being written
 FINAL_EVAL_TIMEOUT_S = 1800.0  # a final evaluation call longer than this is given up (logged)
 POLL_SECONDS = 5.0  # longest a worker's next_groups waits before answering with nothing
+PAUSE_POLL_SECONDS = 1.0  # how often a paused run asks its sources for a resume request
 
 __all__ = ["FaultBudgetExhausted", "GenerationFailed", "RunDriver"]
 
@@ -167,6 +186,9 @@ class RunDriver:
         )
         self._final_eval: dict[str, float] | None = None
         self._guard_stop: dict[str, Any] | None = None  # the guard's cancel, for the status
+        self._pause_request: GuardDecision | None = None  # the guard's pause, until carried out
+        self._wake = threading.Event()  # set by cancel(): a paused run stops waiting
+        self._exported_step: int | None = None  # the step this driver exported last
         self._start_from_scratch()
 
     # --- lifecycle --------------------------------------------------------------------------
@@ -182,6 +204,8 @@ class RunDriver:
         self._last_checkpoint_step = -1
         stability = self.spec.stability
         self.guard = StabilityGuard(stability) if stability.enabled else None
+        self._spec_patch: dict[str, Any] = {}  # the resumes' patches, merged
+        self._paused: dict[str, Any] | None = None  # the pause the run waits in (restored)
 
     def restore(self, at_step: int | None = None) -> int | None:
         """Load the driver state of the checkpoint of `at_step` (default: the newest complete
@@ -203,11 +227,14 @@ class RunDriver:
                 if found_guard is None
                 else StabilityGuard.from_state(stability, found_guard)
             )
-        # The run trains on as its rollbacks left it (each one's remedy), in this attempt too.
+        # The run trains on as its rollbacks (each one's remedy) and resumes (their patches)
+        # left it, in this attempt too.
         self.guard = guard
-        self.spec = self.submitted_spec.remedied(0 if guard is None else guard.rollbacks)
+        self._spec_patch = dict(saved.get("spec_patch") or {})
+        self.spec = self._effective_spec()
         state = restore_driver_state(self.spec, saved)
         self.counters, self.prompts, self.buffer = state.counters, state.prompts, state.buffer
+        self._paused = state.paused  # a pause's checkpoint: the run waits for its resume first
         self._resume_path = path
         self._last_checkpoint_step = step
         self.run_dir.keep_metrics_through(step)
@@ -218,6 +245,13 @@ class RunDriver:
         if held is not None and all(r["step"] != step for r in self.run_dir.read_metrics(["step"])):
             self._emit(held)
         return step
+
+    def _effective_spec(self, patch: dict[str, Any] | None = None) -> RunSpec:
+        """The submitted spec with the remedies of the guard's rollbacks and the resumes'
+        patches (`patch` instead of those in force, where given)."""
+        rollbacks = 0 if self.guard is None else self.guard.rollbacks
+        patch = self._spec_patch if patch is None else patch
+        return self.submitted_spec.remedied(rollbacks).patched(patch)
 
     def run(self) -> RunState:
         """Start the actors, drive the loop to the last step (or a cancel), clean up.
@@ -236,14 +270,22 @@ class RunDriver:
                 if self.evals is not None:
                     self.evals.prepare(self._held_out())
                 check_cluster_resources(self.spec)
-                actors = self._start_actors()
-                self._report_status(
-                    "running", actors=self.supervisor.pids, resumed_from=resumed_step
-                )
-                while True:
+                # Resumed from a pause's checkpoint: it waits (with no actor) for its resume.
+                if self._paused is None or self._resume_paused(resumed_step or 0):
+                    actors = self._start_actors()
+                    self._report_status(
+                        "running", actors=self.supervisor.pids, resumed_from=resumed_step
+                    )
+                while actors is not None:
                     try:
                         self._start(actors, resumed_step)
                         self._loop(actors)
+                        if self._pause_request is not None:
+                            restarted = self._pause(actors)
+                            if restarted is None:  # cancelled while paused
+                                break
+                            actors, resumed_step = restarted
+                            continue
                         self._finish(actors)
                         break
                     except RayActorError as error:  # the learner's: the others are handled
@@ -251,7 +293,10 @@ class RunDriver:
                         if self._cancel:  # being stopped anyway: its last checkpoint stands
                             log.warning("the learner died during the cancel: %s", error)
                             break
-                        actors, resumed_step = self._restart_from_checkpoint(actors, error)
+                        restarted = self._restart_from_checkpoint(actors, error)
+                        if restarted is None:  # cancelled while paused
+                            break
+                        actors, resumed_step = restarted
                     except RollbackRequested as rollback:
                         self._checkpoints.abandon()
                         actors, resumed_step = self._roll_back(actors, rollback.decision)
@@ -259,6 +304,17 @@ class RunDriver:
             details: dict[str, Any] = {}
             if self._final_eval is not None:
                 details["final_eval"] = self._final_eval
+            if self._cancel and self._paused is not None:  # cancelled while paused
+                details["error"] = f"cancelled while paused: {self._paused['message']}"
+                details["guard"] = self._paused
+                step = self._last_checkpoint_step
+                if self._exported_step != step:  # paused by an earlier driver
+                    log.warning(
+                        "the checkpoint of step %d was exported when the run paused, if it "
+                        "got that far; `kpo export %s` exports it again",
+                        step,
+                        self.run_dir.path,
+                    )
             if self._cancel and self._guard_stop is not None:
                 details["error"] = f"stability guard: {self._guard_stop['message']}"
                 details["guard"] = self._guard_stop
@@ -309,12 +365,13 @@ class RunDriver:
 
     def _restart_from_checkpoint(
         self, actors: RunActors, error: RayActorError
-    ) -> tuple[RunActors, int | None]:
+    ) -> tuple[RunActors, int | None] | None:
         """The learner died: end this attempt and go on from the last checkpoint (or step 0).
 
         Everything since that checkpoint is dropped, in flight or buffered, and its prompts are
         issued again, so no rollout is lost and none is trained twice; the metrics records of
-        the lost steps are replaced by those of the steps done again.
+        the lost steps are replaced by those of the steps done again. A pause's checkpoint
+        waits for its resume first (None: the run was cancelled meanwhile).
         """
         allowed = self.spec.pipeline.learner_restarts
         faults = self.counters.faults()
@@ -334,6 +391,8 @@ class RunDriver:
             allowed,
             "step 0" if resumed_step is None else f"the checkpoint of step {resumed_step}",
         )
+        if self._paused is not None and not self._resume_paused(resumed_step or 0):
+            return None
         actors = self._start_actors()
         self._report_status(
             "running",
@@ -352,6 +411,7 @@ class RunDriver:
         elapsed = self._elapsed()
         actors.kill()
         self._pending.clear()
+        self._pause_request = None
         self._held_record = None
         self._records_after_checkpoint.clear()
         self._publish_due = False
@@ -385,7 +445,7 @@ class RunDriver:
             self.guard = StabilityGuard(self.submitted_spec.stability)
         assert self.guard is not None  # a rollback is the guard's
         self.guard.rolled_back(resumed_step, decision.rollbacks)
-        self.spec = self.submitted_spec.remedied(decision.rollbacks)  # bound: `_start`'s
+        self.spec = self._effective_spec()  # its staleness bound: `_start`'s
         # Every group asked of generation since that checkpoint is dropped: trained on,
         # buffered or in flight. Their prompts come again from the restored stream.
         dropped = (issued - self.counters.groups_issued) * self.spec.generation.group_size
@@ -412,6 +472,109 @@ class RunDriver:
         )
         return actors, resumed_step
 
+    def _pause(self, actors: RunActors) -> tuple[RunActors, int | None] | None:
+        """The guard decided a pause at the step just trained: checkpoint it (marked paused)
+        and export it as a cancel would, end the attempt, wait for the resume request and start
+        the next attempt from that checkpoint with its patch. None: cancelled while paused."""
+        self._checkpoint_now(actors)
+        step = self._last_checkpoint_step
+        self._export(actors, step)  # a cancel while paused leaves this step's model
+        carried = {
+            **self.counters.faults(),
+            "guard_actions_total": self.counters.guard_actions_total,
+            "rollouts_rolled_back_total": self.counters.rollouts_rolled_back_total,
+        }
+        self._end_attempt(actors, step, carried)
+        paused = self._paused  # as the checkpoint says
+        if not self._resume_paused(step):
+            return None
+        actors = self._start_actors()
+        self._report_status("running", actors=self.supervisor.pids, resumed_from=step, guard=paused)
+        return actors, step
+
+    def _resume_paused(self, step: int) -> bool:
+        """The run is paused at the checkpoint of `step` (restored; no actor runs): announce
+        it, wait for a resume request and apply it. False: cancelled while paused."""
+        assert self._paused is not None
+        paused = {**self._paused, "checkpoint": step}
+        if self._cancel:
+            return False
+        taken = self._take_resume(step)
+        if taken is None:
+            log.warning(
+                "stability guard: paused at step %d, no actor running (%s); waiting for a "
+                "resume: POST /v1/runs/{id}/resume, or %s (kpo resume-paused)",
+                step,
+                paused["message"],
+                self.run_dir.path / "resume.json",
+            )
+            self.run_dir.update_details(paused=paused)
+            self._report_event(PAUSED_EVENT, paused)
+            while taken is None:
+                self._wake.wait(PAUSE_POLL_SECONDS)
+                if self._cancel:
+                    return False
+                taken = self._take_resume(step)
+        request, spec, merged = taken
+        self._spec_patch, self.spec = merged, spec
+        self.buffer.max_staleness = spec.pipeline.max_staleness
+        if self.guard is not None:
+            self.guard.resumed(step)
+        self._paused = None
+        self.run_dir.update_details(paused=None)
+        self._started = time.perf_counter()  # the time paused is no time of the run's
+        self._report_event(
+            RESUMED_EVENT,
+            {
+                "checkpoint": step,
+                "request": request.request_id,
+                "requested_at": request.requested_at,
+                "spec_patch": request.spec_patch,
+                "in_force": merged,
+            },
+        )
+        log.warning(
+            "stability guard: resumed from the pause at step %d; training on with lr %.6g, "
+            "max_staleness %d, estimator %s",
+            step,
+            spec.learner.lr,
+            spec.pipeline.max_staleness,
+            spec.algorithm.estimator.name,
+        )
+        return True
+
+    def _take_resume(self, step: int) -> tuple[ResumeRequest, RunSpec, dict[str, Any]] | None:
+        """The first resume request of the pause at `step` that one of the observers holds
+        and that makes a valid spec: it, that spec and the patches in force with it. One that
+        does not is refused (logged, reported, and its source told)."""
+        refused: set[str] = set()
+        for source in self.observers:
+            if not isinstance(source, ResumeSource):
+                continue
+            while (request := source.take_resume(step)) is not None:
+                if request.request_id in refused:  # a source that holds on to it
+                    break
+                try:
+                    if request.problem is not None:
+                        raise ValueError(request.problem)
+                    merged = merge_patches(self._spec_patch, request.spec_patch)
+                    return request, self._effective_spec(merged), merged
+                except ValueError as error:  # SpecPatchError and ValidationError included
+                    reason = str(error)
+                    log.error("resume request %s refused: %s", request.request_id, reason)
+                    self._report_event(
+                        REFUSED_EVENT, {"request": request.request_id, "reason": reason}
+                    )
+                    source.refuse(request, reason)
+                    refused.add(request.request_id)
+        return None
+
+    def _report_event(self, kind: str, data: dict[str, Any]) -> None:
+        safe = json_safe(data)
+        for observer in self.observers:
+            if isinstance(observer, EventObserver):
+                observer.on_event(kind, safe)
+
     def _signals_request_cancel(self) -> AbstractContextManager[None]:
         """SIGINT/SIGTERM ask for a clean stop; a second one stops at once."""
 
@@ -424,8 +587,10 @@ class RunDriver:
         return on_stop_signals(handler)
 
     def cancel(self) -> None:
-        """Ask the loop to stop after the current learner step (from another thread)."""
+        """Ask the loop to stop after the current learner step (from another thread); a paused
+        run stops waiting at once."""
         self._cancel = True
+        self._wake.set()
 
     # --- the loop ---------------------------------------------------------------------------
 
@@ -451,8 +616,10 @@ class RunDriver:
         )
 
     def _loop(self, actors: RunActors) -> None:
+        """Drive the calls to the last step, or until a cancel (the learner idle) or the
+        guard's pause (at once: `run` carries it out)."""
         total = self.spec.pipeline.steps
-        while self.counters.step < total or self._learner_busy():
+        while self._pause_request is None and (self.counters.step < total or self._learner_busy()):
             if self._checkpoints.done:
                 self._on_checkpointed()
                 continue
@@ -717,16 +884,20 @@ class RunDriver:
         return self.guard.wants_checkpoint(decision.step) and not self._checkpoints.busy
 
     def _act(self, decision: GuardDecision) -> None:
-        """Carry out the guard's action: log it; `cancel` and `stop_unstable` also stop the
-        run, `rollback` unwinds the loop to `run` (RollbackRequested)."""
+        """Carry out the guard's action: log it and report it (a `guard.action` event);
+        `cancel` and `stop_unstable` also stop the run, `rollback` unwinds the loop to `run`
+        (RollbackRequested), `pause` ends the loop for `run` to pause the run (`_pause`)."""
         # The message names the step, the objective (reason), its key, value, limit and bound.
         log.warning("stability guard, %s", decision.message)
+        self._report_event(ACTION_EVENT, self._guard_details(decision))
         if decision.action == "rollback":
             raise RollbackRequested(decision)
-        if decision.action in ("cancel", "stop_unstable") and self._guard_stop is None:
+        if decision.action == "pause":  # carried out by `run` once the loop has returned
+            self._pause_request = self._pause_request or decision
+        elif decision.action in ("cancel", "stop_unstable") and self._guard_stop is None:
             self._guard_stop = self._guard_details(decision)
             self.cancel()
-        elif decision.action not in ("warn", "cancel", "stop_unstable"):  # refused by the spec
+        elif decision.action not in ("warn", "cancel", "stop_unstable"):
             raise RuntimeError(f"stability guard action {decision.action!r} is not available")
 
     @staticmethod
@@ -806,6 +977,7 @@ class RunDriver:
         in_flight = in_flight_prompts(self._streams, self._pending.values())
         if self.guard is not None:  # the state saved knows the checkpoint it is saved with
             self.guard.checkpointed(self.counters.step)
+        pause = self._pause_request  # a pause's checkpoint says so: its resume waits first
         state = capture_driver_state(
             self.counters,
             self._elapsed(),
@@ -815,6 +987,8 @@ class RunDriver:
             self._held_record,
             None if self.guard is None else self.guard.state(),
             staleness=None if self.staleness is None else self.staleness.state(),
+            paused=None if pause is None else self._guard_details(pause),
+            spec_patch=self._spec_patch,
         )
         self._checkpoints.start(
             self.run_dir.checkpoints,
@@ -849,11 +1023,7 @@ class RunDriver:
         Hugging Face model to `RUN_DIR/model/`; then the final evaluation, with `eval`."""
         self._checkpoint_now(actors)
         # Written (and hashed) by this run or verified when it resumed: not hashed again.
-        step = self._last_checkpoint_step
-        if step >= 0:
-            learner_dir = self.run_dir.checkpoints / checkpoint_name(step) / LEARNER_DIR
-            out = actors.learner.export(str(learner_dir), str(self.run_dir.model))
-            log.info("policy of step %d exported to %s", step, out)
+        self._export(actors, self._last_checkpoint_step)
         if self.evals is not None and not self._cancel:
             self._deliver_all(actors)  # the final evaluation samples the last step's policy
             self._final_eval = self.evals.run_final(
@@ -862,6 +1032,14 @@ class RunDriver:
                 actors.verifiers,
                 FINAL_EVAL_TIMEOUT_S,
             )
+
+    def _export(self, actors: RunActors, step: int) -> None:
+        """Export the checkpoint of `step` (none before step 1) to `RUN_DIR/model/`."""
+        if step >= 0:
+            learner_dir = self.run_dir.checkpoints / checkpoint_name(step) / LEARNER_DIR
+            out = actors.learner.export(str(learner_dir), str(self.run_dir.model))
+            self._exported_step = step
+            log.info("policy of step %d exported to %s", step, out)
 
     def _deliver_all(self, actors: RunActors) -> None:
         """Wait until every weight delivery in flight is acknowledged (or has failed)."""

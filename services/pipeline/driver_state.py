@@ -4,7 +4,10 @@ what a resumed run takes over from the driver to go on where the checkpoint left
 It holds the run's counters, the prompt stream's position and the prompts to issue again (those
 handed back, and those still being generated or scored when the checkpoint was taken), every
 buffered group, the checkpointed step's metrics record while that is not yet emitted, and the
-stability guard's state (`StabilityGuard.state()`) in a run with the guard on.
+stability guard's state (`StabilityGuard.state()`) in a run with the guard on. A checkpoint the
+guard's pause wrote says so (`paused`: the guard's action, as the status reports it): a driver
+that resumes from it waits for the resume request first. `spec_patch` is the patch of the
+resumes so far (merged), with which the run trains on.
 
 A run with an adaptive staleness bound also saves its controller's state under `staleness`
 (`StalenessController.state()`); a checkpoint without it starts the controller afresh.
@@ -43,6 +46,10 @@ class DriverState:
     record: MetricsRecord | None
     # The stability guard's state, if the run that wrote the checkpoint had the guard on.
     guard: dict[str, Any] | None = None
+    # The guard's pause that wrote the checkpoint (its action, as the status reports it).
+    paused: dict[str, Any] | None = None
+    # The resumes' patches so far, merged (spec-shaped; {} for none).
+    spec_patch: dict[str, Any] | None = None
 
 
 def in_flight_prompts(
@@ -67,13 +74,16 @@ def capture_driver_state(
     record: MetricsRecord | None,
     guard: dict[str, Any] | None = None,
     staleness: dict[str, Any] | None = None,
+    paused: dict[str, Any] | None = None,
+    spec_patch: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The driver's state as a checkpoint stores it (JSON-ready), taken between learner steps.
 
     `elapsed_seconds` is the run's wall time so far, `in_flight` the prompts being generated or
-    scored, `record` the step's metrics record that waits for this checkpoint, if any, and
-    `guard` the stability guard's state (JSON), if the guard is on; `staleness` the adaptive
-    staleness bound's controller state (JSON), with an adaptive bound.
+    scored, `record` the step's metrics record that waits for this checkpoint, if any,
+    `guard` the stability guard's state (JSON), if the guard is on, `staleness` the adaptive
+    staleness bound's controller state (JSON), with an adaptive bound, `paused` the guard's
+    pause that this checkpoint is written for, if it is, and `spec_patch` the resumes' patches.
     """
     counters = Counters(**asdict(counters))  # a copy: the run's own go on counting
     counters.elapsed_seconds = elapsed_seconds
@@ -91,6 +101,10 @@ def capture_driver_state(
         state["record"] = json_safe_record(record)
     if guard is not None:
         state["guard"] = guard
+    if paused is not None:
+        state["paused"] = paused
+    if spec_patch:
+        state["spec_patch"] = spec_patch
     return state
 
 
@@ -109,4 +123,12 @@ def restore_driver_state(spec: RunSpec, state: dict[str, Any]) -> DriverState:
     # The buffer's drop tallies go on from the run's, as the counters are read from them.
     buffer.dropped_groups = counters.groups_dropped_stale
     buffer.dropped_responses = counters.rollouts_dropped_stale
-    return DriverState(counters, prompts, buffer, state.get("record"), state.get("guard"))
+    return DriverState(
+        counters,
+        prompts,
+        buffer,
+        state.get("record"),
+        state.get("guard"),
+        state.get("paused"),
+        state.get("spec_patch"),
+    )

@@ -21,6 +21,10 @@ cancel) and tells the guard which checkpoints it wrote (`checkpointed`).
   than `max_healthy_age_steps` (or there is none): if the warning passes, that checkpoint
   becomes healthy, and a later rollback loses less.
 - `rollback` counts: past `max_rollbacks` the decision is `stop_unstable`, with the reason.
+- After a `pause` the run resumes from the checkpoint of the paused step (`resumed`): the
+  episode that acted is closed and every objective counts its broken evaluations afresh, so the
+  guard acts again only once an objective has been broken for `patience` evaluations after the
+  resume. Baselines and the checkpoints' judgement stay as they were.
 
 Pure Python: its whole state is `state()`, JSON that the driver saves with its checkpoint.
 """
@@ -395,6 +399,22 @@ class StabilityGuard:
         self._pending = []  # older than the healthy one: they no longer matter
         self._healthy = step
         self._last_checkpoint = step
+        self._last_step = step
+        for track in self._tracks.values():
+            track.streak, track.since = 0, None
+
+    def resumed(self, step: int) -> None:
+        """The run paused at `step` (the guard decided `pause` there and the driver wrote its
+        checkpoint, this guard being the one saved with it) and resumes from that checkpoint.
+
+        The episode that acted is closed and each objective's count of consecutive broken
+        evaluations starts again: an objective still broken after the resume (the operator's
+        patch did not help) makes the guard act once it has been broken for `patience` more
+        evaluations, not at the first step. Baselines are kept: they hold values of steps in
+        which their objective held. The checkpoints keep their judgement: the one of `step`,
+        taken with objectives broken, becomes healthy only once `patience` clean steps follow
+        it, as any other."""
+        self._episode_start, self._fired, self._clean_run = None, False, 0
         self._last_step = step
         for track in self._tracks.values():
             track.streak, track.since = 0, None

@@ -5,8 +5,11 @@
     status.json     the run's state, its timestamped transitions, the error of a failed run
     curves.png      reward, entropy, clip fraction and staleness over steps (see `plots`)
     checkpoints/    see `checkpoints`
+    events.jsonl    the run's events (the stability guard's actions, pause and resume)
+    resume.json     written by the operator: the resume request of a paused run (`pause`)
 
-The driver reports through `RunObserver`s (services.observers): the run directory here is one.
+The driver reports through `RunObserver`s (services.observers): the run directory here is one,
+an `EventObserver` and a `ResumeSource` too (services/pipeline/pause.py).
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any, TextIO
 
-from services.observers import MetricsRecord, RunState
+from services.observers import MetricsRecord, ResumeRequest, RunState
+from services.pipeline.pause import ResumeFile, append_event_line
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -87,6 +91,7 @@ class RunDirectory:
         self._status: dict[str, Any] = (
             json.loads(status.read_text(encoding="utf-8")) if status.exists() else {}
         )
+        self._resumes = ResumeFile(out_dir)
 
     def write_config(self, resolved: dict[str, Any]) -> None:
         _write_atomic(self.path / CONFIG_FILE, json.dumps(resolved, indent=2) + "\n")
@@ -115,6 +120,15 @@ class RunDirectory:
         transitions.append({"state": state, "at": time.time()})
         self._status.update(state=state, error=error, **details)
         _write_atomic(self.path / STATUS_FILE, json.dumps(self._status, indent=2) + "\n")
+
+    def on_event(self, kind: str, data: dict[str, Any]) -> None:
+        append_event_line(self.path, kind, json_safe(data), time.time())
+
+    def take_resume(self, paused_at: int) -> ResumeRequest | None:
+        return self._resumes.take_resume(paused_at)
+
+    def refuse(self, request: ResumeRequest, reason: str) -> None:
+        self._resumes.refuse(request, reason)
 
 
 def format_status_line(state: RunState, error: str | None = None) -> str:

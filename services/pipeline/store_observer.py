@@ -16,6 +16,12 @@ How the driver's reports map onto the store's lifecycle (`queued -> running -> f
 - A write the store cannot accept now (`BufferFull`: Redis has been down for so long that the
   outage buffer filled up), or that it rejects for any other store reason, is logged and the run
   goes on. The run's own output directory still has every record.
+
+It is also an `EventObserver` (the run's events go to the store's event log, which the API's
+event stream serves) and a `ResumeSource`: a run the stability guard paused takes the `resume`
+event that `POST /v1/runs/{id}/resume` stored (services/pipeline/pause.py says which answers
+which pause). It reads the run's events on from where it stopped, so each poll of a paused run
+reads only what is new.
 """
 
 from __future__ import annotations
@@ -24,11 +30,18 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from services.observers import MetricsRecord, RunState
+from services.observers import MetricsRecord, ResumeRequest, RunState
 from services.pipeline.outputs import (
     format_progress_line,
     format_status_line,
+    json_safe,
     json_safe_record,
+)
+from services.pipeline.pause import (
+    PAUSED_EVENT,
+    RESUMED_EVENT,
+    GuardEvents,
+    resume_request,
 )
 from services.store import InvalidTransition, RunStatus, Store, StoreError
 from services.store.lifecycle import STATUSES_WITH_ERROR, TERMINAL_STATUSES
@@ -53,6 +66,9 @@ class StoreObserver:
         self.total_steps = total_steps
         self._on_finished_elsewhere = on_finished_elsewhere
         self.final_state: RunState | None = None  # the final state this observer reported
+        self._events = GuardEvents()  # the run's events read so far (a paused run's)
+        self._refused: set[str] = set()  # resume requests the driver could not apply
+        self._unreadable = False  # the store could not be read at the last poll
 
     def on_status(self, state: RunState, error: str | None = None, **details: Any) -> None:
         if state in FINAL_STATES:
@@ -74,6 +90,37 @@ class StoreObserver:
         line = format_progress_line(safe, self.total_steps)
         self._write(f"metrics of step {safe['step']}", lambda: self._append_metrics(safe))
         self._write("log lines", lambda: self.store.append_logs(self.run_id, [line]))
+
+    def on_event(self, kind: str, data: dict[str, Any]) -> None:
+        safe = json_safe(data)
+        self._write(f"event {kind}", lambda: self.store.append_event(self.run_id, kind, safe))
+        line = None
+        if kind == PAUSED_EVENT:
+            line = (
+                f"[kpo] paused by the stability guard at step {data.get('checkpoint')}: "
+                f"{data.get('message')}; resume with POST /v1/runs/{self.run_id}/resume "
+                f"(kpo resume-paused {self.run_id})"
+            )
+        elif kind == RESUMED_EVENT:
+            line = f"[kpo] resumed from the pause at step {data.get('checkpoint')}"
+        if line is not None:
+            self._write("log lines", lambda: self.store.append_logs(self.run_id, [line]))
+
+    def take_resume(self, paused_at: int) -> ResumeRequest | None:
+        try:
+            self._events.read_on(self.store, self.run_id)
+        except StoreError as error:  # an outage: asked again at the next poll
+            if not self._unreadable:
+                log.warning("run %s: cannot read its resume requests yet: %s", self.run_id, error)
+            self._unreadable = True
+            return None
+        self._unreadable = False
+        event = self._events.answer(paused_at, self._refused)
+        return None if event is None else resume_request(event)
+
+    def refuse(self, request: ResumeRequest, reason: str) -> None:
+        self._refused.add(request.request_id)
+        log.error("run %s: resume request %s refused: %s", self.run_id, request.request_id, reason)
 
     def _append_metrics(self, record: MetricsRecord) -> None:
         self.store.append_metrics(self.run_id, [record])

@@ -20,6 +20,9 @@ re-exports every section's names, so `from services.spec import ...` reads as be
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from pydantic import Field, ValidationError, ValidationInfo, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
@@ -56,7 +59,15 @@ from services.spec.generation import BackendName, BackendOption, GenerationConfi
 from services.spec.learner import LearnerConfig, LoraConfig
 from services.spec.pipeline import PipelineConfig
 from services.spec.reward import RewardConfig, VerifierName
-from services.spec.stability import StabilityConfig, StabilityObjectives, StabilityRemedy
+from services.spec.stability import (
+    SPEC_PATCH_KEYS,
+    SpecPatchError,
+    StabilityConfig,
+    StabilityObjectives,
+    StabilityRemedy,
+    flatten_patch,
+    merge_patches,
+)
 from services.spec.task import ArithTask, DatasetTask, JsonlTask, TaskConfig
 from services.spec.tracking import (
     MlflowTracking,
@@ -178,24 +189,6 @@ class RunSpec(StrictModel):
         raise ValidationError.from_exception_data("RunSpec", errors)
 
     @model_validator(mode="after")
-    def _guard_actions_available(self) -> RunSpec:
-        # Pausing a run for an operator comes later: a guard that would decide it is refused
-        # now, rather than a run that meets its first broken objective without a way to act.
-        action = self.stability.action
-        if action != "pause":
-            return self
-        message = (
-            "{action} is not available yet: the run driver carries out the guard's warn, "
-            "rollback and cancel; set one of those"
-        )
-        error = InitErrorDetails(
-            type=PydanticCustomError("guard_action", message, {"action": action}),
-            loc=("stability", "action"),
-            input=action,
-        )
-        raise ValidationError.from_exception_data("RunSpec", [error])
-
-    @model_validator(mode="after")
     def _remedy_applies(self, info: ValidationInfo) -> RunSpec:
         # A remedy that would make an invalid spec (a staleness bound under lead_batches, or in
         # a sync run) is refused now, not at the run's first rollback. (`remedied` validates
@@ -243,12 +236,28 @@ class RunSpec(StrictModel):
         data = self.model_dump(mode="json")
         if remedy.lr_scale is not None:
             data["learner"]["lr"] = self.learner.lr * remedy.lr_scale**rollbacks
-        if remedy.max_staleness is not None:  # a fixed bound, an adaptive one's too
-            data["pipeline"]["max_staleness"] = remedy.max_staleness
-            data["pipeline"]["staleness_auto"] = None
+        if remedy.max_staleness is not None:
+            _set_staleness_bound(data, remedy.max_staleness)
         if remedy.estimator is not None and remedy.estimator != self.algorithm.estimator.name:
             data["algorithm"]["estimator"] = {"name": remedy.estimator}
         return RunSpec.model_validate(data, context={REMEDIED: True})
+
+    def patched(self, patch: Mapping[str, Any]) -> RunSpec:
+        """This spec with a resume's `patch` (spec-shaped, services/spec/stability.py) applied:
+        each key it sets replaces the spec's (an estimator whole, with its defaults for what
+        it leaves out). Raises `SpecPatchError` naming every key a resume may not change, and
+        pydantic's ValidationError (both ValueErrors) for a spec the patch makes invalid."""
+        flat = flatten_patch(patch)
+        if not flat:
+            return self
+        data = self.model_dump(mode="json")
+        for dotted, value in flat.items():
+            if dotted == "pipeline.max_staleness":
+                _set_staleness_bound(data, value)
+                continue
+            section, key = dotted.split(".", 1)
+            data[section][key] = value
+        return RunSpec.model_validate(data)
 
     @model_validator(mode="after")
     def _minibatches_fit(self) -> RunSpec:
@@ -259,6 +268,13 @@ class RunSpec(StrictModel):
                 f"batch (pipeline.batch_groups x generation.group_size = {rows})"
             )
         return self
+
+
+def _set_staleness_bound(data: dict[str, Any], bound: Any) -> None:
+    """Make `bound` (an integer, or `{auto: {min, max}}`) the staleness bound of the dumped spec
+    `data`, in place of the fixed or adaptive one it has."""
+    data["pipeline"]["max_staleness"] = bound
+    data["pipeline"]["staleness_auto"] = None
 
 
 __all__ = [
@@ -286,6 +302,7 @@ __all__ = [
     "MAX_TOOL_TIMEOUT_S",
     "MAX_TOOL_TURNS",
     "RAY_BUILTIN_RESOURCES",
+    "SPEC_PATCH_KEYS",
     "ArithTask",
     "AttnImplementation",
     "BackendName",
@@ -306,6 +323,7 @@ __all__ = [
     "RewardConfig",
     "RunSpec",
     "SandboxUrl",
+    "SpecPatchError",
     "StabilityConfig",
     "StabilityObjectives",
     "StabilityRemedy",
@@ -315,4 +333,6 @@ __all__ = [
     "TrackingConfig",
     "VerifierName",
     "WandbTracking",
+    "flatten_patch",
+    "merge_patches",
 ]

@@ -7,6 +7,10 @@ non-finite tokens, the batch reward against its running baseline, held-out accur
 best seen, and KPO's filtered switch frequency. An objective broken for `patience` consecutive
 evaluations makes the guard act by `action`. Every objective may be null (not checked).
 
+A run the guard paused resumes with a spec patch (`POST /v1/runs/{id}/resume`, or the run
+directory's `resume.json`): spec-shaped, it may change only the remedy's targets
+(`SPEC_PATCH_KEYS`); `RunSpec.patched` applies one, the functions here check and merge them.
+
 The default bounds are derived from the stability study's recorded runs (docs/results/*/metrics)
 by benchmarks/stability_study/guard_replay.py; `python -m benchmarks.stability_study.guard_replay`
 prints the derivation (docs/results.md, "The stability guard on the study's recorded runs").
@@ -24,7 +28,8 @@ tests/services/pipeline/test_guard_study.py fails when the data or the rule no l
 from __future__ import annotations
 
 import typing
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -38,6 +43,69 @@ MAX_BASELINE_WINDOW = 10_000
 # Each rollback reloads a checkpoint (100 GB for an 8B model with its optimiser state): a run
 # that rolled back 100 times will not become stable on the 101st.
 MAX_ROLLBACKS = 100
+
+
+# The dotted keys of the run spec that a resume's patch may set: what a remedy changes.
+# `algorithm.estimator` takes a whole estimator object ({"name": ..., its settings}).
+SPEC_PATCH_KEYS = ("learner.lr", "pipeline.max_staleness", "algorithm.estimator")
+
+
+class SpecPatchError(ValueError):
+    """A spec patch that sets keys no resume may change; `problems`: (dotted key, why) each."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        super().__init__("; ".join(f"{key}: {why}" for key, why in problems))
+        self.problems = problems
+
+
+def flatten_patch(patch: Mapping[str, Any]) -> dict[str, Any]:
+    """A spec-shaped patch as {dotted key: value}. Raises `SpecPatchError` naming every key
+    outside `SPEC_PATCH_KEYS` (each leaf of a section none of whose keys may change)."""
+    flat: dict[str, Any] = {}
+    problems: list[tuple[str, str]] = []
+
+    def walk(node: Mapping[str, Any], prefix: str) -> None:
+        for key, value in node.items():
+            path = f"{prefix}{key}"
+            if path in SPEC_PATCH_KEYS:
+                flat[path] = value
+            elif any(allowed.startswith(f"{path}.") for allowed in SPEC_PATCH_KEYS):
+                if isinstance(value, Mapping):
+                    walk(value, f"{path}.")
+                else:
+                    problems.append((path, "must be a mapping of the keys below it to change"))
+            elif isinstance(value, Mapping) and value:
+                walk_refused(value, f"{path}.")
+            else:
+                problems.append((path, refused))
+
+    def walk_refused(node: Mapping[str, Any], prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, Mapping) and value:
+                walk_refused(value, f"{prefix}{key}.")
+            else:
+                problems.append((f"{prefix}{key}", refused))
+
+    refused = f"a resume may change only {', '.join(SPEC_PATCH_KEYS)}"
+    walk(patch, "")
+    if problems:
+        raise SpecPatchError(problems)
+    return flat
+
+
+def nest_patch(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """{dotted key: value} as a spec-shaped patch."""
+    nested: dict[str, Any] = {}
+    for dotted, value in flat.items():
+        section, key = dotted.split(".", 1)
+        nested.setdefault(section, {})[key] = value
+    return nested
+
+
+def merge_patches(base: Mapping[str, Any], more: Mapping[str, Any]) -> dict[str, Any]:
+    """The patch of `base` then `more`: a key both set takes `more`'s value (an estimator is
+    replaced whole)."""
+    return nest_patch({**flatten_patch(base), **flatten_patch(more)})
 
 
 def estimator_names() -> tuple[str, ...]:
@@ -156,8 +224,9 @@ class StabilityConfig(StrictModel):
         "warn",
         description="when an objective has been broken for `patience` steps: warn (log and "
         "record an event), rollback (resume from the newest healthy checkpoint, or step 0 "
-        "when none is, and train on with `remedy` applied once more), pause, or cancel the "
-        "run; pause is not available yet (refused by the run spec)",
+        "when none is, and train on with `remedy` applied once more), pause (checkpoint, "
+        "stop every actor and wait for a resume, which may patch learner.lr, "
+        "pipeline.max_staleness and algorithm.estimator), or cancel the run",
     )
     patience: int = Field(
         3,

@@ -109,18 +109,10 @@ def test_bad_values_are_refused_naming_the_field(
     assert message in error
 
 
-@pytest.mark.parametrize("enabled", [True, False])
-def test_pause_is_refused_until_the_driver_carries_it_out(enabled: bool) -> None:
-    error = stability_error({"enabled": enabled, "action": "pause"})
-    assert error == (
-        "run.yaml: stability.action: pause is not available yet: the run driver carries "
-        "out the guard's warn, rollback and cancel; set one of those"
-    )
-
-
-@pytest.mark.parametrize("action", ["warn", "rollback", "cancel"])
-def test_warn_rollback_and_cancel_are_accepted(action: str) -> None:
-    assert RunSpec.model_validate({"stability": {"action": action}}).stability.action == action
+@pytest.mark.parametrize("action", ["warn", "rollback", "pause", "cancel"])
+def test_every_action_is_accepted(action: str) -> None:
+    spec = RunSpec.model_validate({"stability": {"enabled": True, "action": action}})
+    assert spec.stability.action == action
 
 
 ROLLBACK = {"enabled": True, "action": "rollback"}

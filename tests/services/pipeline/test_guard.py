@@ -430,6 +430,59 @@ def test_the_other_actions_are_the_specs_and_never_count_rollbacks(action: str) 
     assert guard.rollbacks == 0
 
 
+# --- pause and resume -----------------------------------------------------------------------------
+
+
+def paused_at_102(bursts: Iterable[int]) -> tuple[StabilityConfig, list[Record], dict[str, Any]]:
+    """A pausing guard over the healthy stream with spikes at `bursts`, checkpointed every 20
+    steps and at the pause (step 102, as the driver does): its config, the records, and the
+    state saved with the pause's checkpoint."""
+    config = enabled(action="pause")
+    records = spikes(healthy_stream(8), bursts)
+    guard = StabilityGuard(config)
+    decisions = observe_with_checkpoints(guard, records[:102], every=20)
+    assert [(a.step, a.action, a.since) for a in acted(decisions)] == [(102, "pause", 100)]
+    guard.checkpointed(102)
+    return config, records, json.loads(json.dumps(guard.state()))
+
+
+def test_after_a_resume_the_guard_acts_again_only_after_patience_more_broken_steps() -> None:
+    # The spikes go on after the pause: the patch did not help.
+    config, records, saved = paused_at_102(range(100, 110))
+    resumed = StabilityGuard.from_state(config, saved)
+    resumed.resumed(102)
+    actions = acted(run(resumed, records[102:110]))
+    # 103, 104, 105 broken anew: it acts at the third, not at the first.
+    assert [(a.step, a.action, a.since) for a in actions] == [(105, "pause", 103)]
+    # Without the resume the episode that acted would still be open: no second action.
+    unresumed = StabilityGuard.from_state(config, saved)
+    assert acted(run(unresumed, records[102:110])) == []
+
+
+def test_a_resume_keeps_the_healthy_checkpoint_and_judges_the_pauses_on_its_own() -> None:
+    config, records, saved = paused_at_102(range(100, 103))
+    resumed = StabilityGuard.from_state(config, saved)
+    assert resumed.healthy_checkpoint() == 80  # 100 spoilt by the spikes after it
+    resumed.resumed(102)
+    assert resumed.healthy_checkpoint() == 80
+    assert resumed.kept_checkpoints() == (80, 102)  # the pause's checkpoint: not judged yet
+    run(resumed, records[102:104])
+    assert resumed.healthy_checkpoint() == 80  # two clean steps after it: not yet patience
+    run(resumed, records[104:105])
+    assert resumed.healthy_checkpoint() == 102
+    assert acted(run(resumed, healthy_stream(8)[105:200])) == []
+
+
+def test_a_resumed_guards_state_round_trips() -> None:
+    config, records, saved = paused_at_102(range(100, 106))
+    resumed = StabilityGuard.from_state(config, saved)
+    resumed.resumed(102)
+    run(resumed, records[102:104])
+    again = StabilityGuard.from_state(config, json.loads(json.dumps(resumed.state())))
+    assert again.state() == resumed.state()
+    assert run(again, records[104:120]) == run(resumed, records[104:120])
+
+
 # --- missing keys ---------------------------------------------------------------------------------
 
 

@@ -1,12 +1,19 @@
-"""The stability guard in the run driver: its keys in each record, warn and cancel on a real
-local Ray run with the tiny model, and its state carried by the driver's checkpoints."""
+"""The stability guard in the run driver: its keys in each record, warn, cancel, rollback and
+pause on a real local Ray run with the tiny model, and its state carried by the driver's
+checkpoints."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import yaml
 from typer.testing import CliRunner
@@ -20,6 +27,7 @@ from services.pipeline.driver_state import capture_driver_state, restore_driver_
 from services.pipeline.guard import StabilityGuard
 from services.pipeline.launch import execute_run
 from services.pipeline.outputs import RunDirectory, read_metrics
+from services.pipeline.pause import read_event_lines
 from services.pipeline.prompts import PromptStream
 from tests.services.pipeline.conftest import TINY_RUN, tiny_spec
 
@@ -38,6 +46,70 @@ MUST_BREAK = (
 
 def status_of(out: Path) -> dict[str, Any]:
     return json.loads((out / "status.json").read_text())
+
+
+# Clean through the guard's warm-up (steps 1-4), broken at almost every step after: the run
+# pauses at step 5 or soon after, and again after a resume (patience 1 re-arms at once).
+PAUSING = (
+    *MUST_BREAK,
+    "stability.action=pause",
+    "stability.warmup_steps=4",
+    "learner.warmup_steps=0",
+    "pipeline.steps=7",
+)
+
+
+def events_of(out: Path, kind: str) -> list[dict[str, Any]]:
+    return [event["data"] for event in read_event_lines(out) if event["kind"] == kind]
+
+
+class Driven:
+    """A driver's `run` in a thread; waits on conditions of its run directory."""
+
+    def __init__(self, driver: RunDriver) -> None:
+        self.driver = driver
+        self.out = driver.run_dir.path
+        self.outcome: list[str] = []
+        self.thread = threading.Thread(target=lambda: self.outcome.append(driver.run()))
+        self.thread.start()
+
+    def wait_for(self, condition: Callable[[], bool], what: str, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert self.thread.is_alive(), f"the run ended ({self.outcome}) before {what}"
+            assert time.monotonic() < deadline, f"no {what} in {timeout} s"
+            self.thread.join(timeout=0.2)
+
+    def answer_pauses(self, answered: int, timeout: float = 240) -> list[str]:
+        """Resume each pause after the first `answered` unchanged until the run ends; its
+        outcome."""
+        deadline = time.monotonic() + timeout
+        while self.thread.is_alive():
+            assert time.monotonic() < deadline, f"the run did not end in {timeout} s"
+            if len(events_of(self.out, "guard.paused")) > answered:
+                request(self.out, {})
+                answered += 1
+            self.thread.join(timeout=0.2)
+        return self.outcome
+
+
+def request(out: Path, body: dict[str, Any]) -> None:
+    """Write RUN_DIR/resume.json whole, as an operator should."""
+    written = out / ".resume.json.tmp"
+    written.write_text(json.dumps(body))
+    os.replace(written, out / "resume.json")
+
+
+def assert_no_actor_alive(pids: dict[str, list[int]]) -> None:
+    """Every actor process of the attempt has ended (Ray's kill takes a moment to land)."""
+    actor_pids = {*pids["generation"], *pids["verifiers"], *pids["learner"]}
+    assert actor_pids
+    processes = []
+    for pid in actor_pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            processes.append(psutil.Process(pid))
+    _, alive = psutil.wait_procs(processes, timeout=30)
+    assert not alive
 
 
 @pytest.mark.usefixtures("ray_instance")
@@ -156,6 +228,94 @@ class TestGuardedRuns:
             f"[kpo] stability guard: {records[-1]['guard_actions_total']} actions, 0 rollbacks, "
             f"broken objectives at {broken} steps"
         ) in result.output
+
+    def test_pause_stops_every_actor_until_a_resume_with_a_patch_then_trains_on(
+        self, tmp_path: Path
+    ) -> None:
+        spec = tiny_spec(*PAUSING)
+        run = Driven(RunDriver(spec, RunDirectory(tmp_path), []))
+        run.wait_for(lambda: bool(events_of(tmp_path, "guard.paused")), "pause")
+        [paused] = events_of(tmp_path, "guard.paused")
+        step = paused["checkpoint"]
+        assert step == paused["step"] >= 5 and paused["action"] == "pause"
+        assert paused["reason"] in spec.stability.objectives.model_dump()
+        [action] = events_of(tmp_path, "guard.action")
+        assert action["step"] == step and action["action"] == "pause"
+        # Paused: the step checkpointed (marked paused) and exported, every actor stopped.
+        status = status_of(tmp_path)
+        assert status["state"] == "running" and status["paused"]["checkpoint"] == step
+        assert_no_actor_alive(status["actors"])
+        found = latest_checkpoint(tmp_path / "checkpoints")
+        assert found is not None and found[0] == step
+        assert read_driver_state(found[1])["paused"]["step"] == step
+        assert (tmp_path / "model" / "config.json").exists()
+        assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, step + 1))
+        assert run.thread.is_alive()
+        # A request the driver cannot apply is refused and moved aside; the run waits on.
+        request(tmp_path, {"spec_patch": {"learner": {"batch_size": 2}}})
+        run.wait_for(lambda: (tmp_path / "resume.refused.json").exists(), "refusal")
+        [refused] = events_of(tmp_path, "guard.resume_refused")
+        assert "learner.batch_size" in refused["reason"]
+        assert status_of(tmp_path)["paused"]["checkpoint"] == step
+        # Resumed at half the rate; each later pause is resumed unchanged.
+        lr = spec.learner.lr
+        patch = {"learner": {"lr": lr / 2}}
+        request(tmp_path, {"spec_patch": patch})
+        assert run.answer_pauses(answered=1) == ["succeeded"]
+        records = read_metrics(tmp_path)
+        assert [r["step"] for r in records] == list(range(1, 8))
+        assert all(r["lr"] == pytest.approx(lr) for r in records if r["step"] <= step)
+        assert all(r["lr"] == pytest.approx(lr / 2) for r in records if r["step"] > step)
+        resumed = events_of(tmp_path, "guard.resumed")
+        assert len(resumed) == len(events_of(tmp_path, "guard.paused"))
+        assert resumed[0]["checkpoint"] == step and resumed[0]["spec_patch"] == patch
+        assert all(r["in_force"] == patch for r in resumed)  # a later {} keeps the patch
+        status = status_of(tmp_path)
+        assert status["state"] == "succeeded" and status["paused"] is None
+        # The final checkpoint carries the patch: a driver resumed from it trains with it.
+        found = latest_checkpoint(tmp_path / "checkpoints")
+        assert found is not None and found[0] == 7
+        saved = read_driver_state(found[1])
+        assert saved["spec_patch"] == patch
+        # Marked paused only where the guard paused at the last step (that pause's request,
+        # kept in RUN_DIR/resumes/, answers it again for a driver resumed from there).
+        last_pause = events_of(tmp_path, "guard.paused")[-1]["checkpoint"]
+        assert ("paused" in saved) == (last_pause == 7)
+        again = RunDriver(spec, RunDirectory(tmp_path), [])
+        assert again.restore() == 7
+        assert again.spec.learner.lr == pytest.approx(lr / 2)
+
+    def test_a_cancel_while_paused_ends_cancelled_and_a_resumed_driver_waits_again(
+        self, tmp_path: Path
+    ) -> None:
+        spec = tiny_spec(*PAUSING)
+        run = Driven(RunDriver(spec, RunDirectory(tmp_path), []))
+        run.wait_for(lambda: bool(events_of(tmp_path, "guard.paused")), "pause")
+        step = events_of(tmp_path, "guard.paused")[0]["checkpoint"]
+        run.driver.cancel()
+        run.thread.join(timeout=60)
+        assert run.outcome == ["cancelled"]
+        status = status_of(tmp_path)
+        assert status["state"] == "cancelled"
+        assert status["error"].startswith("cancelled while paused: step ")
+        assert status["guard"]["action"] == "pause" and status["guard"]["step"] == step
+        assert_no_actor_alive(status["actors"])
+        # Its last checkpoint is the pause's, exported; no step after it was trained.
+        found = latest_checkpoint(tmp_path / "checkpoints")
+        assert found is not None and found[0] == step
+        assert (tmp_path / "model" / "config.json").exists()
+        assert read_metrics(tmp_path)[-1]["step"] == step
+        # Continued later (`kpo resume`), it is still paused there: with the request written
+        # beforehand it resumes at once, without announcing the pause again.
+        request(tmp_path, {"spec_patch": {"learner": {"lr": spec.learner.lr / 4}}})
+        later = Driven(RunDriver(spec, RunDirectory(tmp_path), []))
+        later.wait_for(lambda: bool(events_of(tmp_path, "guard.resumed")), "resume")
+        assert len(events_of(tmp_path, "guard.paused")) == 1
+        assert events_of(tmp_path, "guard.resumed")[0]["checkpoint"] == step
+        assert later.answer_pauses(answered=1) == ["succeeded"]
+        records = read_metrics(tmp_path)
+        assert [r["step"] for r in records] == list(range(1, 8))
+        assert all(r["lr"] == pytest.approx(spec.learner.lr / 4) for r in records[step:])
 
     def test_default_objectives_fire_nothing_on_a_normal_run(self, tmp_path: Path) -> None:
         spec = tiny_spec("stability.enabled=true", "stability.warmup_steps=1", "pipeline.steps=5")

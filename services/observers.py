@@ -63,3 +63,24 @@ class ResumeSource(Protocol):
     def refuse(self, request: ResumeRequest, reason: str) -> None:
         """The driver cannot apply `request` (`reason`): it is no longer the answer."""
         ...
+
+
+@dataclass(frozen=True)
+class AlertRequest:
+    """An alert's request of a running run (Alertmanager's webhook, services/api/alerts.py).
+    action: what it asks; key: the alert's identity (fingerprint and start), one request per
+    firing however often Alertmanager resends it; reason: for the run's log and events."""
+
+    action: Literal["checkpoint", "pause"]
+    key: str
+    reason: str
+
+
+@runtime_checkable
+class AlertSource(Protocol):
+    """Where a running run's alert requests come from (the control plane's store)."""
+
+    def take_alerts(self) -> list[AlertRequest]:
+        """The requests not answered yet, oldest first: those no `guard.action` event of the
+        run names (`alert`), so a restarted driver does not answer one twice."""
+        ...

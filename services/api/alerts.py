@@ -7,7 +7,10 @@ alerts, each with its own status, labels and annotations. KPO's rules
 does. The action an alert asks for is its `kpo_action` label (a rule sets it), else the API's
 default (KPO_ALERT_DEFAULT_ACTION, `warn`):
 
-- `warn`: an `alert` event on the run (its event stream and the dashboard show it);
+Every alert of a run is recorded as its `alert` event (ALERT_EVENT); the run's driver answers a
+firing one's checkpoint or pause (services/pipeline/pause.py):
+
+- `warn`: the event only (the run's event stream and the dashboard show it);
 - `checkpoint`: the run writes a checkpoint at its next learner step;
 - `pause`: the run checkpoints and waits, holding no GPUs, for `POST /v1/runs/{id}/resume`;
 - `cancel`: as `POST /v1/runs/{id}/cancel`.
@@ -29,7 +32,6 @@ AlertAction = Literal["warn", "checkpoint", "pause", "cancel"]
 ALERT_ACTIONS: tuple[AlertAction, ...] = ("warn", "checkpoint", "pause", "cancel")
 ACTION_LABEL = "kpo_action"  # the rule label that names an alert's action
 RUN_LABEL = "run_id"
-ALERT_EVENT = "alert"  # the run event every alert of a run is recorded as
 # Alertmanager groups at most a few alerts per notification by default; a payload of more than
 # this many is not one it sends.
 MAX_ALERTS = 1000

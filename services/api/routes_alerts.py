@@ -14,7 +14,6 @@ import logging
 from fastapi import APIRouter, Request
 
 from services.api.alerts import (
-    ALERT_EVENT,
     RUN_LABEL,
     Alert,
     AlertAction,
@@ -28,6 +27,7 @@ from services.api.auth import BearerAuth
 from services.api.deps import LauncherDep, SettingsDep, StoreDep
 from services.api.routes_runs import cancel_run
 from services.jobs.interface import RunLauncher
+from services.pipeline.pause import ALERT_EVENT
 from services.store import TERMINAL_STATUSES, RunNotFound, RunStatus, Store
 from services.store.base import RUN_ID_PATTERN
 

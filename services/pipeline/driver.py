@@ -74,6 +74,7 @@ from services.generation.base import GroupRequest, SamplingSettings, StreamedGro
 from services.messages import Prompt, Response
 from services.metrics import LEARNER_TOTALS
 from services.observers import (
+    AlertSource,
     EventObserver,
     MetricsRecord,
     ResumeRequest,
@@ -856,8 +857,9 @@ class RunDriver:
             record.update(self.evals.take_result() or {})
             self.evals.start(self.counters.step, [stream.actor for stream in self._streams])
         guard_checkpoint = self._judge(record)
+        alert_checkpoint = self._answer_alerts(record)
         every = self.spec.pipeline.checkpoint_every
-        if every and (self.counters.step % every == 0 or guard_checkpoint):
+        if (every and (self.counters.step % every == 0 or guard_checkpoint)) or alert_checkpoint:
             # The record waits for the checkpoint: a step recorded at a checkpoint boundary is
             # never lost, even when the learner dies while it is written and the run is then
             # cancelled.
@@ -882,6 +884,31 @@ class RunDriver:
         record["guard_rollbacks"] = self.guard.rollbacks
         record["rollouts_rolled_back_total"] = self.counters.rollouts_rolled_back_total
         return self.guard.wants_checkpoint(decision.step) and not self._checkpoints.busy
+
+    def _answer_alerts(self, record: MetricsRecord) -> bool:
+        """Answer the alerts' requests of this run (services/pipeline/pause.py), each once, as
+        an action of the guard's: `pause` as the guard's pause; whether one asks for a
+        checkpoint of this step that can be started now (one being written answers it)."""
+        checkpoint = False
+        for source in self.observers:
+            if not isinstance(source, AlertSource):
+                continue
+            for request in source.take_alerts():
+                if request.action == "checkpoint" and self._checkpoints.busy:
+                    continue  # asked again at the next step
+                decision = GuardDecision(self.counters.step, request.action, request.reason)
+                self.counters.guard_actions_total += 1
+                log.warning("alert, %s", decision.message)
+                self._report_event(
+                    ACTION_EVENT, {**self._guard_details(decision), "alert": request.key}
+                )
+                if request.action == "pause":
+                    self._pause_request = self._pause_request or decision
+                else:
+                    checkpoint = True
+        if "guard_actions_total" in record:
+            record["guard_actions_total"] = self.counters.guard_actions_total
+        return checkpoint
 
     def _act(self, decision: GuardDecision) -> None:
         """Carry out the guard's action: log it and report it (a `guard.action` event);

@@ -42,7 +42,8 @@ from typing import Any, Literal
 
 from services.spec.stability import StabilityConfig
 
-Action = Literal["none", "warn", "rollback", "pause", "cancel", "stop_unstable"]
+# `checkpoint` is an alert's (the driver answers alerts as actions); the guard never decides it.
+Action = Literal["none", "warn", "checkpoint", "rollback", "pause", "cancel", "stop_unstable"]
 STATE_VERSION = 1
 
 
@@ -140,6 +141,8 @@ class GuardDecision:
         """One line for the run's log and events."""
         if self.action == "none":
             return f"step {self.step}: stable"
+        if self.key is None or self.value is None or self.bound is None:  # an alert's action
+            return f"step {self.step}: {self.action}: {self.reason}"
         limit = "not finite" if self.limit is None else f"limit {self.limit:.6g}"
         text = (
             f"step {self.step}: {self.action}: {self.reason} broken since step {self.since}: "

@@ -12,6 +12,9 @@ The run's events say where it stands (kinds as the store and `RUN_DIR/events.jso
     guard.resumed   the driver took a resume request and goes on (data: `checkpoint`,
                     `spec_patch` as requested, `in_force`: every resume's patches merged)
     guard.resume_refused   the driver could not apply a request (data: `reason`)
+    alert           an alert of Alertmanager's webhook (services/api/alerts.py); a firing
+                    one's `checkpoint` or `pause` is the driver's to answer, once per firing
+                    (its `guard.action` names it: `alert`, the request's key)
 
 A run is paused while its newest `guard.paused` event has no later `resume` or `guard.resumed`.
 The request that answers the pause of checkpoint S is the first `resume` after the first
@@ -36,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.observers import ResumeRequest
+from services.observers import AlertRequest, ResumeRequest
 from services.store import Event, Store
 
 log = logging.getLogger(__name__)
@@ -46,6 +49,7 @@ PAUSED_EVENT = "guard.paused"
 RESUMED_EVENT = "guard.resumed"
 REFUSED_EVENT = "guard.resume_refused"
 RESUME_EVENT = "resume"
+ALERT_EVENT = "alert"  # an alert of Alertmanager's webhook (services/api/alerts.py)
 
 RESUME_FILE = "resume.json"
 RESUMES_DIR = "resumes"
@@ -67,6 +71,9 @@ class GuardEvents:
     last_action: dict[str, Any] | None = None
     paused: dict[str, Any] | None = None
     after: str | None = None
+    # Alerts' requests (checkpoint, pause) by their key, in order; answered ones are left out.
+    alerts: dict[str, AlertRequest] = field(default_factory=dict)
+    answered_alerts: set[str] = field(default_factory=set)
     _seen: int = 0
     _pauses: dict[int, int] = field(default_factory=dict)  # checkpoint step -> its first pause
     _resumes: list[tuple[int, Event]] = field(default_factory=list)
@@ -82,6 +89,14 @@ class GuardEvents:
             if event.kind == ACTION_EVENT:
                 self.actions += 1
                 self.last_action = dict(event.data)
+                answered = event.data.get("alert")
+                if isinstance(answered, str):
+                    self.answered_alerts.add(answered)
+                    self.alerts.pop(answered, None)
+            elif event.kind == ALERT_EVENT:
+                request = alert_request(event)
+                if request is not None and request.key not in self.answered_alerts:
+                    self.alerts.setdefault(request.key, request)
             elif event.kind == PAUSED_EVENT:
                 self.paused = dict(event.data)
                 checkpoint = event.data.get("checkpoint")
@@ -111,6 +126,19 @@ class GuardEvents:
             self.feed(page)
             if len(page) < EVENTS_PAGE:
                 return
+
+
+def alert_request(event: Event) -> AlertRequest | None:
+    """The request a stored `alert` event makes of its run (services/api/alerts.py's
+    `alert_event`): a firing alert's checkpoint or pause; None for anything else."""
+    data = event.data
+    action = data.get("action")
+    if data.get("status") != "firing" or action not in ("checkpoint", "pause"):
+        return None
+    # One request per firing: Alertmanager resends a firing alert with each notification.
+    key = f"{data.get('fingerprint') or data.get('alertname')}@{data.get('starts_at')}"
+    reason = f"alert {data.get('alertname')}: {data.get('summary') or 'no summary'}"
+    return AlertRequest("checkpoint" if action == "checkpoint" else "pause", key, reason)
 
 
 def guard_events(store: Store, run_id: str) -> GuardEvents:

@@ -30,7 +30,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from services.observers import MetricsRecord, ResumeRequest, RunState
+from services.observers import AlertRequest, MetricsRecord, ResumeRequest, RunState
 from services.pipeline.outputs import (
     format_progress_line,
     format_status_line,
@@ -117,6 +117,17 @@ class StoreObserver:
         self._unreadable = False
         event = self._events.answer(paused_at, self._refused)
         return None if event is None else resume_request(event)
+
+    def take_alerts(self) -> list[AlertRequest]:
+        try:
+            self._events.read_on(self.store, self.run_id)
+        except StoreError as error:  # an outage: asked again at the next step
+            if not self._unreadable:
+                log.warning("run %s: cannot read its alerts yet: %s", self.run_id, error)
+            self._unreadable = True
+            return []
+        self._unreadable = False
+        return list(self._events.alerts.values())
 
     def refuse(self, request: ResumeRequest, reason: str) -> None:
         self._refused.add(request.request_id)

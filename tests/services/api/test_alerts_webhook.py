@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from services.api.alerts import ALERT_EVENT
+from services.pipeline.pause import ALERT_EVENT
 from services.store import RunStatus
 from tests.services.api.conftest import TOKEN, Api, ApiFactory
 

@@ -27,8 +27,10 @@ from services.pipeline.driver_state import capture_driver_state, restore_driver_
 from services.pipeline.guard import StabilityGuard
 from services.pipeline.launch import execute_run
 from services.pipeline.outputs import RunDirectory, read_metrics
-from services.pipeline.pause import read_event_lines
+from services.pipeline.pause import ALERT_EVENT, RESUME_EVENT, read_event_lines
 from services.pipeline.prompts import PromptStream
+from services.pipeline.store_observer import StoreObserver
+from services.store import LocalStore
 from tests.services.pipeline.conftest import TINY_RUN, tiny_spec
 
 # Objectives no run keeps: any clipped token, any drop of entropy or reward from its baseline,
@@ -316,6 +318,46 @@ class TestGuardedRuns:
         records = read_metrics(tmp_path)
         assert [r["step"] for r in records] == list(range(1, 8))
         assert all(r["lr"] == pytest.approx(spec.learner.lr / 4) for r in records[step:])
+
+    def test_alerts_checkpoint_and_pause_a_run_without_the_guard(self, tmp_path: Path) -> None:
+        # Stored before the run starts, as the webhook stores them (the pause one twice: resent
+        # by Alertmanager): answered at the first step, each once.
+        store = LocalStore(tmp_path / "store")
+        try:
+            spec = tiny_spec("pipeline.steps=4", "pipeline.checkpoint_every=3")
+            run_id = store.create_run(spec.model_dump(mode="json")).id
+            for action, fingerprint in (("checkpoint", "a1"), ("pause", "b2"), ("pause", "b2")):
+                store.append_event(
+                    run_id,
+                    ALERT_EVENT,
+                    {
+                        "alertname": "KPONoLearnerProgress",
+                        "status": "firing",
+                        "action": action,
+                        "summary": "no learner step",
+                        "fingerprint": fingerprint,
+                        "starts_at": "2026-12-06T09:52:26+02:00",
+                    },
+                )
+            out = tmp_path / "out"
+            observer = StoreObserver(store, run_id, spec.pipeline.steps)
+            run = Driven(RunDriver(spec, RunDirectory(out), [observer]))
+            run.wait_for(lambda: bool(events_of(out, "guard.paused")), "the alert's pause")
+            [paused] = events_of(out, "guard.paused")
+            assert paused["checkpoint"] == 1 and paused["reason"].startswith("alert ")
+            assert (out / "checkpoints" / checkpoint_name(1)).is_dir()  # not a periodic one
+            store.append_event(run_id, RESUME_EVENT, {"spec_patch": {}})
+            run.thread.join(timeout=240)
+            assert run.outcome == ["succeeded"]
+            actions = events_of(out, "guard.action")
+            assert sorted((a["action"], a["alert"].split("@")[0]) for a in actions) == [
+                ("checkpoint", "a1"),
+                ("pause", "b2"),
+            ]
+            assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+            assert "guard_actions_total" not in read_metrics(out)[-1]  # no guard in this run
+        finally:
+            store.close()
 
     def test_default_objectives_fire_nothing_on_a_normal_run(self, tmp_path: Path) -> None:
         spec = tiny_spec("stability.enabled=true", "stability.warmup_steps=1", "pipeline.steps=5")

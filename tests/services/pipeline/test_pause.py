@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 
-from services.observers import EventObserver, ResumeSource
+from services.observers import AlertSource, EventObserver, ResumeSource
 from services.pipeline.outputs import RunDirectory
 from services.pipeline.pause import (
     ACTION_EVENT,
+    ALERT_EVENT,
     PAUSED_EVENT,
     REFUSED_FILE,
     RESUME_EVENT,
@@ -174,3 +175,49 @@ def test_the_run_directory_keeps_its_events(tmp_path: Path) -> None:
     events = read_event_lines(tmp_path)
     assert [e["kind"] for e in events] == [PAUSED_EVENT, RESUMED_EVENT]
     assert events[0]["data"]["value"] is None  # JSON has no NaN
+
+
+def firing(
+    action: str | None, fingerprint: str = "c6eadffa33fcdf37", **extra: Any
+) -> dict[str, Any]:
+    """An `alert` event's data, as the webhook stores it (services/api/alerts.py)."""
+    return {
+        "alertname": "KPONoLearnerProgress",
+        "status": "firing",
+        "action": action,
+        "summary": "no learner step for 15 minutes",
+        "fingerprint": fingerprint,
+        "starts_at": "2026-12-06T09:52:26+02:00",
+        **extra,
+    }
+
+
+def test_alerts_ask_a_run_once_per_firing_until_an_action_answers_them(
+    store: LocalStore,
+) -> None:
+    run = store.create_run({"name": "t"})
+    observer = StoreObserver(store, run.id, total_steps=10)
+    assert isinstance(observer, AlertSource)
+    store.append_event(run.id, ALERT_EVENT, firing("warn"))  # the event is all a warn is
+    store.append_event(run.id, ALERT_EVENT, firing("pause", status="resolved"))
+    store.append_event(run.id, ALERT_EVENT, firing("pause"))
+    store.append_event(run.id, ALERT_EVENT, firing("pause"))  # Alertmanager resent it
+    store.append_event(run.id, ALERT_EVENT, firing("checkpoint", fingerprint="other"))
+    requests = observer.take_alerts()
+    assert [(r.action, r.key) for r in requests] == [
+        ("pause", "c6eadffa33fcdf37@2026-12-06T09:52:26+02:00"),
+        ("checkpoint", "other@2026-12-06T09:52:26+02:00"),
+    ]
+    assert requests[0].reason == "alert KPONoLearnerProgress: no learner step for 15 minutes"
+    assert observer.take_alerts() == requests  # unanswered: asked again
+    # The driver answers the pause: it is not asked again, here nor of a restarted driver.
+    observer.on_event(ACTION_EVENT, {"action": "pause", "alert": requests[0].key})
+    assert observer.take_alerts() == requests[1:]
+    restarted = StoreObserver(store, run.id, total_steps=10)
+    assert restarted.take_alerts() == requests[1:]
+    # A new firing of the same alert (another start) asks again.
+    store.append_event(run.id, ALERT_EVENT, firing("pause", starts_at="2026-12-06T11:00:00+02:00"))
+    assert [r.key for r in restarted.take_alerts()] == [
+        "other@2026-12-06T09:52:26+02:00",
+        "c6eadffa33fcdf37@2026-12-06T11:00:00+02:00",
+    ]

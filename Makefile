@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: system-deps venv lint typecheck test test-vllm test-integrations test-deploy gpu-check helm-docs demo study bench bench-pipeline bench-learner bench-learner-speed bench-logprob-head bench-weight-sync bench-api bench-sandbox bench-load soak driver-memory bench-generation bench-integrations audit clean
+.PHONY: system-deps venv lint typecheck test test-vllm test-integrations test-deploy gpu-check helm-docs demo study bench bench-pipeline bench-learner bench-learner-speed bench-shadow bench-logprob-head bench-weight-sync bench-api bench-sandbox bench-load soak driver-memory bench-generation bench-integrations audit clean
 
 # The CPU build of torch goes in first: the package's torch range then resolves to it and
 # nothing pulls a CUDA build.
@@ -40,7 +40,8 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy kpo_core services benchmarks/study.py benchmarks/stability_study benchmarks/bench_load.py benchmarks/soak.py \
 		benchmarks/driver_memory.py benchmarks/bench_learner.py benchmarks/bench_learner_speed.py benchmarks/bench_logprob_head.py benchmarks/bench_weight_sync.py benchmarks/bench_pipeline.py \
-		benchmarks/bench_sandbox.py scripts/audit_dependencies.py scripts/gpu_check.py scripts/gpu_learner_check.py
+		benchmarks/bench_sandbox.py benchmarks/bench_shadow.py scripts/audit_dependencies.py scripts/gpu_check.py \
+		scripts/gpu_learner_check.py
 
 # tests/gpu runs where a GPU exists (scripts/gpu_check.sh); the CPU suite covers the same code.
 test: system-deps lint typecheck
@@ -103,6 +104,14 @@ bench-learner: $(STAMP)
 LEARNER_SPEED_ARGS ?= --device cpu
 bench-learner-speed: $(STAMP)
 	$(PY) benchmarks/bench_learner_speed.py $(LEARNER_SPEED_ARGS)
+
+# The cost of shadow estimators (`algorithm.shadow`): a learner step with none against one with
+# four (token, sequence, geometric, cumulative beside KPO) on the tiny model and on a random model
+# of Qwen2.5-0.5B's width with 2 layers: step time (the two alternating in one process), the
+# shadows' own work timed directly, and peak RSS, each against the baseline of the same run
+# (~1 min on 2 idle cores). Flags through SHADOW_ARGS, e.g. SHADOW_ARGS="--json runs/shadow.json".
+bench-shadow: $(STAMP)
+	$(PY) benchmarks/bench_shadow.py $(SHADOW_ARGS)
 
 # The learner's log-prob head on CPU against a plain head (log_softmax + gather) and the head it
 # replaced: seconds, peak memory, matrix products and elementwise bytes per position x vocabulary

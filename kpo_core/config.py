@@ -18,7 +18,11 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PrivateAttr,
+    TypeAdapter,
     ValidationError,
+    ValidationInfo,
+    field_validator,
     model_validator,
 )
 
@@ -226,6 +230,17 @@ EstimatorConfig = Annotated[
     TokenEstimator | SequenceEstimator | GeometricEstimator | KalmanEstimator | CumulativeEstimator,
     Field(discriminator="name"),
 ]
+# The names `estimator.name` takes: those of the union's configs.
+EstimatorName = Literal["token", "sequence", "geometric", "kalman", "cumulative"]
+ESTIMATOR_NAMES: tuple[str, ...] = get_args(EstimatorName)
+# The most shadow estimators a run may list (`AlgorithmConfig.shadow`).
+MAX_SHADOW_ESTIMATORS = 5
+_ESTIMATOR_CONFIG: TypeAdapter[EstimatorConfig] = TypeAdapter(EstimatorConfig)
+
+
+def default_estimator(name: str) -> EstimatorConfig:
+    """The config of the estimator called `name` with every default (the papers')."""
+    return _ESTIMATOR_CONFIG.validate_python({"name": name})
 
 
 class OffPolicyCorrection(StrictModel):
@@ -279,21 +294,70 @@ class AlgorithmConfig(StrictModel):
         "by the learner at the start of the step (then `off_policy` weights apply)",
     )
     off_policy: OffPolicyCorrection = Field(default_factory=OffPolicyCorrection)
+    shadow: tuple[EstimatorName, ...] = Field(
+        (),
+        max_length=MAX_SHADOW_ESTIMATORS,
+        description="estimators computed beside the training one on every micro-batch, for the "
+        "metrics only (`shadow_<name>_*` keys): the loss, clip fraction, ratio statistics and "
+        "ratio diagnostics each would report on the same batch with its defaults, aggregated "
+        "as a run training with it would be; no gradient, no second forward. Not the training "
+        "estimator, each once, at most 5",
+    )
+    # `shadow`'s configs once `with_response_length` resolved them (None: not yet).
+    _shadow_estimators: tuple[EstimatorConfig, ...] | None = PrivateAttr(None)
+
+    @field_validator("shadow")
+    @classmethod
+    def _shadow_others_once(
+        cls, shadow: tuple[EstimatorName, ...], info: ValidationInfo
+    ) -> tuple[EstimatorName, ...]:
+        repeated = sorted({name for name in shadow if shadow.count(name) > 1})
+        if repeated:
+            raise ValueError(
+                f"lists {', '.join(map(repr, repeated))} more than once: each shadow estimator is "
+                "computed once"
+            )
+        # Absent when the estimator itself failed validation (its own error says why).
+        estimator = info.data.get("estimator")
+        if estimator is not None and estimator.name in shadow:
+            raise ValueError(
+                f"lists the training estimator {estimator.name!r} (algorithm.estimator.name): "
+                "its metrics are the record's own keys; list only other estimators"
+            )
+        return shadow
 
     @property
     def resolved_loss_agg_mode(self) -> LossAggMode:
         return self.loss_agg_mode or self.estimator.default_loss_agg_mode
 
+    @property
+    def shadow_estimators(self) -> tuple[EstimatorConfig, ...]:
+        """The configs of `shadow`: each estimator's defaults, with KPO's `reference_length:
+        auto` resolved as for the training estimator once `with_response_length` ran (left
+        `auto` before: q and clip as given)."""
+        if self._shadow_estimators is not None:
+            return self._shadow_estimators
+        return tuple(default_estimator(name) for name in self.shadow)
+
+    def shadow_loss_agg_mode(self, shadow: EstimatorConfig) -> LossAggMode:
+        """The aggregation of a shadow estimator's loss: the one a run of this config with
+        `shadow` as its estimator would train with (`loss_agg_mode`, else its default)."""
+        return self.loss_agg_mode or shadow.default_loss_agg_mode
+
     def with_response_length(self, max_new_tokens: int | None) -> AlgorithmConfig:
         """This config with settings that follow the response length (KPO's
-        `reference_length: auto`) resolved to a run's `generation.max_new_tokens`
-        (`resolve_reference_length`)."""
-        estimator = resolve_reference_length(
-            self.estimator, max_new_tokens, "generation.max_new_tokens"
-        )
-        if estimator is self.estimator:
+        `reference_length: auto`, of the estimator and of a `kalman` shadow) resolved to a
+        run's `generation.max_new_tokens` (`resolve_reference_length`)."""
+        setting = "generation.max_new_tokens"
+        estimator = resolve_reference_length(self.estimator, max_new_tokens, setting)
+        shadows = self.shadow_estimators
+        resolved = tuple(resolve_reference_length(s, max_new_tokens, setting) for s in shadows)
+        unchanged = all(a is b for a, b in zip(resolved, shadows, strict=True))
+        if estimator is self.estimator and unchanged:
             return self
-        return self.model_copy(update={"estimator": estimator})
+        config = self.model_copy(update={"estimator": estimator})
+        config._shadow_estimators = resolved
+        return config
 
 
 def resolve_reference_length(

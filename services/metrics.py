@@ -6,7 +6,8 @@ staleness and the run's totals (`RunDriver._on_trained`, services/pipeline/drive
 reads the record by key reads this declaration:
 
 - services/api/prometheus.py exports every key of kind gauge, counter or histogram under its
-  `prometheus` name (label `run_id`; ratio diagnostics also `stage`);
+  `prometheus` name (label `run_id`; ratio diagnostics also `stage`, the shadow estimators' keys
+  `estimator`);
 - services/pipeline/plots.py draws the keys that name one of its panels (`plot`) in curves.png;
 - the metrics table of docs/pipeline.md is `markdown_table()`, written by
   `python scripts/metrics_table.py` (a test fails when the two differ);
@@ -20,8 +21,8 @@ declaration that breaks these rules. The exported names are a contract with depl
 dashboard, Prometheus rules): renaming one breaks dashboards and alerts.
 
 Not every key is in every record: those of an estimator or an option (Kalman, the proximal
-reference, TIS/MIS) only with it, `grad_norm` only when a minibatch was trained; the notes of the
-table say which.
+reference, TIS/MIS, `algorithm.shadow`) only with it, `grad_norm` only when a minibatch was
+trained; the notes of the table say which.
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ class Source(StrEnum):
 # The ratio diagnostics (`staged` keys) are in the record twice, as `raw_<key>` (of exp(z)) and
 # `filtered_<key>` (of the estimator's ratio); Prometheus has one family with a `stage` label.
 STAGES = ("raw", "filtered")
+# The estimators `algorithm.shadow` may list (kpo_core.config.ESTIMATOR_NAMES; this module
+# imports nothing of the project): a shadow estimator's keys are `shadow_<estimator>_<key>`,
+# one Prometheus family with an `estimator` label.
+SHADOW_ESTIMATORS = ("token", "sequence", "geometric", "kalman", "cumulative")
 # A unit that is named in the metric name: the exported name ends in `_<unit>` (or
 # `_<unit>_total`), and a name ending that way has that unit.
 NAMED_UNITS = ("seconds", "nats", "ratio", "bytes")
@@ -56,14 +61,16 @@ NAMED_UNITS = ("seconds", "nats", "ratio", "bytes")
 
 @dataclass(frozen=True)
 class MetricKey:
-    """One key of the metrics record (or, `staged`, the pair `raw_<key>`, `filtered_<key>`).
+    """One key of the metrics record (or, `staged`, the pair `raw_<key>`, `filtered_<key>`; or,
+    `shadowed`, `shadow_<estimator>_<key>` per estimator).
 
     key: the record key; kind: `Kind`; unit: what the value counts or measures ("" when
     dimensionless; `ratio` for a value in [0, 1]); help: one line, the Prometheus HELP text of
     an exported key; source: `Source`; prometheus: the exported name (None for `Kind.RECORD`);
     staged: a ratio diagnostic (see STAGES); plot: the curves.png panel that draws it
     (services/pipeline/plots.py), if any; note: more for the docs table (when the key is absent,
-    how minibatch values are reduced).
+    how minibatch values are reduced); shadowed: the estimators (of SHADOW_ESTIMATORS) whose
+    shadow reports the key (`algorithm.shadow`), none for any other key.
     """
 
     key: str
@@ -75,9 +82,10 @@ class MetricKey:
     staged: bool = False
     plot: str | None = None
     note: str = ""
+    shadowed: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        problem = self._problem()
+        problem = self._problem() or self._shadow_problem()
         if problem:
             raise ValueError(f"metrics record key {self.key!r}: {problem}")
 
@@ -103,9 +111,21 @@ class MetricKey:
             return "a ratio diagnostic is a gauge or record-only"
         return None
 
+    def _shadow_problem(self) -> str | None:
+        unknown = sorted(set(self.shadowed) - set(SHADOW_ESTIMATORS))
+        if unknown:
+            return f"shadowed by unknown estimators {unknown} (not in SHADOW_ESTIMATORS)"
+        if self.shadowed and self.staged:
+            return "a key is staged or shadowed, not both"
+        if self.shadowed and self.kind not in (Kind.GAUGE, Kind.RECORD):
+            return "a shadow estimator's key is a gauge or record-only"
+        return None
+
     @property
     def record_keys(self) -> tuple[str, ...]:
         """The keys this declaration stands for in a record."""
+        if self.shadowed:
+            return tuple(f"shadow_{name}_{self.key}" for name in self.shadowed)
         return tuple(f"{stage}_{self.key}" for stage in STAGES) if self.staged else (self.key,)
 
 
@@ -680,8 +700,86 @@ TOOLS = Group(
     ),
 )
 
+
+def _shadow(
+    key: str,
+    unit: str,
+    help: str,
+    name: str | None = None,
+    estimators: tuple[str, ...] = SHADOW_ESTIMATORS,
+    note: str = "",
+) -> MetricKey:
+    kind = Kind.RECORD if name is None else Kind.GAUGE
+    return MetricKey(key, kind, unit, help, _L, name, note=note, shadowed=estimators)
+
+
+# What each estimator of `algorithm.shadow` would have reported on the step's batch, from the
+# same log-probs (docs/pipeline.md, "Shadow estimators"); reduced as the training estimator's key
+# of the same name.
+SHADOW = Group(
+    "shadow estimators (only with `algorithm.shadow`)",
+    (
+        _shadow(
+            "policy_loss",
+            "",
+            "Policy-gradient loss of a shadow estimator on the step's batch (not trained on).",
+            "kpo_shadow_policy_loss",
+            note="Aggregated as a run training with it would (`algorithm.loss_agg_mode`, else "
+            "the estimator's default); mean over minibatches.",
+        ),
+        _shadow(
+            "clip_fraction",
+            "ratio",
+            "Fraction of tokens a shadow estimator would have clipped.",
+            "kpo_shadow_clip_fraction_ratio",
+        ),
+        _shadow("ratio_mean", "", "Mean of a shadow estimator's ratio over valid tokens."),
+        _shadow("ratio_max", "", "Largest shadow estimator ratio.", note="Max over minibatches."),
+        _shadow("ratio_min", "", "Smallest shadow estimator ratio.", note="Min over minibatches."),
+        _shadow(
+            "kalman_gain_mean",
+            "",
+            "Mean Kalman gain of the KPO shadow over valid tokens.",
+            estimators=("kalman",),
+        ),
+        _shadow(
+            "kalman_shrinkage_mean",
+            "",
+            "Mean shrinkage W_t of the KPO shadow over valid tokens.",
+            estimators=("kalman",),
+        ),
+        _shadow(
+            "filtered_ratio_mean",
+            "",
+            "Mean filtered ratio exp(x_t) of the KPO shadow over valid tokens.",
+            estimators=("kalman",),
+        ),
+        _shadow(
+            "switch_frequency",
+            "ratio",
+            "Share of adjacent token pairs whose shadow estimator ratio switches side of 1.",
+            "kpo_shadow_ratio_switch_frequency_ratio",
+        ),
+        _shadow("run_length_up", "tokens", "Mean length of runs of shadow ratios above 1."),
+        _shadow("run_length_down", "tokens", "Mean length of runs of shadow ratios below 1."),
+        _shadow("run_length_on", "tokens", "Mean length of runs of shadow ratios near 1."),
+        _shadow(
+            "low_frequency_ratio",
+            "ratio",
+            "Share of the shadow estimator log-ratio's spectral energy at low frequencies.",
+            "kpo_shadow_ratio_low_frequency_ratio",
+        ),
+        _shadow("global_variance", "", "Mean variance of the shadow ratios within a response."),
+        _shadow(
+            "local_variance", "", "Mean variance of the shadow ratios within 50-token windows."
+        ),
+    ),
+)
+
 # The keys a record holds only in a run with `tools.enabled`.
 TOOL_KEYS = tuple(metric.key for metric in TOOLS.keys)
+# The keys a record holds only in a run with `algorithm.shadow` (those of its estimators).
+SHADOW_KEYS = tuple(key for metric in SHADOW.keys for key in metric.record_keys)
 
 GROUPS = (
     PROGRESS,
@@ -696,6 +794,7 @@ GROUPS = (
     THROUGHPUT,
     LEARNER_GROUP,
     TOOLS,
+    SHADOW,
 )
 # Every declaration, in the docs table's order.
 RECORD: tuple[MetricKey, ...] = tuple(metric for group in GROUPS for metric in group.keys)
@@ -716,9 +815,14 @@ GUARD_KEYS = tuple(metric.key for metric in GUARD.keys)
 STALENESS_AUTO_KEYS = ("staleness_bound", "staleness_bound_changes_total")
 
 
-def exported(kind: Kind, staged: bool = False) -> tuple[MetricKey, ...]:
-    """The declarations of `kind` exported to Prometheus, with or without a `stage` label."""
-    return tuple(m for m in RECORD if m.kind is kind and m.prometheus and m.staged is staged)
+def exported(kind: Kind, staged: bool = False, shadowed: bool = False) -> tuple[MetricKey, ...]:
+    """The declarations of `kind` exported to Prometheus, with or without a `stage` label, with
+    or without an `estimator` label (`shadowed`)."""
+    return tuple(
+        m
+        for m in RECORD
+        if m.kind is kind and m.prometheus and m.staged is staged and bool(m.shadowed) is shadowed
+    )
 
 
 def _check_declaration() -> None:
@@ -747,6 +851,8 @@ def _exported_as(metric: MetricKey) -> str:
     if metric.prometheus is None:
         return ""
     label = ", label `stage`" if metric.staged else ""
+    if metric.shadowed:
+        label = ", label `estimator`"
     return f"{metric.kind} `{metric.prometheus}`{label}"
 
 

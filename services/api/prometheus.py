@@ -13,7 +13,9 @@ finished (so the final values are scraped at least once), as services/metrics.py
 record key, with its name and help text:
 
 - gauges of the latest metrics record (`RUN_GAUGES`, and `STAGE_GAUGES` labelled
-  `stage="raw"|"filtered"`: the ratio diagnostics of exp(z) and of the estimator's ratio);
+  `stage="raw"|"filtered"`: the ratio diagnostics of exp(z) and of the estimator's ratio; and
+  `SHADOW_GAUGES` labelled `estimator="token"|...`: the shadow estimators' of a run with
+  `algorithm.shadow`, from the record keys `shadow_<estimator>_<key>`);
 - counters from the record's cumulative fields (`RUN_COUNTERS`);
 - histograms built from every record's per-step durations (`RUN_HISTOGRAMS`).
 
@@ -49,7 +51,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from services.metrics import EVAL_KEYS, STAGES, Kind, exported
+from services.metrics import EVAL_KEYS, SHADOW_ESTIMATORS, STAGES, Kind, exported
 from services.store import (
     TERMINAL_STATUSES,
     RunNotFound,
@@ -85,10 +87,10 @@ class RecordMetric:
     help: str
 
 
-def _families(kind: Kind, staged: bool = False) -> tuple[RecordMetric, ...]:
+def _families(kind: Kind, staged: bool = False, shadowed: bool = False) -> tuple[RecordMetric, ...]:
     return tuple(
         RecordMetric(m.prometheus, m.key, m.help)
-        for m in exported(kind, staged)
+        for m in exported(kind, staged, shadowed)
         if m.prometheus is not None
     )
 
@@ -97,6 +99,8 @@ def _families(kind: Kind, staged: bool = False) -> tuple[RecordMetric, ...]:
 RUN_GAUGES = _families(Kind.GAUGE)
 # Ratio diagnostics, labelled `stage`: record keys `raw_<key>` and `filtered_<key>`.
 STAGE_GAUGES = _families(Kind.GAUGE, staged=True)
+# The shadow estimators' keys, labelled `estimator`: record keys `shadow_<estimator>_<key>`.
+SHADOW_GAUGES = _families(Kind.GAUGE, shadowed=True)
 RUN_COUNTERS = _families(Kind.COUNTER)
 # A histogram's key may hold one duration or a list of them (several batches in one step).
 RUN_HISTOGRAMS = _families(Kind.HISTOGRAM)
@@ -306,6 +310,13 @@ def run_metrics(series: Mapping[str, RunSeries]) -> Iterator[Metric]:
         for run_id, run in ordered:
             for stage in STAGES:
                 _add_value(gauge, [run_id, stage], run.latest.get(f"{stage}_{spec.key}"))
+        yield gauge
+    for spec in SHADOW_GAUGES:
+        gauge = GaugeMetricFamily(spec.name, spec.help, labels=["run_id", "estimator"])
+        for run_id, run in ordered:
+            for name in SHADOW_ESTIMATORS:
+                key = f"shadow_{name}_{spec.key}"
+                _add_value(gauge, [run_id, name], run.latest.get(key))
         yield gauge
     for spec in RUN_COUNTERS:
         counter = CounterMetricFamily(spec.name, spec.help, labels=["run_id"])

@@ -25,6 +25,21 @@ SUMMED = frozenset(
 )
 # Token counts that every epoch sees again: reported per pass over the batch (sum / epochs).
 PER_PASS = ("nonfinite_tokens", "extreme_ratio_tokens")
+# The shadow estimators' keys (`algorithm.shadow`): `shadow_<name>_<key>`.
+SHADOW_PREFIX = "shadow_"
+
+
+def shadow_key(name: str, key: str) -> str:
+    """The record key of shadow estimator `name`'s `key`."""
+    return f"{SHADOW_PREFIX}{name}_{key}"
+
+
+def summed_over_parts(key: str) -> bool:
+    """Whether a micro-batch metric adds up over a minibatch's parts: the counts (SUMMED), and
+    the shadow estimators' losses (`shadow_<name>_policy_loss`), whose parts are normalised by
+    the whole minibatch as the training loss's are. Over minibatches a loss is averaged, like
+    `policy_loss` (`reduce_minibatches`)."""
+    return key in SUMMED or (key.startswith(SHADOW_PREFIX) and key.endswith("_policy_loss"))
 
 
 def batch_metrics(batch: TrainingBatch, num_groups: int | None = None) -> dict[str, float]:
@@ -131,16 +146,17 @@ def merge_micro_batches(records: Sequence[MicroBatchRecord]) -> MicroBatchRecord
 
     Every loss metric is a mean over valid tokens (clip_fraction, ratio_mean, approx_kl,
     entropy, the Kalman gain, the behaviour-weight statistics), a max or min (`*_max`,
-    `*_min`), or a count (SUMMED): means are weighted by the parts' valid tokens, so the merged
-    record equals that of the unsplit minibatch. Parts without a valid token report placeholder
-    values and are left out, unless no part has one.
+    `*_min`), or a sum (a count, or a shadow estimator's loss: `summed_over_parts`): means are
+    weighted by the parts' valid tokens, so the merged record equals that of the unsplit
+    minibatch. Parts without a valid token report placeholder values and are left out, unless
+    no part has one.
     """
     with_tokens = [r for r in records if r.tokens > 0] or list(records[:1])
     total = sum(r.tokens for r in records)
     keys = dict.fromkeys(key for r in records for key in r.metrics)
     out: dict[str, float] = {}
     for key in keys:
-        if key in SUMMED:
+        if summed_over_parts(key):
             out[key] = float(sum(r.metrics.get(key, 0.0) for r in records))
             continue
         present = [r for r in with_tokens if key in r.metrics]
@@ -201,7 +217,7 @@ def reduce_minibatches(records: Sequence[dict[str, float]]) -> dict[str, float]:
 
 def _kind(key: str) -> str:
     """How `merge_micro_batches` combines a key: "sum", "max", "min" or (weighted) "mean"."""
-    if key in SUMMED:
+    if summed_over_parts(key):
         return "sum"
     if key.endswith("_max"):
         return "max"

@@ -17,6 +17,10 @@ One step (`LearnerCore.train_step`), as in DESIGN.md's data flow:
 5. the learning-rate schedule advances once, the version increments, and one metrics record is
    returned (by rank 0); the caller publishes `weight_buckets(weights_manifest(...))`.
 
+With `algorithm.shadow`, each micro-batch also computes the listed estimators' losses from the
+same log-probs (detached, under no_grad: no gradient, no second forward), and the record gets
+what each would have reported (`shadow_<name>_*`, `_shadow_losses`).
+
 Every rank of a learner group runs this same code on the same batch (the plan tells each its
 rows); a `single` learner is a group of one. Dropout stays off (the model is kept in eval
 mode): with it, even on-policy ratios would not be 1.
@@ -42,7 +46,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from transformers import AutoTokenizer
 
 from kpo_core.advantages import group_advantages
-from kpo_core.config import AlgorithmConfig
+from kpo_core.config import AlgorithmConfig, EstimatorConfig
 from kpo_core.diagnostics import DIAGNOSTIC_SUMS, diagnostic_sums
 from kpo_core.losses import (
     LossNormaliser,
@@ -65,6 +69,7 @@ from services.learner.metrics import (
     finite_mask,
     raw_ratios,
     reduce_minibatches,
+    shadow_key,
 )
 from services.learner.micro_batches import MicroBatch, plan_minibatch
 from services.learner.publish import (
@@ -182,6 +187,24 @@ class Minibatch:
         )
 
 
+# What a micro-batch logs for the ratio diagnostics: its raw ratio, estimator ratio and mask
+# [b, t], and each shadow estimator's ratio [b, t].
+RatioViews = tuple[Tensor, Tensor, Tensor, tuple[Tensor, ...]]
+# Record keys of a shadow estimator's `token_policy_loss` metrics that do not depend on the
+# estimator: the training estimator's, in the record already.
+NOT_SHADOWED = frozenset(
+    {
+        "approx_kl",
+        "nonfinite_tokens",
+        "extreme_ratio_tokens",
+        "behaviour_weight_mean",
+        "behaviour_weight_max",
+        "tis_truncated_fraction",
+        "mis_masked_fraction",
+    }
+)
+
+
 @dataclass
 class RatioLog:
     """Detached raw and estimator ratios of every micro-batch of a step with their masks, padded
@@ -189,11 +212,14 @@ class RatioLog:
     writes of the first epoch's rows. Kept on the device: the diagnostics are summed there
     (`diagnostic_sums`) and read back with the step's other metrics. Their shapes depend on
     the rows' valid token counts, which each optimiser step's decision reads (`unread_lengths`,
-    `read_lengths`): the host knows them by the step's end."""
+    `read_lengths`): the host knows them by the step's end. `shadows`: the number of shadow
+    estimators, whose ratios are logged too (`shadow`, one tuple per micro-batch)."""
 
     width: int
+    shadows: int = 0
     raw: list[Tensor] = field(default_factory=list)
     filtered: list[Tensor] = field(default_factory=list)
+    shadow: list[tuple[Tensor, ...]] = field(default_factory=list)
     masks: list[Tensor] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
     parts_read: int = 0  # the logged micro-batches whose rows' `lengths` the host knows
@@ -203,13 +229,20 @@ class RatioLog:
         return torch.nn.functional.pad(values, (0, self.width - values.shape[-1]), value=fill)
 
     def add(
-        self, raw: Tensor, filtered: Tensor, mask: Tensor, part: Minibatch, minibatch: int | None
+        self,
+        raw: Tensor,
+        filtered: Tensor,
+        mask: Tensor,
+        shadows: tuple[Tensor, ...],
+        part: Minibatch,
+        minibatch: int | None,
     ) -> None:
         """Log one micro-batch; `minibatch` (its index) is given in the first epoch only."""
         raw, filtered = self._pad(raw.float(), 1.0), self._pad(filtered.float(), 1.0)
         mask = self._pad(mask, False)
         self.raw.append(raw)
         self.filtered.append(filtered)
+        self.shadow.append(tuple(self._pad(ratio.float(), 1.0) for ratio in shadows))
         self.masks.append(mask)
         if minibatch is not None:
             self.first_epoch.append(
@@ -239,19 +272,17 @@ class RatioLog:
         assert len(self.lengths) == sum(m.shape[0] for m in self.masks), "lengths of other rows"
 
     def diagnostic_sums(self, device: torch.device) -> Tensor:
-        """[raw sums, estimator sums] ([2 * DIAGNOSTIC_SUMS] float64, `diagnostic_sums`) of
-        every logged row on the device, nothing read back: the sums of the ranks' logs add up
-        to those of all their rows."""
+        """[raw sums, estimator sums, each shadow estimator's sums] ([(2 + shadows) *
+        DIAGNOSTIC_SUMS] float64, `diagnostic_sums`) of every logged row on the device, nothing
+        read back: the sums of the ranks' logs add up to those of all their rows."""
         if not self.masks:
-            return torch.zeros(2 * DIAGNOSTIC_SUMS, dtype=torch.float64, device=device)
+            size = (2 + self.shadows) * DIAGNOSTIC_SUMS
+            return torch.zeros(size, dtype=torch.float64, device=device)
         assert self.parts_read == len(self.masks), "lengths not read"
         mask = torch.cat(self.masks)
-        return torch.cat(
-            [
-                diagnostic_sums(torch.cat(self.raw), mask, self.lengths),
-                diagnostic_sums(torch.cat(self.filtered), mask, self.lengths),
-            ]
-        ).to(device)
+        shadows = [torch.cat([part[i] for part in self.shadow]) for i in range(self.shadows)]
+        ratios = [torch.cat(self.raw), torch.cat(self.filtered), *shadows]
+        return torch.cat([diagnostic_sums(r, mask, self.lengths) for r in ratios]).to(device)
 
     def rows_on_host(self) -> list[dict[str, Tensor]]:
         """The first epoch's rows (what `save` writes), copied to the host."""
@@ -341,6 +372,7 @@ class LearnerCore:
             torch.set_num_threads(num_threads)
         algorithm = algorithm.with_response_length(response_length)
         self.learner, self.algorithm, self.temperature = learner, algorithm, temperature
+        self.shadows: tuple[EstimatorConfig, ...] = algorithm.shadow_estimators
         self.group = group or RankGroup()
         self.model_path = str(model_path)
         self.ratio_dir = None if ratio_dir is None else Path(ratio_dir)
@@ -383,7 +415,8 @@ class LearnerCore:
         by the epochs, the rest averaged over minibatches where finite (so grad_norm is absent
         when no minibatch was trained). entropy is from the first epoch (each row once).
         raw_* / filtered_* are `ratio_diagnostics` of the raw ratios exp(z) and of the
-        estimator's ratios over all minibatches of the step. lr is the rate this step used;
+        estimator's ratios over all minibatches of the step; shadow_<name>_* the same for each
+        shadow estimator (`_shadow_losses`). lr is the rate this step used;
         policy_version the version after it; micro_batches the forward passes of each rank;
         learner_world_size the ranks.
 
@@ -410,7 +443,7 @@ class LearnerCore:
         ref_logp, behaviour_logp = self._references(batch)
         lr = float(self.scheduler.get_last_lr()[0])
         steps: list[tuple[MinibatchAccumulator, dict[str, float]]] = []
-        ratios = RatioLog(batch.response_width)
+        ratios = RatioLog(batch.response_width, len(self.shadows))
         passes = 0
         for epoch in range(self.learner.ppo_epochs):
             for index, rows in enumerate(self._minibatch_rows(batch.num_rows)):
@@ -487,12 +520,7 @@ class LearnerCore:
         values = torch.cat([stats, summed, maxed.to(summed)]).tolist()
         records = [dict(zip(batch_stats, values[: len(stats)], strict=True))]
         at_sum, at_max = len(stats), len(stats) + len(summed)
-        diagnostics = {
-            **diagnostic_sum_metrics("raw_", values[at_sum : at_sum + DIAGNOSTIC_SUMS]),
-            **diagnostic_sum_metrics(
-                "filtered_", values[at_sum + DIAGNOSTIC_SUMS : at_sum + 2 * DIAGNOSTIC_SUMS]
-            ),
-        }
+        diagnostics = self._diagnostics(values[at_sum : at_sum + len(diagnostic)])
         at_sum += len(diagnostic)
         for (accumulator, outcome), sum_part, max_part in zip(steps, sums, maxes, strict=True):
             record = accumulator.merged(
@@ -501,6 +529,18 @@ class LearnerCore:
             at_sum, at_max = at_sum + len(sum_part), at_max + len(max_part)
             records.append({**record, **outcome})
         return records, diagnostics
+
+    def _diagnostics(self, sums: Sequence[float]) -> dict[str, float]:
+        """The ratio diagnostics of `RatioLog.diagnostic_sums` values: raw_*, filtered_* and
+        each shadow estimator's shadow_<name>_*."""
+        prefixes = ["raw_", "filtered_", *(shadow_key(s.name, "") for s in self.shadows)]
+        return {
+            key: value
+            for i, prefix in enumerate(prefixes)
+            for key, value in diagnostic_sum_metrics(
+                prefix, sums[i * DIAGNOSTIC_SUMS : (i + 1) * DIAGNOSTIC_SUMS]
+            ).items()
+        }
 
     def _advantages(self, batch: TrainingBatch, num_groups: int) -> Tensor:
         """Group-relative advantages [B] of the batch's rewards (NaN/inf ones dropped: A = 0);
@@ -624,13 +664,13 @@ class LearnerCore:
 
     def _train_micro_batch(
         self, part: Minibatch, normaliser: LossNormaliser, with_entropy: bool
-    ) -> tuple[dict[str, Tensor], Tensor, tuple[Tensor, Tensor, Tensor], Tensor]:
+    ) -> tuple[dict[str, Tensor], Tensor, RatioViews, Tensor]:
         """Forward, loss (normalised by the whole minibatch), backward of one micro-batch; a
         forward or backward that runs out of device memory raises `MicroBatchTooLarge`.
 
-        Returns its loss metrics and valid token count (0-dim tensors, not read back), its
-        (raw ratio, estimator ratio, mask) [b, t] for the ratio diagnostics, and its share of
-        the minibatch's loss (detached).
+        Returns its loss metrics (the shadow estimators' too) and valid token count (0-dim
+        tensors, not read back), its (raw ratio, estimator ratio, mask, shadow ratios) [b, t]
+        for the ratio diagnostics, and its share of the minibatch's loss (detached).
         """
         try:
             return self._forward_backward(part, normaliser, with_entropy)
@@ -642,7 +682,7 @@ class LearnerCore:
 
     def _forward_backward(
         self, part: Minibatch, normaliser: LossNormaliser, with_entropy: bool
-    ) -> tuple[dict[str, Tensor], Tensor, tuple[Tensor, Tensor, Tensor], Tensor]:
+    ) -> tuple[dict[str, Tensor], Tensor, RatioViews, Tensor]:
         algorithm = self.algorithm
         with compute_context(self.learner, self.device):
             logp, entropy = response_logprobs(
@@ -670,8 +710,48 @@ class LearnerCore:
         metrics = dict(token_loss.metric_tensors)
         if entropy is not None:
             metrics["entropy"] = masked_mean_or(entropy, valid, 0.0)
-        views = (raw_ratios(logp, part.ref_logp, valid), token_loss.ratio, valid)
+        shadow_metrics, shadow_ratios = self._shadow_losses(part, logp, normaliser)
+        metrics.update(shadow_metrics)
+        views = (raw_ratios(logp, part.ref_logp, valid), token_loss.ratio, valid, shadow_ratios)
         return metrics, valid.sum(), views, loss.detach()
+
+    @torch.no_grad()
+    def _shadow_losses(
+        self, part: Minibatch, logp: Tensor, normaliser: LossNormaliser
+    ) -> tuple[dict[str, Tensor], tuple[Tensor, ...]]:
+        """Each shadow estimator's loss on the micro-batch's log-probs (detached: no gradient,
+        no second forward), as a run training with it would compute and aggregate it (the same
+        reference, behaviour weights and minibatch counts; `shadow_loss_agg_mode`), and its
+        metrics (those that depend on the estimator) under `shadow_<name>_`; with its ratios
+        [b, t] for the ratio diagnostics. 0-dim tensors on the device, nothing read back.
+
+        The inputs are the training loss's, which has checked or masked their NaN/inf: masking
+        here drops the same tokens, and never reads a count back as "raise" would.
+        """
+        metrics: dict[str, Tensor] = {}
+        ratios: list[Tensor] = []
+        for shadow in self.shadows:
+            token_loss = token_policy_loss(
+                shadow,
+                logp.detach(),
+                part.ref_logp,
+                part.advantages,
+                part.batch.response_mask,
+                behaviour_logp=part.behaviour_logp,
+                correction=self.algorithm.off_policy,
+                nonfinite="mask",
+                token_versions=part.batch.token_versions,
+            )
+            mode = self.algorithm.shadow_loss_agg_mode(shadow)
+            loss = aggregate_loss(
+                token_loss.per_token, token_loss.mask, mode, self.algorithm.norm_length, normaliser
+            )
+            metrics[shadow_key(shadow.name, "policy_loss")] = loss.to(torch.float64)
+            for key, value in token_loss.metric_tensors.items():
+                if key not in NOT_SHADOWED:
+                    metrics[shadow_key(shadow.name, key)] = value
+            ratios.append(token_loss.ratio)
+        return metrics, tuple(ratios)
 
     def _clip_gradients(self) -> Tensor:
         """Total gradient 2-norm before clipping (over every rank's shard), a 0-dim float64

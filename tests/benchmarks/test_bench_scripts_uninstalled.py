@@ -44,7 +44,8 @@ def neutral(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize(
-    "script", ["bench_learner_speed.py", "bench_logprob_head.py", "bench_learner.py"]
+    "script",
+    ["bench_learner_speed.py", "bench_logprob_head.py", "bench_learner.py", "bench_shadow.py"],
 )
 def test_the_script_runs_without_the_project_installed(neutral: Path, script: str) -> None:
     result = run_bare([str(BENCHMARKS / script), "--help"], neutral)

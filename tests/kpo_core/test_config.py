@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+from typing import get_args
+
 import pytest
 from pydantic import ValidationError
 
 from kpo_core.config import (
+    ESTIMATOR_NAMES,
     AlgorithmConfig,
     CumulativeEstimator,
+    EstimatorConfig,
     GeometricEstimator,
     KalmanEstimator,
     OffPolicyCorrection,
     SequenceEstimator,
     TokenEstimator,
+    default_estimator,
     describe_validation_error,
 )
 from kpo_core.ratios import ESTIMATORS
@@ -77,3 +82,44 @@ def test_mis_bounds_must_be_ordered() -> None:
 def test_configs_are_frozen() -> None:
     with pytest.raises(ValidationError):
         KalmanEstimator().q = 1.0  # type: ignore[misc]
+
+
+def test_the_estimator_names_are_the_unions_and_the_registrys() -> None:
+    union = get_args(get_args(EstimatorConfig)[0])
+    assert tuple(config.model_fields["name"].default for config in union) == ESTIMATOR_NAMES
+    assert set(ESTIMATORS) == set(ESTIMATOR_NAMES)
+    for name, config in zip(ESTIMATOR_NAMES, union, strict=True):
+        assert default_estimator(name) == config()
+
+
+def test_shadow_estimators_take_their_defaults_and_resolve_kpos_length() -> None:
+    config = AlgorithmConfig.model_validate(
+        {"estimator": {"name": "token"}, "shadow": ["kalman", "cumulative"]}
+    )
+    assert config.shadow == ("kalman", "cumulative")
+    assert config.shadow_estimators == (KalmanEstimator(), CumulativeEstimator())
+    resolved = config.with_response_length(512)
+    kalman, cumulative = resolved.shadow_estimators
+    assert isinstance(kalman, KalmanEstimator) and kalman.reference_length == 512
+    assert cumulative == CumulativeEstimator()
+    assert resolved.shadow == config.shadow  # the names, as the user wrote them
+    # Each aggregated as a run training with it would be.
+    assert config.shadow_loss_agg_mode(kalman) == "seq-mean-token-mean"
+    assert config.shadow_loss_agg_mode(cumulative) == "token-mean"
+    summed = config.model_copy(update={"loss_agg_mode": "token-sum"})
+    assert summed.shadow_loss_agg_mode(kalman) == "token-sum"
+    assert AlgorithmConfig().shadow == () and AlgorithmConfig().shadow_estimators == ()
+
+
+@pytest.mark.parametrize(
+    ("shadow", "problem"),
+    [
+        (["kalman"], "shadow: Value error, lists the training estimator 'kalman'"),
+        (["token", "token"], "shadow: Value error, lists 'token' more than once"),
+        (["gspo"], "shadow.0: Input should be 'token', 'sequence'"),
+    ],
+)
+def test_a_bad_shadow_list_names_the_field(shadow: list[str], problem: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        AlgorithmConfig.model_validate({"shadow": shadow})
+    assert f"run.yaml: {problem}" in describe_validation_error(info.value, "run.yaml")

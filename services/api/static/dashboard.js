@@ -21,6 +21,23 @@
   // One colour per compared run, in the order ticked; distinct for the common colour deficiencies.
   const RUN_COLORS = ["#1f6feb", "#e8590c", "#2b8a3e", "#ae3ec9"];
 
+  // The estimators `algorithm.shadow` may list (services/metrics.py, SHADOW_ESTIMATORS), each
+  // with its colour on the shadow charts.
+  const SHADOW_ESTIMATORS = {
+    token: "#1f6feb", sequence: "#2b8a3e", geometric: "#ae3ec9", kalman: "#c62828", cumulative: "#e8590c",
+  };
+
+  /** A chart of one quantity for the training estimator (record key `trainingKey`, solid) and
+   *  each shadow estimator (`shadow_<name>_<key>`): shown only when a run has shadows, each
+   *  shadow estimator only where it has values. */
+  function shadowChart(id, title, trainingKey, key) {
+    return { id, title, shadow: true, series: [
+      { key: trainingKey, label: "training", color: "#212529", width: 2.2, main: true, training: true },
+      ...Object.entries(SHADOW_ESTIMATORS).map(([name, color]) => (
+        { key: `shadow_${name}_${key}`, label: name, color, width: 1.4, shadow: true })),
+    ] };
+  }
+
   // One entry per chart: the record keys it draws. `smooth` draws a trailing moving average.
   // When runs are compared each series takes its run's colour: the `main` one is drawn solid (its
   // latest value is in the legend), a dashed one stays dashed, any other is drawn faint.
@@ -53,6 +70,10 @@
       { key: "tool_error_fraction", label: "error fraction", color: "#c62828", width: 1.2 },
       { key: "observation_token_fraction", label: "observation tokens", color: "#6d4c41", width: 1.2, dash: [4, 3] },
     ] },
+    // The shadow estimators beside the training one (runs with `algorithm.shadow`).
+    shadowChart("shadow-loss", "Policy loss by estimator", "policy_loss", "policy_loss"),
+    shadowChart("shadow-clip", "Clip fraction by estimator", "clip_fraction", "clip_fraction"),
+    shadowChart("shadow-switch", "Ratio switch frequency by estimator", "filtered_switch_frequency", "switch_frequency"),
   ];
 
   const $ = (id) => document.getElementById(id);
@@ -352,6 +373,8 @@
       ["mode", modeOf(run) || "–"],
       ["max staleness", spec.pipeline ? fmt(spec.pipeline.max_staleness) : "–"],
     ];
+    const shadow = (spec.algorithm && spec.algorithm.shadow) || [];
+    if (shadow.length) facts.push(["shadow estimators", shadow.join(", ")]);
     // Truncated training sampling biases every ratio: a run that declared it says so here.
     const offPolicy = (spec.algorithm && spec.algorithm.off_policy) || {};
     if (offPolicy.truncated_sampling === "allow") {
@@ -558,7 +581,8 @@
     figure.querySelector(".chart-step").textContent =
       lastStep < 0 ? "no data yet" : `${comparing ? "up to " : ""}step ${lastStep}`;
     const drawn = lines.filter((line) => line.pts.length);
-    figure.hidden = Boolean(chart.optional) && drawn.length === 0;
+    figure.hidden = (Boolean(chart.optional) && drawn.length === 0)
+      || (Boolean(chart.shadow) && !drawn.some((line) => line.series.shadow));
     canvas.dataset.lastStep = String(lastStep);
     canvas.dataset.points = String(drawn.reduce((n, line) => n + line.pts.length, 0));
     canvas.dataset.lines = String(drawn.length);
@@ -568,10 +592,19 @@
     plot(canvas, lines);
   }
 
+  /** Whether a series is in its chart's legend: a shadow estimator only where it has values. */
+  function listed(series, lines) {
+    return !series.shadow || lines.some((line) => line.series === series && line.pts.length);
+  }
+
   function renderLegend(figure, chart, lines) {
-    figure.querySelector(".legend").replaceChildren(...lines.map(({ series, pts }) => {
+    const shown = lines.filter((line) => listed(line.series, lines));
+    figure.querySelector(".legend").replaceChildren(...shown.map(({ trace, series, pts }) => {
       const last = pts[pts.length - 1];
-      return el("span", {}, [swatch(series.color), `${series.label} ${fmt(last && last[1])}`]);
+      // The training estimator's line of a shadow chart is named after the run's estimator.
+      const estimator = series.training ? estimatorOf(trace.run) : null;
+      const label = estimator ? `${estimator} (training)` : series.label;
+      return el("span", {}, [swatch(series.color), `${label} ${fmt(last && last[1])}`]);
     }));
   }
 
@@ -587,7 +620,8 @@
           title: trace.run ? runTitle(trace.run) : trace.id },
       }, [swatch(trace.color), `${name} ${fmt(last && last[1])}`]);
     });
-    const styles = chart.series.length > 1 ? chart.series.map((series) => el("span", { cls: "legend-key" }, [
+    const keyed = chart.series.filter((series) => listed(series, lines));
+    const styles = keyed.length > 1 ? keyed.map((series) => el("span", { cls: "legend-key" }, [
       swatch(null, `swatch ${series.main ? "solid" : series.dash ? "dashed" : "faint"}`), series.label,
     ])) : [];
     figure.querySelector(".legend").replaceChildren(...entries, ...styles);

@@ -242,6 +242,68 @@ def test_a_run_that_declared_truncated_sampling_shows_it(api: Api, page: WebDriv
     assert "truncated sampling" not in text_of(page, "run-facts")
 
 
+# The charts of a run with `algorithm.shadow` (dashboard.js, shadowChart): policy loss, clip
+# fraction and switch frequency of the training estimator and of each shadow estimator.
+SHADOW_CHARTS = ("shadow-loss", "shadow-clip", "shadow-switch")
+SHADOW_LEGEND = """
+const entries = document.querySelectorAll(`#chart-${arguments[0]} .legend span`);
+return [...entries].map((entry) => entry.textContent);
+"""
+
+
+def test_shadow_estimators_are_drawn_beside_the_training_one(
+    api: Api, page: WebDriver, tmp_path: Path
+) -> None:
+    plain = add_run(api.store, "no-shadows", 5)
+    spec = {
+        "name": "kpo-with-shadows",
+        "algorithm": {"estimator": {"name": "kalman"}, "shadow": ["sequence", "token"]},
+        "pipeline": {"mode": "async", "max_staleness": 2, "steps": 100},
+    }
+    run_id = api.store.create_run(spec).id
+    api.store.transition(run_id, "running")
+    records = []
+    for step in range(1, 31):
+        record = {**metrics_record(step), "policy_loss": -0.01 * step}
+        for offset, name in enumerate(("sequence", "token"), start=1):
+            record[f"shadow_{name}_policy_loss"] = -0.01 * step - 0.1 * offset
+            record[f"shadow_{name}_clip_fraction"] = 0.1 * offset
+            record[f"shadow_{name}_switch_frequency"] = 0.2 * offset
+        records.append(record)
+    api.store.append_metrics(run_id, records)
+
+    page.get(f"{api.url}/#{run_id}")
+
+    wait_for(page, charts_at_step(30), "the charts to show the run's history")
+    for chart in SHADOW_CHARTS:
+        assert page.find_element(By.ID, f"chart-{chart}").is_displayed(), chart
+        canvas = canvas_of(page, chart)
+        # The training estimator and the two shadow ones, every step: three lines.
+        assert canvas.get_attribute("data-lines") == "3", chart
+        assert canvas.get_attribute("data-points") == str(3 * 30), chart
+    # Only the shadow estimators the run has are in the legend (in the dashboard's order of the
+    # estimators), with their latest values.
+    assert page.execute_script(SHADOW_LEGEND, "shadow-loss") == [
+        "kalman (training) -0.3",
+        "token -0.5",
+        "sequence -0.4",
+    ]
+    assert page.execute_script(SHADOW_LEGEND, "shadow-clip")[1:] == ["token 0.2", "sequence 0.1"]
+    assert page.execute_script(SHADOW_LEGEND, "shadow-switch")[1:] == [
+        "token 0.4",
+        "sequence 0.2",
+    ]
+    assert "shadow estimators" in text_of(page, "run-facts")
+    assert "sequence, token" in text_of(page, "run-facts")  # as the spec lists them
+    page.save_screenshot(str(tmp_path / "dashboard-shadow.png"))
+
+    page.get(f"{api.url}/#{plain}")
+    wait_for(page, charts_at_step(5), "the run without shadow estimators")
+    for chart in SHADOW_CHARTS:
+        assert not page.find_element(By.ID, f"chart-{chart}").is_displayed(), chart
+    assert "shadow estimators" not in text_of(page, "run-facts")
+
+
 def test_an_unknown_run_says_so(api: Api, page: WebDriver) -> None:
     page.get(f"{api.url}/#run-000000000000")
 

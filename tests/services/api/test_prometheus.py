@@ -187,8 +187,62 @@ def test_every_declared_family_is_exported_from_its_record_key(store: Store) -> 
             for stage in STAGES:
                 got = value(found, metric.prometheus, **one, stage=stage)
                 assert got == values[f"{stage}_{metric.key}"], (metric.prometheus, stage)
+        elif metric.shadowed:
+            for name in metric.shadowed:
+                got = value(found, metric.prometheus, **one, estimator=name)
+                assert got == values[f"shadow_{name}_{metric.key}"], (metric.prometheus, name)
         else:
             assert value(found, metric.prometheus, **one) == values[metric.key], metric.prometheus
+
+
+def test_shadow_estimators_are_exported_with_an_estimator_label(store: Store) -> None:
+    # A run training KPO with two shadow estimators (`algorithm.shadow: [sequence, token]`):
+    # one family per key, a sample per shadow estimator, none for the others; the training
+    # estimator's own values stay in the unlabelled families.
+    shadows = {
+        "shadow_sequence_policy_loss": -0.25,
+        "shadow_sequence_clip_fraction": 0.5,
+        "shadow_sequence_switch_frequency": 0.01,
+        "shadow_sequence_low_frequency_ratio": 0.95,
+        "shadow_sequence_ratio_mean": 1.01,  # record-only, as the training estimator's
+        "shadow_token_policy_loss": -0.125,
+        "shadow_token_clip_fraction": 0.02,
+        "shadow_token_switch_frequency": math.nan,  # skipped, as any non-finite value
+        "shadow_token_low_frequency_ratio": 0.2,
+    }
+    run_id = running_run(store, [record(1), record(2, **shadows)])
+
+    registry, _ = build_registry(store)
+    body, _ = render(registry)
+    found = samples(body.decode())
+
+    one = {"run_id": run_id}
+    assert value(found, "kpo_shadow_policy_loss", **one, estimator="sequence") == -0.25
+    assert value(found, "kpo_shadow_policy_loss", **one, estimator="token") == -0.125
+    assert value(found, "kpo_shadow_clip_fraction_ratio", **one, estimator="sequence") == 0.5
+    assert value(found, "kpo_shadow_clip_fraction_ratio", **one, estimator="token") == 0.02
+    switch = "kpo_shadow_ratio_switch_frequency_ratio"
+    assert value(found, switch, **one, estimator="sequence") == 0.01
+    assert value(found, switch, **one, estimator="token") is None
+    lfr = "kpo_shadow_ratio_low_frequency_ratio"
+    assert value(found, lfr, **one, estimator="sequence") == 0.95
+    assert value(found, lfr, **one, estimator="token") == 0.2
+    shadow_samples = {
+        (name, dict(labels)["estimator"])
+        for name, labels in found
+        if name.startswith("kpo_shadow_")
+    }
+    assert {estimator for _, estimator in shadow_samples} == {"sequence", "token"}
+    assert not any(name.startswith("kpo_shadow_ratio_mean") for name, _ in shadow_samples)
+    assert value(found, "kpo_policy_loss", **one) == -0.5  # the training estimator's
+    assert value(found, "kpo_clip_fraction_ratio", **one) == pytest.approx(0.02)
+    promtool = shutil.which("promtool")
+    assert promtool, PROMTOOL_HINT
+    checked = subprocess.run(
+        [promtool, "check", "metrics"], input=body, capture_output=True, timeout=30, check=False
+    )
+    assert checked.returncode == 0, checked.stdout.decode() + checked.stderr.decode()
+    assert checked.stdout == checked.stderr == b""
 
 
 def test_finished_run_is_exported_for_the_grace_period_only(store: Store) -> None:

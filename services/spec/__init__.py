@@ -239,7 +239,7 @@ class RunSpec(StrictModel):
         if remedy.max_staleness is not None:
             _set_staleness_bound(data, remedy.max_staleness)
         if remedy.estimator is not None and remedy.estimator != self.algorithm.estimator.name:
-            data["algorithm"]["estimator"] = {"name": remedy.estimator}
+            _set_estimator(data, {"name": remedy.estimator})
         return RunSpec.model_validate(data, context={REMEDIED: True})
 
     def patched(self, patch: Mapping[str, Any]) -> RunSpec:
@@ -254,6 +254,9 @@ class RunSpec(StrictModel):
         for dotted, value in flat.items():
             if dotted == "pipeline.max_staleness":
                 _set_staleness_bound(data, value)
+                continue
+            if dotted == "algorithm.estimator" and isinstance(value, Mapping):
+                _set_estimator(data, value)
                 continue
             section, key = dotted.split(".", 1)
             data[section][key] = value
@@ -275,6 +278,15 @@ def _set_staleness_bound(data: dict[str, Any], bound: Any) -> None:
     `data`, in place of the fixed or adaptive one it has."""
     data["pipeline"]["max_staleness"] = bound
     data["pipeline"]["staleness_auto"] = None
+
+
+def _set_estimator(data: dict[str, Any], estimator: Mapping[str, Any]) -> None:
+    """Make `estimator` the training estimator of the dumped spec `data`; a shadow of the same
+    name is dropped (it trains now: its figures are the run's own)."""
+    algorithm = data["algorithm"]
+    algorithm["estimator"] = dict(estimator)
+    name = estimator.get("name")
+    algorithm["shadow"] = [shadow for shadow in algorithm.get("shadow", ()) if shadow != name]
 
 
 __all__ = [

@@ -153,3 +153,9 @@ def test_a_patched_bound_replaces_a_fixed_or_adaptive_one() -> None:
         patched = spec.patched({"pipeline": {"max_staleness": auto}}).pipeline
         assert patched.max_staleness == 2
         assert patched.staleness_auto is not None and patched.staleness_auto.min == 0
+
+
+def test_a_patched_estimator_listed_as_a_shadow_trains_and_stops_being_one() -> None:
+    spec = paused_spec(algorithm={"estimator": {"name": "kalman"}, "shadow": ["token", "sequence"]})
+    algorithm = spec.patched({"algorithm": {"estimator": {"name": "sequence"}}}).algorithm
+    assert algorithm.estimator.name == "sequence" and algorithm.shadow == ("token",)

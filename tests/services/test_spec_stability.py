@@ -215,3 +215,14 @@ def test_every_objective_may_be_switched_off_with_null() -> None:
     off = dict.fromkeys(StabilityObjectives.model_fields)
     spec = RunSpec.model_validate({"stability": {"enabled": True, "objectives": off}})
     assert set(spec.stability.objectives.model_dump().values()) == {None}
+
+
+def test_a_remedys_estimator_listed_as_a_shadow_trains_and_stops_being_one() -> None:
+    spec = RunSpec.model_validate(
+        {
+            "algorithm": {"estimator": {"name": "kalman"}, "shadow": ["token", "sequence"]},
+            "stability": {**ROLLBACK, "remedy": {"estimator": "token"}},
+        }
+    )
+    algorithm = spec.remedied(1).algorithm
+    assert algorithm.estimator.name == "token" and algorithm.shadow == ("sequence",)

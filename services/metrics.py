@@ -83,6 +83,9 @@ class MetricKey:
     plot: str | None = None
     note: str = ""
     shadowed: tuple[str, ...] = ()
+    # Labels of a counter exported from the run's events rather than its records: one series
+    # per value of these (services/api/prometheus.py, `EVENT_COUNTERS`).
+    event_labels: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         problem = self._problem() or self._shadow_problem()
@@ -581,11 +584,17 @@ GUARD = Group(
             "Stability objectives broken at this step, acted on or not.",
             _D,
         ),
-        _counter(
+        MetricKey(
             "guard_actions_total",
-            "kpo_guard_actions_total",
+            Kind.COUNTER,
             "actions",
-            "Actions the stability guard took in the run (warn, rollback, pause, cancel, stop).",
+            "Actions the stability guard (and the alerts that act) took in the run: warn, "
+            "checkpoint, rollback, pause, cancel, stop_unstable.",
+            _D,
+            "kpo_guard_actions_total",
+            note="exported from the run's `guard.action` events, labelled `reason` (the "
+            "objective, or `alert <alertname>`) and `action`",
+            event_labels=("reason", "action"),
         ),
         _gauge(
             "guard_rollbacks",
@@ -815,13 +824,20 @@ GUARD_KEYS = tuple(metric.key for metric in GUARD.keys)
 STALENESS_AUTO_KEYS = ("staleness_bound", "staleness_bound_changes_total")
 
 
-def exported(kind: Kind, staged: bool = False, shadowed: bool = False) -> tuple[MetricKey, ...]:
+def exported(
+    kind: Kind, staged: bool = False, shadowed: bool = False, from_events: bool = False
+) -> tuple[MetricKey, ...]:
     """The declarations of `kind` exported to Prometheus, with or without a `stage` label, with
-    or without an `estimator` label (`shadowed`)."""
+    or without an `estimator` label (`shadowed`), from the records or the run's events
+    (`from_events`: those with `event_labels`)."""
     return tuple(
         m
         for m in RECORD
-        if m.kind is kind and m.prometheus and m.staged is staged and bool(m.shadowed) is shadowed
+        if m.kind is kind
+        and m.prometheus
+        and m.staged is staged
+        and bool(m.shadowed) is shadowed
+        and bool(m.event_labels) is from_events
     )
 
 

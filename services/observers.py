@@ -69,11 +69,13 @@ class ResumeSource(Protocol):
 class AlertRequest:
     """An alert's request of a running run (Alertmanager's webhook, services/api/alerts.py).
     action: what it asks; key: the alert's identity (fingerprint and start), one request per
-    firing however often Alertmanager resends it; reason: for the run's log and events."""
+    firing however often Alertmanager resends it; reason: `alert <alertname>` (the action's
+    reason, a Prometheus label); summary: the alert's summary annotation, for the log."""
 
     action: Literal["checkpoint", "pause"]
     key: str
     reason: str
+    summary: str = ""
 
 
 @runtime_checkable

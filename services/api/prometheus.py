@@ -28,6 +28,7 @@ period; a declared key that a record does not hold simply gives no samples.
 
 from __future__ import annotations
 
+import collections
 import math
 import threading
 import time
@@ -52,8 +53,10 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from services.metrics import EVAL_KEYS, SHADOW_ESTIMATORS, STAGES, Kind, exported
+from services.pipeline.pause import ACTION_EVENT
 from services.store import (
     TERMINAL_STATUSES,
+    Event,
     RunNotFound,
     RunRecord,
     RunStatus,
@@ -102,6 +105,8 @@ STAGE_GAUGES = _families(Kind.GAUGE, staged=True)
 # The shadow estimators' keys, labelled `estimator`: record keys `shadow_<estimator>_<key>`.
 SHADOW_GAUGES = _families(Kind.GAUGE, shadowed=True)
 RUN_COUNTERS = _families(Kind.COUNTER)
+# Counters of the run's `guard.action` events, one series per value of their `event_labels`.
+EVENT_COUNTERS = tuple(m for m in exported(Kind.COUNTER, from_events=True))
 # A histogram's key may hold one duration or a list of them (several batches in one step).
 RUN_HISTOGRAMS = _families(Kind.HISTOGRAM)
 
@@ -154,6 +159,20 @@ class RunSeries:
     histograms: dict[str, Buckets] = field(
         default_factory=lambda: {h.name: Buckets(STEP_BUCKETS_S) for h in RUN_HISTOGRAMS}
     )
+    last_event: str | None = None  # the id of the last event read
+    # Per EVENT_COUNTERS name: the count of the run's guard.action events per label values.
+    event_counts: dict[str, collections.Counter[tuple[str, ...]]] = field(
+        default_factory=lambda: {c.prometheus or "": collections.Counter() for c in EVENT_COUNTERS}
+    )
+
+    def add_event(self, event: Event) -> None:
+        """Take in the run's next event (in order)."""
+        self.last_event = event.id
+        if event.kind != ACTION_EVENT:
+            return
+        for counter in EVENT_COUNTERS:
+            labels = tuple(str(event.data.get(label)) for label in counter.event_labels)
+            self.event_counts[counter.prometheus or ""][labels] += 1
 
     def add(self, record: Mapping[str, Any]) -> None:
         """Take in the next record (in step order)."""
@@ -274,12 +293,19 @@ class StoreCollector(Collector):
         return True
 
     def _advance(self, run_id: str, series: RunSeries) -> None:
-        """Read the records after the last step seen, page by page."""
+        """Read the records after the last step seen, and the events after the last event
+        seen, page by page."""
         while True:
             records = self.store.read_metrics(run_id, series.last_step, RECORD_PAGE)
             for record in records:
                 series.add(record)
             if len(records) < RECORD_PAGE:
+                break
+        while True:
+            events = self.store.read_events(run_id, series.last_event, RECORD_PAGE)
+            for event in events:
+                series.add_event(event)
+            if len(events) < RECORD_PAGE:
                 return
 
     def _system_metrics(self, store_up: bool) -> Iterator[Metric]:
@@ -322,6 +348,15 @@ def run_metrics(series: Mapping[str, RunSeries]) -> Iterator[Metric]:
         counter = CounterMetricFamily(spec.name, spec.help, labels=["run_id"])
         for run_id, run in ordered:
             _add_value(counter, [run_id], run.latest.get(spec.key))
+        yield counter
+    for declared in EVENT_COUNTERS:
+        name = declared.prometheus or ""
+        counter = CounterMetricFamily(
+            name, declared.help, labels=["run_id", *declared.event_labels]
+        )
+        for run_id, run in ordered:
+            for labels, count in sorted(run.event_counts[name].items()):
+                counter.add_metric([run_id, *labels], float(count))
         yield counter
     for spec in RUN_HISTOGRAMS:
         histogram = HistogramMetricFamily(spec.name, spec.help, labels=["run_id"])

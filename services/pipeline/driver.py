@@ -898,10 +898,9 @@ class RunDriver:
                     continue  # asked again at the next step
                 decision = GuardDecision(self.counters.step, request.action, request.reason)
                 self.counters.guard_actions_total += 1
-                log.warning("alert, %s", decision.message)
-                self._report_event(
-                    ACTION_EVENT, {**self._guard_details(decision), "alert": request.key}
-                )
+                log.warning("%s (%s)", decision.message, request.summary)
+                alert = {"alert": request.key, "summary": request.summary}
+                self._report_event(ACTION_EVENT, {**self._guard_details(decision), **alert})
                 if request.action == "pause":
                     self._pause_request = self._pause_request or decision
                 else:

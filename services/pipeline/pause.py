@@ -137,8 +137,13 @@ def alert_request(event: Event) -> AlertRequest | None:
         return None
     # One request per firing: Alertmanager resends a firing alert with each notification.
     key = f"{data.get('fingerprint') or data.get('alertname')}@{data.get('starts_at')}"
-    reason = f"alert {data.get('alertname')}: {data.get('summary') or 'no summary'}"
-    return AlertRequest("checkpoint" if action == "checkpoint" else "pause", key, reason)
+    summary = data.get("summary")
+    return AlertRequest(
+        "checkpoint" if action == "checkpoint" else "pause",
+        key,
+        f"alert {data.get('alertname')}",
+        summary if isinstance(summary, str) else "",
+    )
 
 
 def guard_events(store: Store, run_id: str) -> GuardEvents:

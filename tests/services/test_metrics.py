@@ -97,7 +97,7 @@ EXPORTED = {
     ("counter", "kpo_rescored_groups_total", "rescored_groups"),
     ("counter", "kpo_unverified_groups_total", "unverified_groups"),
     ("gauge", "kpo_guard_broken_objectives", "guard_broken_objectives"),
-    ("counter", "kpo_guard_actions_total", "guard_actions_total"),
+    ("event counter", "kpo_guard_actions_total", "guard_actions_total"),
     ("gauge", "kpo_guard_rollbacks", "guard_rollbacks"),
     ("counter", "kpo_rollouts_rolled_back_total", "rollouts_rolled_back_total"),
     ("histogram", "kpo_learner_step_seconds", "step_seconds"),
@@ -253,6 +253,7 @@ def test_the_exported_names_stay_those_dashboards_and_alerts_use() -> None:
         *(("stage gauge", m.name, m.key) for m in prometheus.STAGE_GAUGES),
         *(("shadow gauge", m.name, m.key) for m in prometheus.SHADOW_GAUGES),
         *(("counter", m.name, m.key) for m in prometheus.RUN_COUNTERS),
+        *(("event counter", m.prometheus, m.key) for m in prometheus.EVENT_COUNTERS),
         *(("histogram", m.name, m.key) for m in prometheus.RUN_HISTOGRAMS),
     }
     assert found == EXPORTED

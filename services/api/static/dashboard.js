@@ -1,6 +1,8 @@
 // KPO-RL dashboard: lists runs, draws a run's stability charts from its metrics history and keeps
 // them live from the run's server-sent events. Ticking two or more runs in the list overlays them
 // on every chart, one colour per run (`?compare=ID,ID` in the address keeps the selection).
+// Where the run's stability guard acted (its `guard.action` events, an alert's included) every
+// chart has a vertical marker at the action's step, and a paused run says so until it resumes.
 //
 // Everything inserted into the page goes through textContent or attributes (never innerHTML), so
 // run names and error messages are shown as text. The SSE stream is read with fetch and a stream
@@ -20,6 +22,21 @@
   const MAX_COMPARE = 4;
   // One colour per compared run, in the order ticked; distinct for the common colour deficiencies.
   const RUN_COLORS = ["#1f6feb", "#e8590c", "#2b8a3e", "#ae3ec9"];
+
+  // How the guard's actions (services/pipeline/pause.py, `guard.action`) are marked on the
+  // charts: a dashed vertical line in the action's colour, topped by its shape (`glyph` is the
+  // same shape in the legend).
+  const MARK_STYLES = {
+    rollback: { color: "#d32f2f", shape: "back", glyph: "\u25C0" },
+    pause: { color: "#7b1fa2", shape: "pause", glyph: "\u2016" },
+    cancel: { color: "#37474f", shape: "cross", glyph: "\u2715" },
+    stop_unstable: { color: "#37474f", shape: "cross", glyph: "\u2715" },
+    warn: { color: "#e08600", shape: "warn", glyph: "\u25B2" },
+    checkpoint: { color: "#0277bd", shape: "diamond", glyph: "\u25C6" },
+  };
+  const OTHER_MARK = { color: "#6b7385", shape: "dot", glyph: "\u25CF" };
+  // The events that tell of the guard (handleEvent); the others are metrics and status.
+  const GUARD_EVENTS = new Set(["guard.action", "guard.paused", "guard.resumed", "guard.resume_refused", "resume"]);
 
   // The estimators `algorithm.shadow` may list (services/metrics.py, SHADOW_ESTIMATORS), each
   // with its colour on the shadow charts.
@@ -292,7 +309,7 @@
     const mode = compareIds.length > 1 ? "compare" : single ? "single" : "none";
     const traces = ids.map((id, i) => ({
       id, color: RUN_COLORS[i], run: null, records: [], lastStep: -1, lastEventId: null,
-      error: null, live: { on: false, text: "" },
+      error: null, live: { on: false, text: "" }, marks: [], paused: null,
     }));
     Object.assign(view, { mode, traces, abort });
     $("no-run").hidden = mode !== "none";
@@ -319,8 +336,12 @@
       trace.run = await getJson(runPath(trace.id), { signal });
       renderView();
       await loadHistory(trace, signal);
-      if (TERMINAL.has(trace.run.status)) setLive(trace, false, "finished");
-      else await follow(trace, signal);
+      if (TERMINAL.has(trace.run.status)) {
+        setLive(trace, false, "finished");
+        await replayGuard(trace, signal);
+      } else {
+        await follow(trace, signal);
+      }
     } catch (error) {
       if (signal.aborted || error instanceof Unauthorized) return;
       trace.error = error.message;

@@ -30,6 +30,7 @@ from services.api.prometheus import (
 )
 from services.api.settings import ApiSettings
 from services.metrics import BY_KEY, RECORD, STAGES, Kind
+from services.pipeline.pause import ACTION_EVENT
 from services.store import LocalStore, RedisStore, Store, StoreUnavailable
 from tests.services.api.conftest import TOKEN, Api
 from tests.services.api.launchers import RecordingLauncher
@@ -169,7 +170,8 @@ def test_every_declared_family_is_exported_from_its_record_key(store: Store) -> 
     # Each record key services/metrics.py exports gets its own value, 1.0, 2.0, ...; each family
     # must show its key's value (a histogram: one observation of it), not a neighbour's.
     assert record(1).keys() <= BY_KEY.keys()  # the hand-made records of the other tests too
-    exported = [m for m in RECORD if m.kind is not Kind.RECORD]
+    # (Counters of the run's events are the next test's.)
+    exported = [m for m in RECORD if m.kind is not Kind.RECORD and not m.event_labels]
     keys = [key for metric in exported for key in metric.record_keys]
     values = {key: float(i) for i, key in enumerate(keys, start=1)}
     run_id = running_run(store, [{"step": 1, **values, "lr": 1e-3}])
@@ -193,6 +195,52 @@ def test_every_declared_family_is_exported_from_its_record_key(store: Store) -> 
                 assert got == values[f"shadow_{name}_{metric.key}"], (metric.prometheus, name)
         else:
             assert value(found, metric.prometheus, **one) == values[metric.key], metric.prometheus
+
+
+def test_guard_actions_are_counted_from_the_runs_events_by_reason_and_action(
+    store: Store,
+) -> None:
+    run_id = running_run(store, [record(1)])
+    action = {"step": 1, "since": 1, "key": "clip_fraction", "message": "m", "rollbacks": 0}
+    for reason, kind in (
+        ("clip_fraction_max", "warn"),
+        ("clip_fraction_max", "warn"),
+        ("reward_drop_max", "rollback"),
+    ):
+        store.append_event(run_id, ACTION_EVENT, {**action, "reason": reason, "action": kind})
+    store.append_event(run_id, "alert", {"alertname": "KPONoLearnerProgress", "action": "pause"})
+    one = {"run_id": run_id}
+    registry, _ = build_registry(store)  # one control plane, scraped twice
+    found = samples(render(registry)[0].decode())
+    assert (
+        value(found, "kpo_guard_actions_total", **one, reason="clip_fraction_max", action="warn")
+        == 2
+    )
+    assert (
+        value(found, "kpo_guard_actions_total", **one, reason="reward_drop_max", action="rollback")
+        == 1
+    )
+    # Read on from the last event seen: a new action adds one, nothing is counted twice.
+    store.append_event(
+        run_id, ACTION_EVENT, {**action, "reason": "alert KPONoLearnerProgress", "action": "pause"}
+    )
+    found = samples(render(registry)[0].decode())
+    assert (
+        value(found, "kpo_guard_actions_total", **one, reason="clip_fraction_max", action="warn")
+        == 2
+    )
+    assert (
+        value(
+            found,
+            "kpo_guard_actions_total",
+            **one,
+            reason="alert KPONoLearnerProgress",
+            action="pause",
+        )
+        == 1
+    )
+    # The record's own total is not exported a second time, without the labels.
+    assert value(found, "kpo_guard_actions_total", **one) is None
 
 
 def test_shadow_estimators_are_exported_with_an_estimator_label(store: Store) -> None:

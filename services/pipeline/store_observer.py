@@ -107,27 +107,26 @@ class StoreObserver:
             self._write("log lines", lambda: self.store.append_logs(self.run_id, [line]))
 
     def take_resume(self, paused_at: int) -> ResumeRequest | None:
-        try:
-            self._events.read_on(self.store, self.run_id)
-        except StoreError as error:  # an outage: asked again at the next poll
-            if not self._unreadable:
-                log.warning("run %s: cannot read its resume requests yet: %s", self.run_id, error)
-            self._unreadable = True
+        if not self._read_events_on():
             return None
-        self._unreadable = False
         event = self._events.answer(paused_at, self._refused)
         return None if event is None else resume_request(event)
 
     def take_alerts(self) -> list[AlertRequest]:
+        return list(self._events.alerts.values()) if self._read_events_on() else []
+
+    def _read_events_on(self) -> bool:
+        """Read the run's events after those read; False in a store outage (the driver asks
+        again at its next poll or step; the outage is logged once)."""
         try:
             self._events.read_on(self.store, self.run_id)
-        except StoreError as error:  # an outage: asked again at the next step
+        except StoreError as error:
             if not self._unreadable:
-                log.warning("run %s: cannot read its alerts yet: %s", self.run_id, error)
+                log.warning("run %s: cannot read its events yet: %s", self.run_id, error)
             self._unreadable = True
-            return []
+            return False
         self._unreadable = False
-        return list(self._events.alerts.values())
+        return True
 
     def refuse(self, request: ResumeRequest, reason: str) -> None:
         self._refused.add(request.request_id)

@@ -301,26 +301,7 @@ class RunDriver:
                     except RollbackRequested as rollback:
                         self._checkpoints.abandon()
                         actors, resumed_step = self._roll_back(actors, rollback.decision)
-            state: RunState = "cancelled" if self._cancel else "succeeded"
-            details: dict[str, Any] = {}
-            if self._final_eval is not None:
-                details["final_eval"] = self._final_eval
-            if self._cancel and self._paused is not None:  # cancelled while paused
-                details["error"] = f"cancelled while paused: {self._paused['message']}"
-                details["guard"] = self._paused
-                step = self._last_checkpoint_step
-                if self._exported_step != step:  # paused by an earlier driver
-                    log.warning(
-                        "the checkpoint of step %d was exported when the run paused, if it "
-                        "got that far; `kpo export %s` exports it again",
-                        step,
-                        self.run_dir.path,
-                    )
-            if self._cancel and self._guard_stop is not None:
-                details["error"] = f"stability guard: {self._guard_stop['message']}"
-                details["guard"] = self._guard_stop
-                if self._guard_stop["action"] == "stop_unstable":
-                    state = "failed"  # unstable: its rollbacks did not make it stable
+            state, details = self._final_state()
             self._report_status(state, **details)
             return state
         except CancelRequested:
@@ -338,6 +319,30 @@ class RunDriver:
                 actors.kill()
             self._curves.redraw()
             self._curves.finish()
+
+    def _final_state(self) -> tuple[RunState, dict[str, Any]]:
+        """How the run ended, with the details its final status reports."""
+        state: RunState = "cancelled" if self._cancel else "succeeded"
+        details: dict[str, Any] = {}
+        if self._final_eval is not None:
+            details["final_eval"] = self._final_eval
+        if self._cancel and self._paused is not None:  # cancelled while paused
+            details["error"] = f"cancelled while paused: {self._paused['message']}"
+            details["guard"] = self._paused
+            step = self._last_checkpoint_step
+            if self._exported_step != step:  # paused by an earlier driver
+                log.warning(
+                    "the checkpoint of step %d was exported when the run paused, if it got "
+                    "that far; `kpo export %s` exports it again",
+                    step,
+                    self.run_dir.path,
+                )
+        if self._cancel and self._guard_stop is not None:
+            details["error"] = f"stability guard: {self._guard_stop['message']}"
+            details["guard"] = self._guard_stop
+            if self._guard_stop["action"] == "stop_unstable":
+                state = "failed"  # unstable: its rollbacks did not make it stable
+        return state, details
 
     def _start_actors(self) -> RunActors:
         assert self._model_dir is not None

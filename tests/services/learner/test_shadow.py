@@ -249,23 +249,6 @@ def test_a_shadow_list_is_accepted_and_kept_as_names() -> None:
     assert RunSpec().algorithm.shadow == ()
 
 
-def test_a_guard_remedy_to_a_shadow_estimator_is_refused_at_submission() -> None:
-    # The remedy would train with an estimator the run also lists as a shadow.
-    with pytest.raises(ValidationError) as error:
-        RunSpec.model_validate(
-            {
-                "algorithm": {"estimator": {"name": "kalman"}, "shadow": ["token"]},
-                "stability": {
-                    "enabled": True,
-                    "action": "rollback",
-                    "remedy": {"estimator": "token"},
-                },
-            }
-        )
-    message = describe_validation_error(error.value, "run.yaml")
-    assert "stability.remedy" in message and "algorithm.shadow" in message
-
-
 # --- the metrics declaration ------------------------------------------------------------------
 
 

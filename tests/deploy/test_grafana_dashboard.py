@@ -1,6 +1,7 @@
 """deploy/grafana/kpo-stability.json: a structural check of the dashboard, and every metric it
-names checked against the control plane's real /metrics output (the live stack of conftest.py).
-That each query returns data is checked in test_promql_live.py."""
+names (its panels' and its annotations' queries) checked against services/metrics.py and the
+control plane's real /metrics output (the live stack of conftest.py). That each panel's query
+returns data is checked in test_promql_live.py."""
 
 from __future__ import annotations
 
@@ -10,8 +11,16 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.metrics import RECORD, Kind
 from tests.deploy.live import LiveStack
-from tests.deploy.promql import SYNTHETIC, dashboard, metric_names, panel_queries, panels
+from tests.deploy.promql import (
+    SYNTHETIC,
+    PanelQuery,
+    dashboard,
+    metric_names,
+    panel_queries,
+    panels,
+)
 
 PANEL_TYPES = {"row", "timeseries", "stat", "gauge", "bargauge", "table", "text", "heatmap"}
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
@@ -37,8 +46,29 @@ _AGGREGATION = re.compile(
 )
 
 
+# The Prometheus names services/metrics.py declares, each with the labels of its series.
+DECLARED = {m.prometheus: ("run_id", *m.event_labels) for m in RECORD if m.prometheus is not None}
+HISTOGRAMS = {m.prometheus for m in RECORD if m.kind is Kind.HISTOGRAM}
+# Counters exported from the run's events (one series per label values): only runs with such
+# events have their series.
+FROM_EVENTS = {m.prometheus for m in RECORD if m.prometheus is not None and m.event_labels}
+GUARD_ACTIONS = "kpo_guard_actions_total"
+_PLACEHOLDER = re.compile(r"\{\{\s*(\w+)\s*\}\}")
+
+
 def variables() -> dict[str, dict[str, Any]]:
     return {v["name"]: v for v in dashboard()["templating"]["list"]}
+
+
+def annotation_list() -> list[dict[str, Any]]:
+    """The dashboard's annotation queries (Grafana's built-in one left out)."""
+    return [a for a in dashboard()["annotations"]["list"] if not a.get("builtIn")]
+
+
+def queries() -> list[PanelQuery]:
+    """Every PromQL expression of the dashboard: its panels', then its annotations'."""
+    marked = [PanelQuery(f"annotation {a['name']}", "Anno", a["expr"]) for a in annotation_list()]
+    return [*panel_queries(), *marked]
 
 
 def test_dashboard_identity() -> None:
@@ -97,7 +127,7 @@ def _per_run(name: str) -> bool:
 
 
 def test_every_query_is_filtered_by_the_run_or_the_job() -> None:
-    for query in panel_queries():
+    for query in queries():
         for name in metric_names(query.expr):
             wanted = 'run_id=~"$run_id"' if _per_run(name) else 'job="kpo-control-plane"'
             assert wanted in query.expr, f"{query.panel}: {query.expr}"
@@ -133,9 +163,49 @@ def test_every_per_run_panel_overlays_the_runs_picked() -> None:
 
 def test_every_selector_is_a_known_metric_name() -> None:
     """A misspelt metric (not starting with kpo_) would escape metric_names(); catch it here."""
-    for query in panel_queries():
+    for query in queries():
         selected = set(_SELECTOR.findall(re.sub(r'"[^"]*"', '""', query.expr)))
         assert selected <= metric_names(query.expr), f"{query.panel}: {selected}"
+
+
+def test_every_per_run_metric_is_declared_in_services_metrics() -> None:
+    """Offline, what the live check below finds in /metrics: each per-run metric a panel or an
+    annotation names is one services/metrics.py exports (a histogram by its series' names)."""
+    for query in queries():
+        for name in filter(_per_run, metric_names(query.expr)):
+            base, _, suffix = name.rpartition("_")
+            histogram = suffix in ("bucket", "count", "sum") and base in HISTOGRAMS
+            assert name in DECLARED or histogram, f"{query.panel}: {name} is not exported"
+
+
+def test_the_guards_actions_are_annotated() -> None:
+    """An annotation marks when the stability guard (or an alert that acts) acted on a run picked
+    in `$run_id`: each action and its reason, from services/metrics.py's event counter."""
+    found = [a for a in annotation_list() if GUARD_ACTIONS in metric_names(a["expr"])]
+    assert len(found) == 1, annotation_list()
+    guard = found[0]
+    assert guard["datasource"] == DATASOURCE  # the dashboard's data source variable
+    assert guard["enable"] and not guard["hide"] and guard["name"]
+    assert guard["step"] == "60s" and not guard["useValueForTime"]
+    listed = dashboard()["annotations"]["list"]
+    others = [a["iconColor"] for a in listed if a["name"] != guard["name"]]
+    assert len(others) == len(listed) - 1
+    assert guard["iconColor"] not in others
+    expr = guard["expr"]
+    assert metric_names(expr) == {GUARD_ACTIONS}
+    # Every selector of it follows the run picker: as many run matchers as selectors.
+    selectors = re.findall(rf"{GUARD_ACTIONS}\s*\{{([^}}]*)\}}", expr)
+    assert len(selectors) == expr.count(GUARD_ACTIONS), expr
+    assert all(s.strip() == 'run_id=~"$run_id"' for s in selectors), expr
+    # An action is an increment, or the series' first sample (a run's first action of a reason).
+    assert re.search(r"changes\(\s*" + GUARD_ACTIONS, expr) and " unless " in expr, expr
+    labels = set(DECLARED[GUARD_ACTIONS])
+    assert labels == {"run_id", "reason", "action"}
+    assert set(guard["tagKeys"].split(",")) == {"action", "reason"}
+    title = set(_PLACEHOLDER.findall(guard["titleFormat"]))
+    text = set(_PLACEHOLDER.findall(guard["textFormat"]))
+    assert {"action", "reason"} <= title and {"action", "reason", "run_id"} <= text
+    assert title | text <= labels, title | text
 
 
 def test_dashboard_shows_what_the_issue_asks_for() -> None:
@@ -153,11 +223,21 @@ def test_dashboard_shows_what_the_issue_asks_for() -> None:
 
 
 def test_every_metric_named_is_in_the_control_planes_metrics(live: LiveStack) -> None:
-    samples = {
-        sample.name
-        for family in text_string_to_metric_families(live.metrics_text())
-        for sample in family.samples
-    }
-    for query in panel_queries():
+    families = list(text_string_to_metric_families(live.metrics_text()))
+    samples = {sample.name for family in families for sample in family.samples}
+    # The live run took no guard action: a counter of events is there without series (the
+    # parser names a counter's family without its `_total`).
+    declared = {f"{f.name}_total" if f.type == "counter" else f.name for f in families}
+    for query in queries():
         unknown = metric_names(query.expr) - samples - SYNTHETIC
+        unknown -= FROM_EVENTS & declared
         assert not unknown, f"{query.panel}: not in /metrics: {unknown}"
+
+
+def test_every_annotation_query_runs_in_prometheus(live: LiveStack) -> None:
+    """Prometheus evaluates each annotation's expression for the live run (which took no guard
+    action: nothing to mark, but no error either)."""
+    for annotation in annotation_list():
+        query = PanelQuery(f"annotation {annotation['name']}", "Anno", annotation["expr"])
+        result = live.query(query.resolved({"run_id": live.run_id}))
+        assert result == [], f"{query.panel}: {result}"

@@ -35,8 +35,12 @@
     checkpoint: { color: "#0277bd", shape: "diamond", glyph: "\u25C6" },
   };
   const OTHER_MARK = { color: "#6b7385", shape: "dot", glyph: "\u25CF" };
-  // The events that tell of the guard (handleEvent); the others are metrics and status.
-  const GUARD_EVENTS = new Set(["guard.action", "guard.paused", "guard.resumed", "guard.resume_refused", "resume"]);
+  // The events that tell of the guard (handleEvent); the others are metrics and status. An
+  // alert's checkpoint or pause comes as the guard's action; its warn or cancel only as `alert`.
+  const GUARD_EVENTS = new Set([
+    "guard.action", "guard.paused", "guard.resumed", "guard.resume_refused", "resume", "alert",
+  ]);
+  const ALERT_MARKS = new Set(["warn", "cancel"]);
 
   // The estimators `algorithm.shadow` may list (services/metrics.py, SHADOW_ESTIMATORS), each
   // with its colour on the shadow charts.
@@ -309,7 +313,7 @@
     const mode = compareIds.length > 1 ? "compare" : single ? "single" : "none";
     const traces = ids.map((id, i) => ({
       id, color: RUN_COLORS[i], run: null, records: [], lastStep: -1, lastEventId: null,
-      error: null, live: { on: false, text: "" }, marks: [], paused: null,
+      error: null, live: { on: false, text: "" }, marks: [], paused: null, streamStep: -1,
     }));
     Object.assign(view, { mode, traces, abort });
     $("no-run").hidden = mode !== "none";
@@ -408,8 +412,10 @@
     $("run-name").textContent = runTitle(run);
     $("run-status").textContent = run.status;
     $("run-status").className = `badge ${run.status}`;
-    $("run-facts").replaceChildren(...facts.map(([name, value]) =>
-      el("div", {}, [el("dt", { text: name }), el("dd", { text: value })])));
+    const paused = pausedText(trace);
+    if (paused) facts.unshift(["guard", paused, "paused"]);
+    $("run-facts").replaceChildren(...facts.map(([name, value, cls]) =>
+      el("div", { cls }, [el("dt", { text: name }), el("dd", { text: value })])));
     const error = trace.error || run.error;
     $("run-error").hidden = !error;
     $("run-error").textContent = error || "";
@@ -426,6 +432,7 @@
       const step = trace.lastStep >= 0 ? (total ? `${trace.lastStep} / ${total}` : trace.lastStep) : "–";
       const live = el("td", { cls: `live${trace.live.on ? " on" : ""}`, text: trace.live.text });
       const status = run ? el("span", { cls: `badge ${run.status}`, text: run.status }) : "";
+      const paused = pausedText(trace);
       const error = trace.error || (run && run.error);
       return el("tr", { attrs: { "data-run-id": trace.id } }, [
         el("td", {}, [swatch(trace.color)]),
@@ -436,7 +443,7 @@
           ...(error ? [el("div", { cls: "error", text: error })] : []),
         ]),
         el("td", { text: estimatorOf(run) || "–" }),
-        el("td", {}, [status]),
+        el("td", {}, [status, ...(paused ? [el("div", { cls: "run-sub paused", text: paused })] : [])]),
         el("td", { cls: "num", text: step }),
         live,
       ]);
@@ -479,6 +486,27 @@
     }
   }
 
+  /** A finished run's guard events. Its stream gives every event from the first, then ends;
+   *  the metrics and status events it also gives are shown already. A stream that ended before
+   *  the run's last event (after KPO_STREAM_LIFETIME_S) is read on from the last event it gave. */
+  async function replayGuard(trace, signal) {
+    for (;;) {
+      const before = trace.lastEventId;
+      try {
+        const headers = { Accept: "text/event-stream" };
+        if (before) headers["Last-Event-ID"] = before;
+        const response = await api(`${runPath(trace.id)}/events`, { headers, signal });
+        for await (const event of readEvents(response.body, trace)) {
+          if (event.type === "metrics") trace.streamStep = stepOf(parseJson(event.data));
+          else if (GUARD_EVENTS.has(event.type)) handleEvent(trace, event, signal);
+        }
+      } catch (_) {
+        return; // the markers are extras: the charts stand without them
+      }
+      if (signal.aborted || trace.lastEventId === before) return;
+    }
+  }
+
   /** The events of a text/event-stream body, per the HTML standard's parsing rules. */
   async function* readEvents(body, trace) {
     const reader = body.pipeThrough(new TextDecoderStream()).getReader();
@@ -515,7 +543,9 @@
 
   function handleEvent(trace, event, signal) {
     if (event.type === "metrics") {
-      addRecord(trace, parseJson(event.data));
+      const record = parseJson(event.data);
+      trace.streamStep = stepOf(record);
+      addRecord(trace, record);
       scheduleDraw();
     } else if (event.type === "status") {
       const data = parseJson(event.data);
@@ -523,7 +553,72 @@
       renderView();
       loadRuns();
       refreshRun(trace, signal); // its transitions (when it started)
+    } else if (GUARD_EVENTS.has(event.type)) {
+      guardEvent(trace, event.type, parseJson(event.data) || {});
     }
+  }
+
+  const stepOf = (record) => (record && typeof record.step === "number" ? record.step : -1);
+
+  /** What a guard event changes: a marker for each action, and the pause the run waits in (a
+   *  `resume` is the operator's request, which the driver answers with `guard.resumed`). */
+  function guardEvent(trace, kind, data) {
+    if (kind === "guard.action" && typeof data.step === "number") {
+      const action = String(data.action || "");
+      const reason = data.reason ? String(data.reason) : "";
+      addMark(trace, `${data.step} ${action} ${reason} ${data.alert || ""}`, {
+        step: data.step, action, reason, text: `${action} at step ${data.step}: ${why(data)}`,
+      });
+      return;
+    }
+    if (kind === "alert") {
+      // A warn or cancel alert is marked where the run was (its last record before the alert):
+      // once per firing, as Alertmanager sends a firing alert again with each notification.
+      if (data.status !== "firing" || !ALERT_MARKS.has(data.action) || trace.streamStep < 0) return;
+      const reason = `alert ${data.alertname || "unnamed"}`;
+      const summary = typeof data.summary === "string" && data.summary ? `: ${data.summary}` : "";
+      addMark(trace, `alert ${data.fingerprint || data.alertname}@${data.starts_at}`, {
+        step: trace.streamStep, action: data.action, reason,
+        text: `${data.action} at step ${trace.streamStep}: ${reason}${summary}`,
+      });
+      return;
+    }
+    if (kind === "guard.paused") {
+      const step = typeof data.step === "number" ? data.step : data.checkpoint;
+      trace.paused = { step, message: why(data), note: "" };
+    } else if (kind === "guard.resumed") {
+      trace.paused = null;
+    } else if (trace.paused && kind === "resume") {
+      trace.paused.note = "resume requested";
+    } else if (trace.paused && kind === "guard.resume_refused") {
+      trace.paused.note = `resume refused: ${data.reason || "no reason given"}`;
+    }
+    renderView();
+  }
+
+  /** Why the guard acted: its message without the step and action it starts with (they are
+   *  said already), and an alert's summary. */
+  function why(data) {
+    let text = String(data.message || "").replace(/^step -?\d+: /, "");
+    if (data.action && text.startsWith(`${data.action}: `)) text = text.slice(String(data.action).length + 2);
+    text = text || String(data.reason || "") || "no reason given";
+    return typeof data.summary === "string" && data.summary ? `${text} (${data.summary})` : text;
+  }
+
+  /** A marker, unless one of the same `key` is there (a stream read again from its first event,
+   *  or a restarted driver, repeats events). */
+  function addMark(trace, key, mark) {
+    if (trace.marks.some((other) => other.key === key)) return;
+    trace.marks.push({ key, ...mark });
+    scheduleDraw();
+  }
+
+  /** "paused at step N: why" while the run waits in the guard's pause, else null. */
+  function pausedText(trace) {
+    const paused = trace.paused;
+    if (!paused || !trace.run || trace.run.status !== "running") return null;
+    const note = paused.note ? ` (${paused.note})` : "";
+    return `paused at step ${paused.step ?? "–"}: ${paused.message}${note}`;
   }
 
   async function refreshRun(trace, signal) {
@@ -545,7 +640,11 @@
         el("span", { cls: "chart-step" }),
       ]),
       el("div", { cls: "legend" }),
-      el("canvas", { attrs: { role: "img", "aria-label": chart.title } }),
+      // The guard's markers lie over the canvas, one element each: its tooltip says what it was.
+      el("div", { cls: "plot" }, [
+        el("canvas", { attrs: { role: "img", "aria-label": chart.title } }),
+        el("div", { cls: "marks" }),
+      ]),
     ])));
   }
 
@@ -597,8 +696,10 @@
       style: comparing ? compareStyle(series, trace.color) : series,
     })));
     const lastStep = Math.max(-1, ...view.traces.map((trace) => trace.lastStep));
+    const marks = view.traces.flatMap((trace) => trace.marks.map((mark) => ({ ...mark, trace })));
     if (comparing) renderCompareLegend(figure, chart, lines);
     else renderLegend(figure, chart, lines);
+    figure.querySelector(".legend").append(...markLegend(marks));
     figure.querySelector(".chart-step").textContent =
       lastStep < 0 ? "no data yet" : `${comparing ? "up to " : ""}step ${lastStep}`;
     const drawn = lines.filter((line) => line.pts.length);
@@ -610,7 +711,41 @@
     canvas.dataset.runs = [...new Set(drawn.map((line) => line.trace.id))].join(",");
     canvas.setAttribute("aria-label", comparing
       ? `${chart.title} of ${view.traces.map((trace) => trace.id).join(", ")}` : chart.title);
-    plot(canvas, lines);
+    canvas.dataset.marks = String(marks.length);
+    renderMarks(figure, marks, plot(canvas, lines, marks), comparing);
+  }
+
+  const markStyle = (action) => MARK_STYLES[action] || OTHER_MARK;
+
+  /** One legend entry per kind of action marked: its shape and colour, and how many. */
+  function markLegend(marks) {
+    const counts = new Map();
+    for (const mark of marks) counts.set(mark.action, (counts.get(mark.action) || 0) + 1);
+    return [...counts].map(([action, n]) => {
+      const glyph = el("b", { cls: "mark-glyph", text: markStyle(action).glyph });
+      glyph.style.color = markStyle(action).color;
+      return el("span", { cls: "legend-mark", attrs: { "data-action": action } },
+        [glyph, n > 1 ? `${action} ×${n}` : action]);
+    });
+  }
+
+  /** The markers' elements over the canvas, at their steps (`at`: where plot drew, or null),
+   *  each with its action, step and what happened as attributes and tooltip. */
+  function renderMarks(figure, marks, at, comparing) {
+    figure.querySelector(".marks").replaceChildren(...marks.map((mark) => {
+      const text = comparing ? `${mark.trace.id}: ${mark.text}` : mark.text;
+      const node = el("span", { cls: "mark", attrs: {
+        "data-step": String(mark.step), "data-action": mark.action, "data-run-id": mark.trace.id,
+        "data-reason": mark.reason, title: text, role: "img", "aria-label": text,
+      } });
+      node.hidden = !at;
+      if (at) {
+        node.style.left = `${at.x(mark.step) - 4}px`;
+        node.style.top = `${at.box.top}px`;
+        node.style.height = `${at.box.bottom - at.box.top}px`;
+      }
+      return node;
+    }));
   }
 
   /** Whether a series is in its chart's legend: a shadow estimator only where it has values. */
@@ -648,7 +783,9 @@
     figure.querySelector(".legend").replaceChildren(...entries, ...styles);
   }
 
-  function plot(canvas, lines) {
+  /** Draw the lines and the guard's markers; where they are drawn (the step scale and the plot's
+   *  box), or null when there is nothing to draw. */
+  function plot(canvas, lines, marks) {
     const ratio = window.devicePixelRatio || 1;
     const width = canvas.clientWidth;
     const height = canvas.clientHeight;
@@ -664,14 +801,63 @@
       ctx.fillStyle = "#6b7385";
       ctx.textAlign = "center";
       ctx.fillText("no data yet", width / 2, height / 2);
-      return;
+      return null;
     }
-    const x = scale(flat.map((p) => p[0]), box.left, box.right, true);
+    // A marker past the last record drawn (its record is on its way) widens the steps shown.
+    const x = scale([...flat.map((p) => p[0]), ...marks.map((mark) => mark.step)], box.left, box.right, true);
     const y = scale(flat.map((p) => p[1]), box.bottom, box.top, false);
     drawAxes(ctx, box, x, y);
     // Faint lines first, so that the solid ones of every run stay on top.
     const order = [...lines].sort((a, b) => (a.style.alpha ? 0 : 1) - (b.style.alpha ? 0 : 1));
     for (const line of order) drawLine(ctx, line.pts, x, y, line.style);
+    for (const mark of marks) drawMark(ctx, box, x(mark.step), markStyle(mark.action));
+    return { x, box };
+  }
+
+  /** A dashed vertical line at `px`, topped by the action's shape. */
+  function drawMark(ctx, box, px, style) {
+    const cx = Math.round(px) + 0.5;
+    const cy = box.top + 5;
+    ctx.strokeStyle = style.color;
+    ctx.fillStyle = style.color;
+    ctx.lineWidth = 1.2;
+    ctx.setLineDash([3, 3]);
+    ctx.beginPath();
+    ctx.moveTo(cx, box.top + 10);
+    ctx.lineTo(cx, box.bottom);
+    ctx.stroke();
+    ctx.setLineDash([]);
+    ctx.lineWidth = 2;
+    ctx.beginPath();
+    if (style.shape === "back") { // rolled back: a triangle pointing to earlier steps
+      ctx.moveTo(cx + 5, cy - 5);
+      ctx.lineTo(cx - 5, cy);
+      ctx.lineTo(cx + 5, cy + 5);
+      ctx.fill();
+    } else if (style.shape === "pause") { // two bars
+      ctx.fillRect(cx - 4, cy - 5, 3, 10);
+      ctx.fillRect(cx + 1, cy - 5, 3, 10);
+    } else if (style.shape === "cross") {
+      ctx.moveTo(cx - 4, cy - 4);
+      ctx.lineTo(cx + 4, cy + 4);
+      ctx.moveTo(cx + 4, cy - 4);
+      ctx.lineTo(cx - 4, cy + 4);
+      ctx.stroke();
+    } else if (style.shape === "warn") { // a triangle pointing up
+      ctx.moveTo(cx, cy - 5);
+      ctx.lineTo(cx + 5, cy + 4);
+      ctx.lineTo(cx - 5, cy + 4);
+      ctx.fill();
+    } else if (style.shape === "diamond") {
+      ctx.moveTo(cx, cy - 5);
+      ctx.lineTo(cx + 5, cy);
+      ctx.lineTo(cx, cy + 5);
+      ctx.lineTo(cx - 5, cy);
+      ctx.fill();
+    } else {
+      ctx.arc(cx, cy, 4, 0, 2 * Math.PI);
+      ctx.fill();
+    }
   }
 
   /** A linear map from data to pixels over [lo, hi] widened to nice tick values. */

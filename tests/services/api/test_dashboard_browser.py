@@ -401,6 +401,203 @@ def _serve(app: FastAPI, port: int) -> Iterator[str]:
         thread.join(timeout=WAIT_S)
 
 
+# --- the stability guard's actions -----------------------------------------------------------
+
+# The guard's markers of one chart (dashboard.js, renderMarks), read in one go: each one's step,
+# action, tooltip and where it is over the canvas; and the chart's legend entries of actions.
+CHART_MARKS = """
+const figure = document.getElementById(`chart-${arguments[0]}`);
+return {
+  marks: [...figure.querySelectorAll(".marks .mark")].map((mark) => ({
+    step: Number(mark.dataset.step),
+    action: mark.dataset.action,
+    title: mark.title,
+    shown: !mark.hidden,
+    left: mark.offsetLeft,
+  })),
+  legend: [...figure.querySelectorAll(".legend .legend-mark")].map((entry) => entry.textContent),
+};
+"""
+# How many of a canvas's opaque pixels have the colour arguments[1] (an "#rrggbb").
+PIXELS_OF = """
+const canvas = document.querySelector(`#chart-${arguments[0]} canvas`);
+const data = canvas.getContext("2d").getImageData(0, 0, canvas.width, canvas.height).data;
+const [r, g, b] = arguments[1].match(/[0-9a-f]{2}/gi).map((hex) => parseInt(hex, 16));
+let pixels = 0;
+for (let i = 0; i < data.length; i += 4) {
+  const near = Math.abs(data[i] - r) + Math.abs(data[i + 1] - g) + Math.abs(data[i + 2] - b);
+  if (data[i + 3] > 240 && near < 24) pixels += 1;
+}
+return pixels;
+"""
+ROLLBACK_COLOUR = "#d32f2f"  # dashboard.js, MARK_STYLES
+
+
+def guard_action(step: int, action: str, reason: str, **more: Any) -> dict[str, Any]:
+    """A `guard.action` event's data, as the driver reports it (driver.py, _guard_details; the
+    message as services/pipeline/guard.py's GuardDecision words it)."""
+    return {
+        "action": action,
+        "reason": reason,
+        "step": step,
+        "since": step - 3,
+        "key": "entropy",
+        "value": 0.01,
+        "bound": 0.05,
+        "rollbacks": 1 if action == "rollback" else 0,
+        "message": (
+            f"step {step}: {action}: {reason} broken since step {step - 3}: "
+            "entropy 0.01 (limit 0.05, bound 0.05)"
+        ),
+        **more,
+    }
+
+
+def alert_action(step: int, action: str, alertname: str, key: str, summary: str) -> dict[str, Any]:
+    """A `guard.action` event's data that answers an alert (driver.py, _answer_alerts)."""
+    return {
+        **guard_action(step, action, f"alert {alertname}"),
+        "key": None,
+        "value": None,
+        "bound": None,
+        "message": f"step {step}: {action}: alert {alertname}",
+        "alert": key,
+        "summary": summary,
+    }
+
+
+def chart_marks(driver: WebDriver, chart: str) -> dict[str, Any]:
+    marks: dict[str, Any] = driver.execute_script(CHART_MARKS, chart)
+    return marks
+
+
+def marked(expected: list[tuple[int, str]]) -> Callable[[WebDriver], bool]:
+    """Every chart shows exactly these (step, action) markers, placed over its canvas."""
+
+    def check(driver: WebDriver) -> bool:
+        for chart in CHART_IDS:
+            marks = chart_marks(driver, chart)["marks"]
+            if [(m["step"], m["action"]) for m in marks] != expected:
+                return False
+            if not all(m["shown"] for m in marks):
+                return False
+        return True
+
+    return check
+
+
+def test_guard_actions_are_marked_on_every_chart_and_a_pause_shows_until_resumed(
+    api: Api, page: WebDriver, tmp_path: Path
+) -> None:
+    store = api.store
+    run_id = add_run(store, "guarded-kpo", 40)
+    # Events from before the page opened: the stream gives them from the run's first event.
+    store.append_event(run_id, "guard.action", guard_action(12, "warn", "entropy_floor"))
+    store.append_event(run_id, "guard.action", guard_action(25, "rollback", "reward_drop"))
+    alert = {
+        "alertname": "KpoSwitchHigh",
+        "fingerprint": "f00d",
+        "starts_at": "2024-01-01T00:00:00",
+    }
+    store.append_event(
+        run_id,
+        "alert",
+        {
+            **alert,
+            "status": "firing",
+            "action": "pause",
+            "severity": "page",
+            "summary": "switching",
+        },
+    )
+    pause = alert_action(40, "pause", "KpoSwitchHigh", "f00d@2024-01-01T00:00:00", "switching")
+    store.append_event(run_id, "guard.action", pause)
+    store.append_event(run_id, "guard.paused", {**pause, "checkpoint": 40})
+    # A restarted driver announces its pause again: still one marker.
+    store.append_event(run_id, "guard.action", pause)
+
+    page.get(f"{api.url}/#{run_id}")
+
+    wait_for(page, charts_at_step(40), "the history")
+    expected = [(12, "warn"), (25, "rollback"), (40, "pause")]
+    wait_for(page, marked(expected), "a marker per action on every chart")
+    reward = chart_marks(page, "reward")
+    left = [m["left"] for m in reward["marks"]]
+    assert left == sorted(left) and len(set(left)) == 3, left  # in step order along the axis
+    titles = [m["title"] for m in reward["marks"]]
+    # Each says why: the guard's message without the step and action it starts with.
+    bounds = "entropy 0.01 (limit 0.05, bound 0.05)"
+    assert titles == [
+        f"warn at step 12: entropy_floor broken since step 9: {bounds}",
+        f"rollback at step 25: reward_drop broken since step 22: {bounds}",
+        "pause at step 40: alert KpoSwitchHigh (switching)",
+    ]
+    assert reward["legend"] == ["\u25b2warn", "\u25c0rollback", "\u2016pause"]
+    assert page.execute_script(PIXELS_OF, "reward", ROLLBACK_COLOUR) >= 20  # its line is drawn
+    paused = "paused at step 40: alert KpoSwitchHigh (switching)"
+    wait_for(page, lambda d: paused in text_of(d, "run-facts"), "the pause in the run's facts")
+    page.save_screenshot(str(tmp_path / "dashboard-guard.png"))
+
+    wait_for(page, lambda d: text_of(d, "run-live") == "live", "the event stream")
+    store.append_event(run_id, "resume", {"spec_patch": {}, "requested_at": 1.0, "checkpoint": 40})
+    wait_for(
+        page,
+        lambda d: f"{paused} (resume requested)" in text_of(d, "run-facts"),
+        "the resume request",
+    )
+    store.append_event(
+        run_id, "guard.resumed", {"checkpoint": 40, "spec_patch": {}, "in_force": {}}
+    )
+    wait_for(page, lambda d: "paused" not in text_of(d, "run-facts"), "the pause to end")
+
+    # Actions and alerts that come while the page is open are marked as they come: a warning
+    # alert where the run is (its last record), and a cancel.
+    store.append_metrics(run_id, [metrics_record(41), metrics_record(42)])
+    store.append_event(
+        run_id,
+        "alert",
+        {**alert, "status": "firing", "action": "warn", "severity": "info", "summary": "again"},
+    )
+    store.append_event(run_id, "guard.action", guard_action(43, "cancel", "reward_drop"))
+    wait_for(page, marked([*expected, (42, "warn"), (43, "cancel")]), "the live actions marked")
+    assert chart_marks(page, "entropy")["marks"][3]["title"] == (
+        "warn at step 42: alert KpoSwitchHigh: again"
+    )
+    assert chart_marks(page, "entropy")["legend"] == [
+        "\u25b2warn \u00d72",
+        "\u25c0rollback",
+        "\u2016pause",
+        "\u2715cancel",
+    ]
+
+
+def test_a_finished_run_shows_its_guard_actions_and_no_pause(api: Api, page: WebDriver) -> None:
+    """A finished run is not followed; its stream is read once, for the guard's events."""
+    store = api.store
+    run_id = add_run(store, "stopped", 30)
+    store.append_event(run_id, "guard.action", guard_action(18, "checkpoint", "switch_rise"))
+    pause = guard_action(22, "pause", "switch_rise")
+    store.append_event(run_id, "guard.action", pause)
+    store.append_event(run_id, "guard.paused", {**pause, "checkpoint": 22})
+    store.transition(run_id, "cancelled")  # cancelled while paused
+    other = add_run(store, "unguarded", 12, status="succeeded", offset=0.2)
+
+    page.get(f"{api.url}/#{run_id}")
+
+    wait_for(page, charts_at_step(30), "the history")
+    wait_for(page, marked([(18, "checkpoint"), (22, "pause")]), "the markers of a finished run")
+    assert text_of(page, "run-live") == "finished"
+    assert "paused" not in text_of(page, "run-facts")
+
+    # Compared with another run, the markers stay, each naming its run.
+    page.get(f"{api.url}/?compare={run_id},{other}")
+    wait_for(page, charts_compare({run_id: 30, other: 12}), "the comparison")
+    wait_for(page, marked([(18, "checkpoint"), (22, "pause")]), "the markers in the comparison")
+    titles = [m["title"] for m in chart_marks(page, "clip")["marks"]]
+    assert [t.split(": ")[0] for t in titles] == [run_id, run_id], titles
+    assert page.find_elements(By.CSS_SELECTOR, f'#chart-clip .mark[data-run-id="{run_id}"]')
+
+
 # --- comparing runs --------------------------------------------------------------------------
 
 # What a compared chart shows, read in one go (the page may redraw between two WebDriver calls):

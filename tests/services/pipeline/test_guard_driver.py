@@ -118,29 +118,40 @@ def assert_no_actor_alive(pids: dict[str, list[int]]) -> None:
 @pytest.mark.timeout(300)
 class TestGuardedRuns:
     def test_warn_records_the_action_and_the_run_succeeds(self, tmp_path: Path) -> None:
-        spec = tiny_spec(
+        settings = (
             *MUST_BREAK,
             "stability.action=warn",
             "pipeline.steps=4",
             "pipeline.checkpoint_every=10",
             "pipeline.keep_checkpoints=10",
         )
-        assert execute_run(spec, RunDirectory(tmp_path)) == "succeeded"
-        records = read_metrics(tmp_path)
+        spec = tiny_spec(*settings)
+        run_file, out = tmp_path / "run.yaml", tmp_path / "out"
+        run_file.write_text(yaml.safe_dump(TINY_RUN))
+        overrides = [arg for setting in settings for arg in ("--set", setting)]
+        result = CliRunner().invoke(app, ["run", str(run_file), "--out", str(out), *overrides])
+        assert result.exit_code == 0, result.output
+        records = read_metrics(out)
         assert [r["step"] for r in records] == [1, 2, 3, 4]
         actions = [r["guard_actions_total"] for r in records]
         assert actions[-1] >= 1 and actions == sorted(actions)
+        # `kpo run` ends with the guard's summary.
+        broken = sum(1 for r in records if r["guard_broken_objectives"])
+        assert (
+            f"[kpo] stability guard: {actions[-1]} actions, 0 rollbacks, broken objectives at "
+            f"{broken} steps"
+        ) in result.output
         # The first step with a broken objective opened an episode and asked for a checkpoint
         # (none was healthy): the driver wrote one there, besides the final one.
         first = next(r["step"] for r in records if r["guard_broken_objectives"] > 0)
-        assert (tmp_path / "checkpoints" / checkpoint_name(first)).is_dir()
-        found = latest_checkpoint(tmp_path / "checkpoints")
+        assert (out / "checkpoints" / checkpoint_name(first)).is_dir()
+        found = latest_checkpoint(out / "checkpoints")
         assert found is not None and found[0] == 4
         guard = read_driver_state(found[1])["guard"]  # saved with the driver's state
         assert guard["seen"] == 4 and guard["last_checkpoint"] == 4
-        assert status_of(tmp_path)["state"] == "succeeded"
+        assert status_of(out)["state"] == "succeeded"
         # A driver resuming from it takes the guard over as it was, and the actions' count.
-        resumed = RunDriver(spec, RunDirectory(tmp_path), [])
+        resumed = RunDriver(spec, RunDirectory(out), [])
         assert resumed.restore() == 4
         assert resumed.guard is not None and resumed.guard.state() == guard
         assert resumed.counters.guard_actions_total == actions[-1]
@@ -212,24 +223,6 @@ class TestGuardedRuns:
         resumed = RunDriver(spec, RunDirectory(tmp_path), [])
         assert resumed.restore() == found[0]
         assert resumed.spec.learner.lr == pytest.approx(0.5 * spec.learner.lr)
-
-    def test_kpo_run_ends_with_the_guards_summary(self, tmp_path: Path) -> None:
-        run_file = tmp_path / "run.yaml"
-        run_file.write_text(yaml.safe_dump(TINY_RUN))
-        settings = [*MUST_BREAK, "stability.action=warn", "pipeline.steps=3"]
-        out = tmp_path / "out"
-        result = CliRunner().invoke(
-            app,
-            ["run", str(run_file), "--out", str(out), *(a for s in settings for a in ("--set", s))],
-        )
-        assert result.exit_code == 0, result.output
-        records = read_metrics(out)
-        broken = sum(1 for r in records if r["guard_broken_objectives"])
-        assert broken >= 1
-        assert (
-            f"[kpo] stability guard: {records[-1]['guard_actions_total']} actions, 0 rollbacks, "
-            f"broken objectives at {broken} steps"
-        ) in result.output
 
     def test_pause_stops_every_actor_until_a_resume_with_a_patch_then_trains_on(
         self, tmp_path: Path

@@ -433,6 +433,15 @@ class RunDriver:
         self.counters.elapsed_seconds, self._started = elapsed, time.perf_counter()
         return resumed_step
 
+    def _guard_totals(self) -> dict[str, int]:
+        """The run totals a guard's (or an alert's) rollback or pause keeps as they are now,
+        over the restored checkpoint's: the faults survived and the guard's own counts."""
+        return {
+            **self.counters.faults(),
+            "guard_actions_total": self.counters.guard_actions_total,
+            "rollouts_rolled_back_total": self.counters.rollouts_rolled_back_total,
+        }
+
     def _roll_back(
         self, actors: RunActors, decision: GuardDecision
     ) -> tuple[RunActors, int | None]:
@@ -440,13 +449,8 @@ class RunDriver:
         checkpoint (step 0 where none is healthy), with the remedy applied once more."""
         target = decision.rollback_to
         issued = self.counters.groups_issued
-        carried = {
-            **self.counters.faults(),
-            "guard_actions_total": self.counters.guard_actions_total,
-            "rollouts_rolled_back_total": self.counters.rollouts_rolled_back_total,
-        }
         discarded = discard_checkpoints_after(self.run_dir.checkpoints, target or 0)
-        resumed_step = self._end_attempt(actors, target, carried)
+        resumed_step = self._end_attempt(actors, target, self._guard_totals())
         if resumed_step is None:  # the guard of step 0 starts afresh: it counts rollbacks on
             self.guard = StabilityGuard(self.submitted_spec.stability)
         assert self.guard is not None  # a rollback is the guard's
@@ -485,12 +489,7 @@ class RunDriver:
         self._checkpoint_now(actors)
         step = self._last_checkpoint_step
         self._export(actors, step)  # a cancel while paused leaves this step's model
-        carried = {
-            **self.counters.faults(),
-            "guard_actions_total": self.counters.guard_actions_total,
-            "rollouts_rolled_back_total": self.counters.rollouts_rolled_back_total,
-        }
-        self._end_attempt(actors, step, carried)
+        self._end_attempt(actors, step, self._guard_totals())
         paused = self._paused  # as the checkpoint says
         if not self._resume_paused(step):
             return None
@@ -522,8 +521,7 @@ class RunDriver:
                     return False
                 taken = self._take_resume(step)
         request, spec, merged = taken
-        self._spec_patch, self.spec = merged, spec
-        self.buffer.max_staleness = spec.pipeline.max_staleness
+        self._spec_patch, self.spec = merged, spec  # its staleness bound: `_start`'s
         if self.guard is not None:
             self.guard.resumed(step)
         self._paused = None

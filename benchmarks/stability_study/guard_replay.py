@@ -87,6 +87,8 @@ PROVISIONAL: dict[str, float | None] = {
     "reward_drop_max": 0.2,
     "held_out_drop_max": 0.05,
     "switch_frequency_max": 0.2,
+    "truncated_fraction_max": None,
+    "approx_kl_max": None,
 }
 
 Record = dict[str, Any]
@@ -333,6 +335,8 @@ QUANTITY = {
     "reward_drop_max": "running median of the reward - reward",
     "held_out_drop_max": "best held-out accuracy - held-out accuracy",
     "switch_frequency_max": "filtered switch frequency (KPO)",
+    "truncated_fraction_max": "fraction of responses truncated",
+    "approx_kl_max": "KL to the behaviour policy",
 }
 
 

@@ -87,6 +87,8 @@ OBJECTIVE_COMPARISONS: dict[str, tuple[str, Comparison, str | None]] = {
     "reward_drop_max": ("reward_mean", Comparison.DROP_FROM_BASELINE, None),
     "held_out_drop_max": ("eval_accuracy_avg_at_k", Comparison.DROP_FROM_BEST, None),
     "switch_frequency_max": ("filtered_switch_frequency", Comparison.CEILING, "kalman_gain_mean"),
+    "truncated_fraction_max": ("truncated_fraction", Comparison.CEILING, None),
+    "approx_kl_max": ("approx_kl", Comparison.CEILING, None),
 }
 
 

@@ -20,7 +20,7 @@ the most extreme value of its objective's compared quantity that any healthy run
 `patience` consecutive evaluations, moved 25% further from the neutral value (1 for a ratio to a
 baseline, 0 otherwise) and rounded away from the healthy runs to two significant figures: the
 guard acts on none of them. `nonfinite_tokens_max` stays 0, as the study did not record the key.
-They come from a 362k-parameter model on one arithmetic task (reward 0 or 1), and catch 10 of
+They come from a 362k-parameter model on one arithmetic task (reward 0 or 1), and catch 17 of
 its 18 collapsed runs, each after the collapse showed in held-out accuracy.
 tests/services/pipeline/test_guard_study.py fails when the data or the rule no longer give them.
 """
@@ -213,6 +213,22 @@ class StabilityObjectives(StrictModel):
         description="KPO only (records with `kalman_gain_mean`): `filtered_switch_frequency` "
         "above this breaks it; the other estimators' ratio is the token ratio, whose "
         "switching is the noise KPO filters",
+    )
+    truncated_fraction_max: float | None = Field(
+        0.4,
+        ge=0.0,
+        lt=1.0,
+        allow_inf_nan=False,
+        description="`truncated_fraction` (responses cut at max_new_tokens) above this breaks "
+        "it: a policy that collapses into degenerate text runs to the token budget. Set null "
+        "for a task whose healthy responses often fill the budget",
+    )
+    approx_kl_max: float | None = Field(
+        360.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="`approx_kl` (the k3 estimate of KL(behaviour || current) per response "
+        "token, summed as services/metrics.py records it) above this breaks it",
     )
 
 

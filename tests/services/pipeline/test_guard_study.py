@@ -34,22 +34,10 @@ HEALTHY_RUNS = [r for r in RUNS if r.group == HEALTHY]
 COLLAPSING_RUNS = [r for r in RUNS if r.group == COLLAPSING]
 DEFAULTS = StabilityConfig.model_validate({"enabled": True})
 
-# The collapsing runs the defaults miss. Their reward's drop below its running median, held for
-# three steps, is 0.08 to 0.14, within the margin over the healthy runs' 0.125 (a healthy
-# stressed run exceeds 0.14 against the guard's own baseline); their entropy rises or holds
-# (the entropy objectives are floors), their gradient norm and switch frequency stay within the
-# healthy runs' ranges, and the arms without a trust region clip nothing. Their collapse shows
-# in the responses' truncation and the KL to the behaviour policy, which no objective reads.
-MISSED = {
-    "arms-reduced kpo-matched-unclipped__lr3e-4-stale-8 s0",
-    "arms-reduced kpo-matched-unclipped__lr3e-4-stale-8 s2",
-    "arms-reduced kpo-paper__lr3e-4-stale-8 s1",
-    "arms-reduced kpo-q0__lr3e-4-stale-8 s0",
-    "arms-reduced kpo-q0__lr3e-4-stale-8 s2",
-    "study kpo-matched-unclipped__lr3e-4-stale-8 s4",
-    "study kpo-q0__lr3e-4-stale-8 s0",
-    "study kpo-q0__lr3e-4-stale-8 s4",
-}
+# The collapsing run the defaults miss: KPO with the paper's constants, collapsed by the
+# criterion only at step 20 of a 20-step run, when its reward, entropy, truncation and KL to the
+# behaviour policy all stay within the healthy runs' ranges.
+MISSED = {"arms-reduced kpo-paper__lr3e-4-stale-8 s1"}
 LATE = (
     "the criterion calls these runs collapsed at the study's first held-out evaluation (step "
     "10), within the guard's 10 warm-up steps; the stale batches' reward shows it 3 or more "

@@ -40,12 +40,13 @@ from kpo_core.config import KalmanEstimator
 from services.pipeline.actors import connect_ray
 from services.pipeline.specs import load_run_spec
 from services.spec import RunSpec
-from stability_study import dynamics, filter_accuracy, plots, report
+from stability_study import dynamics, filter_accuracy, guard_phase, plots, report
 from stability_study.evaluate import HeldOutEvaluator
 from stability_study.grid import (
     ARMS,
     GENTLE,
     GRPO,
+    GUARDED,
     IN_FLIGHT,
     IN_FLIGHT_ARMS,
     PHASES,
@@ -54,6 +55,7 @@ from stability_study.grid import (
     Setting,
     arm_cells,
     cell_spec,
+    guard_cells,
     in_flight_cells,
     pilot_cells,
 )
@@ -63,7 +65,9 @@ from stability_study.summary import COLLAPSED, CellSummary, setting_kl_median, s
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "examples" / "study.yaml"
 # Seeds per phase, shared by every arm (seed n of one arm and of another start alike).
-PHASE_SEEDS = {"pilot": 3, "main": 6, "gentle": 3, "in-flight": 6}
+PHASE_SEEDS = {"pilot": 3, "main": 6, "gentle": 3, "in-flight": 6, "guard": 6}
+# The healthy configuration whose run with the guard on counts the guard's false alarms.
+DEMO_CONFIG = ROOT / "examples" / "demo.yaml"
 # The pilot's bar: GRPO collapses in at least this share of its seeds.
 PILOT_COLLAPSE_SHARE = 2 / 3
 
@@ -148,7 +152,7 @@ class Study:
         for index, (cell, seed) in enumerate(jobs, 1):
             result = load_result(self.args.out, cell, seed)
             if result is None and start:
-                self._connect()
+                self.connect()
                 result = run_one(
                     self.base, cell, seed, self.args.out, self.evaluator.initial,
                     self.evaluator.evaluate,
@@ -162,7 +166,7 @@ class Study:
             self.results[cell] += [r for r in runs if r.seed not in known]
         return found
 
-    def _connect(self) -> None:
+    def connect(self) -> None:
         if not self._ray_started and not ray.is_initialized():
             connect_ray(self.base)
             self._ray_started = True
@@ -218,6 +222,7 @@ def write_report(
     choice: StressChoice | None,
     phases: Mapping[Setting, Mapping[Cell, CellSummary]],
     in_flight: Mapping[Cell, CellSummary],
+    guard: GuardPhase,
     seconds: float,
 ) -> Path:
     """The study's block of docs/results.md from every finished run, with figures and CSVs.
@@ -322,6 +327,8 @@ def write_report(
             *report.arm_dynamics_table(list(in_flight.values())),
             "",
         ]
+    if guard.results or guard.demo is not None:
+        block += _guard_section(guard)
     if sum(bool(s) for s in phases.values()) > 1:
         by_setting = {s: list(v.values()) for s, v in phases.items() if v}
         block += [
@@ -340,6 +347,29 @@ def write_report(
     report.replace_block(document, args.name, block, "Stability study")
     print(f"report: {document}; figures: {', '.join(str(f) for f in figures)}")
     return Path(document)
+
+
+def _guard_section(guard: GuardPhase) -> list[str]:
+    return [
+        f"### The guard phase: {GUARDED.label}",
+        "",
+        "Each arm under the stress without the guard and with `stability.action: rollback` "
+        "(the default objectives; remedy: KPO with its defaults at half the learning rate; at "
+        "most 3 rollbacks, then the run stops as unstable), on shared seeds. The healthy "
+        "baseline is GRPO without the guard. Outcomes by the rules above, with the KL median "
+        "of every run under the stress.",
+        "",
+        *guard_phase.arms_table(guard.results),
+        "",
+        guard_phase.demo_line(guard.demo),
+        "",
+        "The staleness bound, fixed or adaptive (KPO with its defaults, lr 1.5e-4, no forced "
+        "lead: generation runs ahead until the buffer is full); trained tokens per second of "
+        "the run's wall time, ratios and differences paired by seed with the fixed bound 8.",
+        "",
+        *guard_phase.bounds_table(guard.results),
+        "",
+    ]
 
 
 def _ratio_samples(
@@ -376,8 +406,8 @@ def _dynamics_section(
     tables, sizes, examples = {}, {}, {}
     sample = None
     for cell, runs in results.items():
-        if cell.method.key != "grpo":
-            continue
+        if cell.method.key != "grpo" or cell.setting not in (*STRESSES, GENTLE, IN_FLIGHT):
+            continue  # the guard phase's GRPO runs repeat the stress's
         try:
             sample = dynamics.load_ratios([r.path for r in runs])
         except ValueError:
@@ -447,6 +477,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         *pilot_cells(),
         *(c for s in (*STRESSES, GENTLE) for c in arm_cells(s)),
         *in_flight_cells(),
+        *guard_cells(),
     ]
     if not any(pattern.search(c.key) for c in every_cell):
         raise SystemExit(f"error: no cell key matches {args.only!r}")
@@ -482,11 +513,36 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"in-flight: {len(cells)} arms under {IN_FLIGHT.label} x {seeds} seeds", flush=True)
         found = study.run(cells, seeds, start and "in-flight" in wanted)
         in_flight = summaries_of({c: study.results[c] for c in found}, seeds)
+        guard = _guard_phase(study, start and "guard" in wanted)
     finally:
         study.close()
     if not study.results:
         raise SystemExit(f"no finished runs under {args.out}")
-    write_report(base, study, pilot, choice, phases, in_flight, time.perf_counter() - started)
+    write_report(
+        base, study, pilot, choice, phases, in_flight, guard, time.perf_counter() - started
+    )
+
+
+@dataclass(frozen=True)
+class GuardPhase:
+    """The guard phase's finished runs by cell, and the demo's run with the guard on."""
+
+    results: dict[Cell, list[RunResult]]
+    demo: guard_phase.DemoRun | None
+
+
+def _guard_phase(study: Study, start: bool) -> GuardPhase:
+    seeds = seeds_of("guard", study.args)
+    cells = guard_cells()
+    print(f"guard: {len(cells)} cells x {seeds} seeds, then the demo with the guard", flush=True)
+    found = study.run(cells, seeds, start)
+    results = {c: [r for r in runs if r.seed < seeds] for c, runs in found.items()}
+    demo = None
+    if not study.args.only or study.pattern.search(guard_phase.DEMO_DIR):
+        if start:
+            study.connect()
+        demo = guard_phase.run_demo(load_run_spec(DEMO_CONFIG, []), study.args.out, start)
+    return GuardPhase(results, demo)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@
 - main: every arm at the stress setting the pilot picked (`stress_setting`);
 - gentle: every arm at a gentle synchronous setting, to show that each one learns;
 - in-flight: KPO length-matched with each `version_switch`, with in-flight weight updates over
-  the collective transport, where responses are sampled by two or more policy versions.
+  the collective transport, where responses are sampled by two or more policy versions;
+- guard: the arms that collapse under the stress (no trust region) and GRPO, with and without
+  the stability guard rolling back; and KPO's staleness bound fixed at 1, 4, 8 or adaptive.
 """
 
 from __future__ import annotations
@@ -146,8 +148,42 @@ SWITCH_BASELINES = {
     "kpo-switch-inflate": "kpo-switch-off",
     "kpo-diffuse-switch-reset": "kpo-diffuse-switch-off",
 }
-SETTINGS = (*STRESSES, GENTLE, IN_FLIGHT)
-PHASES = ("pilot", "main", "gentle", "in-flight")
+
+# The guard phase. Its stress is the pilot's learning rate at staleness 8, where the arms
+# without a trust region collapsed in every seed of the earlier studies; GRPO did not.
+GUARD_STRESS = STRESSES[0]
+GUARD_ARMS = tuple(m for m in ARMS if m.key in ("grpo", "kpo-matched-unclipped", "kpo-q0"))
+# The guard with its default objectives, rolling back; the remedy switches to KPO with its
+# defaults (length-matched, clipped: a trust region) at half the step size. Three rollbacks,
+# then the run stops as unstable.
+GUARD_SECTION = {
+    "enabled": True,
+    "action": "rollback",
+    "max_rollbacks": 3,
+    "remedy": {"estimator": "kalman", "lr_scale": 0.5},
+}
+GUARDED = Setting(
+    f"{GUARD_STRESS.key}-guard",
+    f"{GUARD_STRESS.label}, stability guard rolling back",
+    {**GUARD_STRESS.overrides, "stability": GUARD_SECTION},
+)
+# The adaptive staleness bound against fixed ones: KPO with its defaults (the demo's estimator)
+# at the base learning rate. No forced lead: generation runs ahead until the buffer is full,
+# and a tighter bound drops more of what it made.
+BOUND_ARM = Method("kpo", "KPO (defaults)", {"name": "kalman"})
+
+
+def _bound_setting(key: str, label: str, bound: int | dict[str, Any]) -> Setting:
+    pipeline = {"mode": "async", "max_staleness": bound, "lead_batches": 0}
+    return Setting(key, label, {"pipeline": pipeline})
+
+
+BOUND_SETTINGS = (
+    *(_bound_setting(f"bound-{n}", f"max_staleness {n}", n) for n in (1, 4, 8)),
+    _bound_setting("bound-auto", "max_staleness auto (1 to 8)", {"auto": {"min": 1, "max": 8}}),
+)
+SETTINGS = (*STRESSES, GENTLE, IN_FLIGHT, GUARDED, *BOUND_SETTINGS)
+PHASES = ("pilot", "main", "gentle", "in-flight", "guard")
 
 
 def pilot_cells() -> list[Cell]:
@@ -160,6 +196,12 @@ def arm_cells(setting: Setting) -> list[Cell]:
 
 def in_flight_cells() -> list[Cell]:
     return [Cell(method, IN_FLIGHT) for method in IN_FLIGHT_ARMS]
+
+
+def guard_cells() -> list[Cell]:
+    """Each guard arm without and with the guard, then the staleness bounds."""
+    arms = [Cell(m, setting) for setting in (GUARD_STRESS, GUARDED) for m in GUARD_ARMS]
+    return [*arms, *(Cell(BOUND_ARM, setting) for setting in BOUND_SETTINGS)]
 
 
 def setting_named(key: str) -> Setting:

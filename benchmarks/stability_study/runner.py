@@ -23,7 +23,13 @@ from services.learner.export import export_model
 from services.observers import MetricsRecord
 from services.pipeline.checkpoints import LEARNER_DIR, list_checkpoints
 from services.pipeline.launch import execute_run
-from services.pipeline.outputs import CHECKPOINTS_DIR, MODEL_DIR, RunDirectory, read_metrics
+from services.pipeline.outputs import (
+    CHECKPOINTS_DIR,
+    MODEL_DIR,
+    STATUS_FILE,
+    RunDirectory,
+    read_metrics,
+)
 from services.spec import RunSpec
 from stability_study.evaluate import Evaluation
 from stability_study.grid import Cell, cell_spec
@@ -66,6 +72,17 @@ def load_result(out: Path, cell: Cell, seed: int) -> RunResult | None:
     return RunResult(cell, seed, path, read_metrics(path), evaluations, seconds)
 
 
+def stopped_unstable(path: Path) -> bool:
+    """Whether the run in `path` was stopped by its stability guard after its last rollback:
+    an outcome of the guard phase, evaluated like a finished run."""
+    try:
+        status = json.loads((path / STATUS_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    guard = status.get("guard") if isinstance(status, dict) else None
+    return isinstance(guard, dict) and guard.get("action") == "stop_unstable"
+
+
 def _write_json(path: Path, data: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
@@ -91,7 +108,7 @@ def run_one(
     path.mkdir(parents=True)
     spec = cell_spec(base, cell, seed)
     state = execute_run(spec, RunDirectory(path))
-    if state != "succeeded":
+    if state != "succeeded" and not stopped_unstable(path):
         raise RuntimeError(f"run {cell.key} seed {seed} ended {state}; see {path}")
     evaluations = {0: initial}
     checkpoints = path / CHECKPOINTS_DIR

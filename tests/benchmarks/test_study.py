@@ -6,6 +6,7 @@ import csv
 import json
 import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -255,10 +256,16 @@ def test_filter_comparison_shows_the_closed_form_drifting(tmp_path: Path) -> Non
 
 @pytest.mark.slow
 def run_tiny_study(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, phase: str, only: str, ratios_every: int
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    phase: str,
+    only: str,
+    ratios_every: int,
+    extra: Sequence[str] = (),
 ) -> tuple[Path, Path, list[str]]:
     """benchmarks/study.py on one seed of the cells matching `only`, 4 steps each, evaluated
-    on 16 prompts: (runs folder, docs folder, the arguments it ran with)."""
+    on 16 prompts, with `extra` arguments: (runs folder, docs folder, the arguments it ran
+    with)."""
     import study  # benchmarks/study.py
 
     out, docs = tmp_path / "out", tmp_path / "docs"
@@ -266,7 +273,7 @@ def run_tiny_study(
         "--phase", phase, "--only", only, "--seeds", "1", "--eval-prompts", "16",
         "--name", "tiny", "--set", "pipeline.steps=4", "--set", "pipeline.checkpoint_every=2",
         "--set", f"learner.record_ratios_every={ratios_every}",
-        "--out", str(out), "--docs", str(docs), "--filter-lengths", "1024",
+        "--out", str(out), "--docs", str(docs), "--filter-lengths", "1024", *extra,
     ]  # fmt: skip
     monkeypatch.setattr(sys, "argv", ["study.py", *argv])
     study.main(argv)

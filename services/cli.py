@@ -44,7 +44,7 @@ from services.store import (
     StoreUnavailable,
     open_store,
 )
-from services.store.base import RUN_ID_PATTERN
+from services.store.base import METRICS_REWOUND_EVENT, RUN_ID_PATTERN
 from services.store.factory import DEFAULT_DATA_DIR
 
 if TYPE_CHECKING:
@@ -320,6 +320,11 @@ def _follow(client: ApiClient, run_id: str, total_steps: int) -> NoReturn:
                 typer.echo(format_status_line(state, event.data.get("error")))
             elif event.kind == "metrics":
                 typer.echo(format_progress_line(event.data, total_steps))
+            elif event.kind == METRICS_REWOUND_EVENT:
+                typer.echo(
+                    f"[kpo] resumed from the checkpoint of step {event.data.get('step')}: "
+                    "the steps after it are trained again"
+                )
     except KeyboardInterrupt:
         typer.echo(f"[kpo] stopped following {run_id}; it goes on (`kpo cancel {run_id}`)")
         raise typer.Exit(code=130) from None

@@ -5,11 +5,12 @@ directory and the progress line (services.pipeline.outputs), the control plane's
 (services.pipeline.store_observer) and the experiment trackers (services.tracking). Declared
 here, below all of them, so that a tracker need not import the driver it observes.
 
-Two optional capabilities, which an observer has when it has their method (checked with
+Optional capabilities, which an observer has when it has their method (checked with
 `isinstance`, so `RunObserver` itself is unchanged and every observer that predates them still
 is one): an `EventObserver` also receives the run's events (the stability guard's actions, its
-pause and resume), and a `ResumeSource` answers a run that the guard paused with the operator's
-resume request.
+pause and resume), a `RewindObserver` hears that the records after a step no longer hold (the
+run resumed from an earlier checkpoint and trains those steps again), and a `ResumeSource`
+answers a run that the guard paused with the operator's resume request.
 """
 
 from __future__ import annotations
@@ -34,6 +35,14 @@ class EventObserver(Protocol):
     """Receives a run's events: `kind` matches [A-Za-z0-9_.:-]{1,64}, `data` is JSON-ready."""
 
     def on_event(self, kind: str, data: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class RewindObserver(Protocol):
+    """Hears that the run resumed from its checkpoint of `step`: the records it received after
+    `step` are replaced by those of the steps trained again, which follow."""
+
+    def on_metrics_rewound(self, step: int) -> None: ...
 
 
 @dataclass(frozen=True)

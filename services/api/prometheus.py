@@ -63,6 +63,7 @@ from services.store import (
     Store,
     StoreError,
 )
+from services.store.base import METRICS_REWOUND_EVENT
 
 # Runs read per `list_runs` page, and records per `read_metrics` call.
 RUN_PAGE = 100
@@ -168,6 +169,10 @@ class RunSeries:
     def add_event(self, event: Event) -> None:
         """Take in the run's next event (in order)."""
         self.last_event = event.id
+        if event.kind == METRICS_REWOUND_EVENT:
+            # The store dropped the records after this step; the steps trained again follow.
+            self.last_step = min(self.last_step, int(event.data["step"]))
+            return
         if event.kind != ACTION_EVENT:
             return
         for counter in EVENT_COUNTERS:
@@ -293,19 +298,20 @@ class StoreCollector(Collector):
         return True
 
     def _advance(self, run_id: str, series: RunSeries) -> None:
-        """Read the records after the last step seen, and the events after the last event
-        seen, page by page."""
-        while True:
-            records = self.store.read_metrics(run_id, series.last_step, RECORD_PAGE)
-            for record in records:
-                series.add(record)
-            if len(records) < RECORD_PAGE:
-                break
+        """Read the events after the last event seen, then the records after the last step
+        seen, page by page. Events first: a rewind among them moves the last step back before
+        the records trained again are read."""
         while True:
             events = self.store.read_events(run_id, series.last_event, RECORD_PAGE)
             for event in events:
                 series.add_event(event)
             if len(events) < RECORD_PAGE:
+                break
+        while True:
+            records = self.store.read_metrics(run_id, series.last_step, RECORD_PAGE)
+            for record in records:
+                series.add(record)
+            if len(records) < RECORD_PAGE:
                 return
 
     def _system_metrics(self, store_up: bool) -> Iterator[Metric]:

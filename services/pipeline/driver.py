@@ -79,6 +79,7 @@ from services.observers import (
     MetricsRecord,
     ResumeRequest,
     ResumeSource,
+    RewindObserver,
     RunObserver,
     RunState,
 )
@@ -238,7 +239,7 @@ class RunDriver:
         self._paused = state.paused  # a pause's checkpoint: the run waits for its resume first
         self._resume_path = path
         self._last_checkpoint_step = step
-        self.run_dir.keep_metrics_through(step)
+        self._rewind_metrics(step)
         # The checkpointed step's record is emitted only once its checkpoint is written: a driver
         # killed in between left a checkpoint whose step nobody recorded. Recorded now, from the
         # checkpoint (the store ignores a record it holds already).
@@ -427,7 +428,7 @@ class RunDriver:
         resumed_step = self.restore(at_step)
         if resumed_step is None:
             self._start_from_scratch()
-            self.run_dir.keep_metrics_through(0)
+            self._rewind_metrics(0)
         for name, value in carried.items():
             setattr(self.counters, name, value)
         self.counters.elapsed_seconds, self._started = elapsed, time.perf_counter()
@@ -572,6 +573,13 @@ class RunDriver:
                     source.refuse(request, reason)
                     refused.add(request.request_id)
         return None
+
+    def _rewind_metrics(self, step: int) -> None:
+        """Tell every observer that keeps records (the run directory, the store) that the
+        steps after `step` are trained again: their new records replace what it holds."""
+        for observer in self.observers:
+            if isinstance(observer, RewindObserver):
+                observer.on_metrics_rewound(step)
 
     def _report_event(self, kind: str, data: dict[str, Any]) -> None:
         safe = json_safe(data)

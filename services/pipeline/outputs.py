@@ -99,7 +99,7 @@ class RunDirectory:
     def read_metrics(self, keys: Collection[str] | None = None) -> list[MetricsRecord]:
         return read_metrics(self.path, keys)
 
-    def keep_metrics_through(self, step: int) -> None:
+    def on_metrics_rewound(self, step: int) -> None:
         """Drop records after `step`: a resumed run redoes those steps, and must not repeat them."""
         kept = [r for r in read_metrics(self.path) if r["step"] <= step]
         text = "".join(json.dumps(r) + "\n" for r in kept)

@@ -18,10 +18,11 @@ How the driver's reports map onto the store's lifecycle (`queued -> running -> f
   goes on. The run's own output directory still has every record.
 
 It is also an `EventObserver` (the run's events go to the store's event log, which the API's
-event stream serves) and a `ResumeSource`: a run the stability guard paused takes the `resume`
-event that `POST /v1/runs/{id}/resume` stored (services/pipeline/pause.py says which answers
-which pause). It reads the run's events on from where it stopped, so each poll of a paused run
-reads only what is new.
+event stream serves), a `RewindObserver` (a run resumed from a checkpoint drops the store's
+records after it, so the history holds the steps as finally trained) and a `ResumeSource`: a
+run the stability guard paused takes the `resume` event that `POST /v1/runs/{id}/resume` stored
+(services/pipeline/pause.py says which answers which pause). It reads the run's events on from
+where it stopped, so each poll of a paused run reads only what is new.
 """
 
 from __future__ import annotations
@@ -105,6 +106,9 @@ class StoreObserver:
             line = f"[kpo] resumed from the pause at step {data.get('checkpoint')}"
         if line is not None:
             self._write("log lines", lambda: self.store.append_logs(self.run_id, [line]))
+
+    def on_metrics_rewound(self, step: int) -> None:
+        self._write(f"rewind to step {step}", lambda: self.store.rewind_metrics(self.run_id, step))
 
     def take_resume(self, paused_at: int) -> ResumeRequest | None:
         if not self._read_events_on():

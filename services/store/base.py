@@ -47,7 +47,10 @@ IDEMPOTENCY_TTL_S = 86_400.0
 # Event kinds the store writes itself; callers may not forge them.
 STATUS_EVENT = "status"
 METRICS_EVENT = "metrics"
-RESERVED_EVENT_KINDS = frozenset({STATUS_EVENT, METRICS_EVENT})
+# {"step": N}: the records after step N were dropped (`rewind_metrics`); those that follow
+# replace them.
+METRICS_REWOUND_EVENT = "metrics.rewound"
+RESERVED_EVENT_KINDS = frozenset({STATUS_EVENT, METRICS_EVENT, METRICS_REWOUND_EVENT})
 # What `new_run_id` makes; the Redis store builds key names from run ids, so it accepts no other.
 RUN_ID_PATTERN = re.compile(r"run-[0-9a-f]{12}")
 # An event kind becomes the SSE `event:` field, which cannot hold spaces or line breaks.
@@ -210,6 +213,17 @@ class Store(ABC):
         if encoded:
             self._append_metrics(run_id, encoded, time.time())
 
+    def rewind_metrics(self, run_id: str, step: int) -> None:
+        """Drop the stored records after `step`, in one write with a `metrics.rewound` event
+        {"step": step}: the run resumed from its checkpoint of `step` (a driver restart, a
+        rollback of the stability guard), trains the later steps again, and their new records
+        replace the dropped ones. Nothing changes when no record is after `step`. May be
+        buffered by the Redis backend, in order with the appends; a retried rewind applies
+        once."""
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+            raise ValueError(f"a rewind's step must be an integer in [0, {MAX_STEP}], got {step!r}")
+        self._rewind_metrics(run_id, step, dump_json({"step": step}), time.time())
+
     def read_metrics(
         self, run_id: str, since_step: int = -1, limit: int = 1000
     ) -> list[dict[str, Any]]:
@@ -316,6 +330,9 @@ class Store(ABC):
 
     @abstractmethod
     def _append_metrics(self, run_id: str, records: list[EncodedRecord], now: float) -> None: ...
+
+    @abstractmethod
+    def _rewind_metrics(self, run_id: str, step: int, event_json: str, now: float) -> None: ...
 
     @abstractmethod
     def _read_metrics(self, run_id: str, since_step: int, limit: int) -> list[dict[str, Any]]: ...

@@ -21,6 +21,7 @@ from typing import Any
 from services.store.base import (
     MAX_LOG_LINES,
     METRICS_EVENT,
+    METRICS_REWOUND_EVENT,
     STATUS_EVENT,
     EncodedRecord,
     NewRunLimits,
@@ -261,6 +262,14 @@ class LocalStore(Store):
                 self._insert_event(conn, run_id, METRICS_EVENT, record_json, now)
                 last_step = step
             conn.execute("UPDATE runs SET last_step = ? WHERE id = ?", (last_step, run_id))
+
+    def _rewind_metrics(self, run_id: str, step: int, event_json: str, now: float) -> None:
+        with self._transaction(write=True) as conn:
+            if self._last_step(conn, run_id) <= step:
+                return
+            conn.execute("DELETE FROM metrics WHERE run_id = ? AND step > ?", (run_id, step))
+            conn.execute("UPDATE runs SET last_step = ? WHERE id = ?", (step, run_id))
+            self._insert_event(conn, run_id, METRICS_REWOUND_EVENT, event_json, now)
 
     def _read_metrics(self, run_id: str, since_step: int, limit: int) -> list[dict[str, Any]]:
         with self._transaction(write=False) as conn:

@@ -147,6 +147,36 @@ redis.call('HSET', KEYS[1], 'last_step', last)
 return stored
 """
 
+# KEYS: op token, run hash, metrics stream, events stream
+# ARGV: op ttl, step, rewound event kind, event json, now
+# Returns how many records were dropped.
+REWIND_METRICS = """
+local done = redis.call('GET', KEYS[1])
+if done then return tonumber(done) end
+local last = redis.call('HGET', KEYS[2], 'last_step')
+if not last then return redis.error_reply('KPO_NOT_FOUND') end
+local dropped = 0
+if tonumber(last) > tonumber(ARGV[2]) then
+  local ids = {}
+  local first = string.format('%d-0', tonumber(ARGV[2]) + 1)
+  for _, entry in ipairs(redis.call('XRANGE', KEYS[3], first, '+')) do
+    ids[#ids + 1] = entry[1]
+  end
+  -- In chunks: unpack() of many thousand arguments overflows Lua's stack.
+  for i = 1, #ids, 1000 do
+    redis.call('XDEL', KEYS[3], unpack(ids, i, math.min(i + 999, #ids)))
+  end
+  dropped = #ids
+  -- XADD refuses an id at or below the stream's last id, deleted or not: the steps trained
+  -- again need it back at the rewound step (every entry left is at or below it).
+  redis.call('XSETID', KEYS[3], ARGV[2] .. '-1')
+  redis.call('HSET', KEYS[2], 'last_step', ARGV[2])
+  redis.call('XADD', KEYS[4], '*', 'k', ARGV[3], 'd', ARGV[4], 't', ARGV[5])
+end
+redis.call('SET', KEYS[1], tostring(dropped), 'EX', ARGV[1])
+return dropped
+"""
+
 # KEYS: op token, run hash, events stream
 # ARGV: op ttl, kind, data json, now
 # Returns the event id.

@@ -27,6 +27,7 @@ from redis.retry import Retry
 from services.store.base import (
     MAX_LOG_LINES,
     METRICS_EVENT,
+    METRICS_REWOUND_EVENT,
     STATUS_EVENT,
     EncodedRecord,
     NewRunLimits,
@@ -51,6 +52,7 @@ from services.store.redis_scripts import (
     CREATE_RUN,
     RECORD_DRIVER_RESTARTS,
     REQUEST_CANCEL,
+    REWIND_METRICS,
     TRANSITION,
 )
 from services.store.retry import RetryPolicy, call_with_retry
@@ -100,6 +102,7 @@ class RedisStore(Store):
                 ("cancel", REQUEST_CANCEL),
                 ("restarts", RECORD_DRIVER_RESTARTS),
                 ("metrics", APPEND_METRICS),
+                ("rewind", REWIND_METRICS),
                 ("event", APPEND_EVENT),
                 ("logs", APPEND_LOGS),
             ]
@@ -259,6 +262,16 @@ class RedisStore(Store):
         for step, record_json in records:
             args += [step, record_json]
         self._writes.write_or_buffer(lambda: self._run_script("metrics", run_id, keys, args))
+
+    def _rewind_metrics(self, run_id: str, step: int, event_json: str, now: float) -> None:
+        keys = [
+            self._keys.new_op(),
+            self._keys.run(run_id),
+            self._keys.metrics(run_id),
+            self._keys.events(run_id),
+        ]
+        args: list[str | int] = [OP_TOKEN_TTL_S, step, METRICS_REWOUND_EVENT, event_json, repr(now)]
+        self._writes.write_or_buffer(lambda: self._run_script("rewind", run_id, keys, args))
 
     def _read_metrics(self, run_id: str, since_step: int, limit: int) -> list[dict[str, Any]]:
         run_key, stream = self._keys.run(run_id), self._keys.metrics(run_id)

@@ -364,6 +364,12 @@
     }
   }
 
+  function rewind(trace, step) {
+    trace.records = trace.records.filter((record) => record.step <= step);
+    trace.lastStep = Math.min(trace.lastStep, step);
+    trace.streamStep = Math.min(trace.streamStep, step);
+  }
+
   function addRecord(trace, record) {
     // The SSE stream may repeat records the history already gave; a step is kept once.
     if (typeof record.step !== "number" || record.step <= trace.lastStep) return;
@@ -547,6 +553,14 @@
       trace.streamStep = stepOf(record);
       addRecord(trace, record);
       scheduleDraw();
+    } else if (event.type === "metrics.rewound") {
+      // The run resumed from its checkpoint of this step (a rollback, a driver restart): the
+      // records after it are replaced by the steps trained again, which the stream gives next.
+      const data = parseJson(event.data);
+      if (data && typeof data.step === "number") {
+        rewind(trace, data.step);
+        scheduleDraw();
+      }
     } else if (event.type === "status") {
       const data = parseJson(event.data);
       trace.run = { ...trace.run, status: data.status, error: data.error };

@@ -206,6 +206,31 @@ def test_page_shows_a_run_and_updates_when_a_record_arrives(
     assert text_of(page, "run-status").lower() == "succeeded"
 
 
+def test_a_rewound_run_drops_the_steps_after_its_checkpoint_and_draws_them_again(
+    api: Api, page: WebDriver
+) -> None:
+    """A rollback to the checkpoint of step 50 while the page follows the run at step 80: the
+    charts go back to step 50, then draw the steps trained again."""
+    run_id = add_run(api.store, "rolled-back", 80)
+    page.get(f"{api.url}/#{run_id}")
+    wait_for(page, charts_at_step(80), "the charts to show the run's history")
+    wait_for(page, lambda d: text_of(d, "run-live") == "live", "the event stream to connect")
+
+    api.store.rewind_metrics(run_id, 50)
+
+    wait_for(page, charts_at_step(50), "the charts to drop the steps after the checkpoint")
+    for chart in CHART_IDS:
+        lines = SERIES_PER_CHART[chart]
+        assert canvas_of(page, chart).get_attribute("data-points") == str(50 * lines)
+    again = [{**metrics_record(s), "reward_mean": 0.99} for s in range(51, 56)]
+    api.store.append_metrics(run_id, again)
+    wait_for(page, charts_at_step(55), "the steps trained again to reach every chart")
+    assert "reward mean 0.99" in page.find_element(By.ID, "chart-reward").text
+    assert canvas_of(page, "reward").get_attribute("data-points") == str(
+        55 * SERIES_PER_CHART["reward"]
+    )
+
+
 def test_text_from_the_store_is_shown_as_text(api: Api, page: WebDriver) -> None:
     markup = '<img src=x onerror="window.injected=1">'
     run = api.store.create_run({"name": markup})

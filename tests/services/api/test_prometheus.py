@@ -394,6 +394,29 @@ def test_a_scrape_reads_only_what_changed(store: Store, monkeypatch: pytest.Monk
     assert _run_samples(collector, run_ids[0]) == _run_samples(StoreCollector(store), run_ids[0])
 
 
+def test_after_a_rewind_the_steps_trained_again_are_exported(any_store: Store) -> None:
+    """A run resumed from its checkpoint of step 2 trains steps 3 and on again: the collector
+    that had read to step 5 reads them, and its gauges are theirs."""
+    run_id = running_run(any_store, [record(s, reward_mean=0.1) for s in range(1, 6)])
+    collector = StoreCollector(any_store)
+
+    def collected() -> Samples:
+        return {
+            (s.name, frozenset(s.labels.items())): s.value
+            for family in collector.collect()
+            for s in family.samples
+        }
+
+    assert value(collected(), "kpo_reward_mean", run_id=run_id) == 0.1
+    any_store.rewind_metrics(run_id, 2)
+    any_store.append_metrics(run_id, [record(3, reward_mean=0.7), record(4, reward_mean=0.8)])
+    found = collected()
+    assert value(found, "kpo_reward_mean", run_id=run_id) == 0.8
+    assert value(found, "kpo_policy_version", run_id=run_id) == 4
+    # Steps 3 and 4 are observed twice (both attempts ran them): 5 + 2 step durations.
+    assert value(found, "kpo_learner_step_seconds_count", run_id=run_id) == 7
+
+
 def _count_reads(store: Store, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Wrap the store's read methods on this instance to count what they return."""
     reads: dict[str, int] = {"records": 0, "get_run": 0, "runs_listed": 0}

@@ -222,3 +222,26 @@ def test_a_forwarded_address_counts_only_from_a_trusted_proxy(api_factory: ApiFa
         assert open_streams(api.client, path, "203.0.113.2", stack) == 2
         # What a client wrote before the address the proxy appended is not believed.
         assert open_streams(api.client, path, "198.51.100.7, 203.0.113.1", stack) == 0
+
+
+def test_kpo_follow_says_when_a_run_resumed_from_an_earlier_checkpoint(
+    api: Api, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import typer
+
+    from services.cli import _follow
+
+    run = api.store.create_run({}).id
+    api.store.transition(run, RunStatus.RUNNING)
+    api.store.append_metrics(run, [{"step": s, "reward_mean": 0.1} for s in (1, 2, 3)])
+    api.store.rewind_metrics(run, 1)
+    api.store.append_metrics(run, [{"step": 2, "reward_mean": 0.5}])
+    api.store.transition(run, RunStatus.SUCCEEDED)
+    with ApiClient(api.url) as client, pytest.raises(typer.Exit) as ended:
+        _follow(client, run, 3)
+    assert ended.value.exit_code == 0
+    lines = capsys.readouterr().out.splitlines()
+    rewound = "[kpo] resumed from the checkpoint of step 1: the steps after it are trained again"
+    assert rewound in lines
+    at = lines.index(rewound)
+    assert "step 3/3" in lines[at - 1] and "step 2/3" in lines[at + 1]

@@ -190,7 +190,12 @@ class TestGuardedRuns:
             "pipeline.checkpoint_every=2",
             "pipeline.keep_checkpoints=1",
         )
-        assert execute_run(spec, RunDirectory(tmp_path)) == "failed"
+        with LocalStore(tmp_path / "store") as store:
+            run_id = store.create_run(spec.model_dump(mode="json")).id
+            observer = StoreObserver(store, run_id, spec.pipeline.steps)
+            assert execute_run(spec, RunDirectory(tmp_path), [observer]) == "failed"
+            stored = store.read_metrics(run_id, limit=10_000)
+            rewinds = [e.data for e in store.read_events(run_id) if e.kind == "metrics.rewound"]
         status = status_of(tmp_path)
         guard = status["guard"]
         assert guard["action"] == "stop_unstable" and guard["rollbacks"] == 1
@@ -201,6 +206,11 @@ class TestGuardedRuns:
         records = read_metrics(tmp_path)
         steps = [r["step"] for r in records]
         assert steps == list(range(1, len(steps) + 1))
+        # The control plane's history is the same: the rollback dropped the abandoned steps.
+        assert rewinds == [{"step": target}]
+        assert [(r["step"], r["guard_rollbacks"]) for r in stored] == [
+            (r["step"], r["guard_rollbacks"]) for r in records
+        ]
         before = [r for r in records if r["guard_rollbacks"] == 0]
         after = [r for r in records if r["guard_rollbacks"] == 1]
         assert before[-1]["step"] == target and after[0]["step"] == target + 1

@@ -393,6 +393,56 @@ def test_read_metrics_since_a_step_and_up_to_a_limit(store: Store) -> None:
         store.read_metrics(run_id, since_step=-2)
 
 
+def test_a_rewind_drops_the_records_after_its_step_and_the_steps_done_again_replace_them(
+    store: Store,
+) -> None:
+    run_id = run_in(store, R)
+    store.append_metrics(run_id, [{"step": s, "attempt": 1} for s in range(1, 8)])
+    store.rewind_metrics(run_id, 3)
+    assert store.read_metrics(run_id) == [{"step": s, "attempt": 1} for s in (1, 2, 3)]
+    # The steps trained again are stored, though the first attempt had reached step 7.
+    store.append_metrics(run_id, [{"step": s, "attempt": 2} for s in range(4, 10)])
+    assert store.read_metrics(run_id) == [
+        *({"step": s, "attempt": 1} for s in (1, 2, 3)),
+        *({"step": s, "attempt": 2} for s in range(4, 10)),
+    ]
+    assert [r["step"] for r in store.read_metrics(run_id, since_step=5, limit=2)] == [6, 7]
+    # At or above the last step a rewind changes nothing and tells nothing; to 0 drops all.
+    store.rewind_metrics(run_id, 9)
+    store.rewind_metrics(run_id, 12)
+    kinds = [(e.kind, e.data) for e in store.read_events(run_id) if e.kind != "metrics"]
+    assert kinds[-1] == ("metrics.rewound", {"step": 3})
+    assert [k for k, _ in kinds].count("metrics.rewound") == 1
+    store.rewind_metrics(run_id, 0)
+    assert store.read_metrics(run_id) == []
+    store.append_metrics(run_id, [{"step": 1, "attempt": 3}])
+    assert store.read_metrics(run_id) == [{"step": 1, "attempt": 3}]
+    # The rewinds sit in order among the metrics events that the dashboard replays.
+    told = [
+        (e.kind, e.data.get("step"))
+        for e in store.read_events(run_id)
+        if e.kind.startswith("metrics")
+    ]
+    assert told == [
+        *(("metrics", s) for s in range(1, 8)),
+        ("metrics.rewound", 3),
+        *(("metrics", s) for s in range(4, 10)),
+        ("metrics.rewound", 0),
+        ("metrics", 1),
+    ]
+
+
+def test_a_rewind_of_an_unknown_run_or_to_a_bad_step_is_refused(store: Store) -> None:
+    with pytest.raises(RunNotFound):
+        store.rewind_metrics("run-000000000000", 3)
+    run_id = run_in(store, R)
+    for bad in (-1, True, 2.0, "3"):
+        with pytest.raises(ValueError, match="a rewind's step must be an integer"):
+            store.rewind_metrics(run_id, bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="written by the store itself"):
+        store.append_event(run_id, "metrics.rewound", {"step": 0})
+
+
 @pytest.mark.parametrize(
     "record", [{"loss": 1.0}, {"step": True}, {"step": -1}, {"step": 1.0}, {"step": "3"}]
 )

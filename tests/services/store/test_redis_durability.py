@@ -258,16 +258,19 @@ def test_a_write_whose_reply_was_lost_is_applied_once(own_redis_server: RedisSer
     # when the server gets to it, and so never be a second copy.
     store.append_event(run_id, "warm-up", {})
     store.append_logs(run_id, ["warm-up"])
+    store.rewind_metrics(run_id, 0)
     store.transition(store.create_run({}).id, RunStatus.RUNNING)
 
     def keep_busy() -> None:
         with own_redis_server.client() as client:
             client.eval(BUSY_SCRIPT, 0, 400_000)
 
+    store.append_metrics(run_id, [{"step": s} for s in range(1, 6)])
     writes: list[Callable[[], object]] = [
         lambda: store.append_event(run_id, "note", {"n": 1}),
         lambda: store.append_logs(run_id, ["once"]),
         lambda: store.transition(run_id, RunStatus.RUNNING),
+        lambda: store.rewind_metrics(run_id, 2),
     ]
     for write in writes:
         blocker = threading.Thread(target=keep_busy)
@@ -280,4 +283,9 @@ def test_a_write_whose_reply_was_lost_is_applied_once(own_redis_server: RedisSer
     assert [e.data for e in notes] == [{"n": 1}]
     assert store.tail_logs(run_id) == ["warm-up", "once"]
     assert [t.status for t in store.get_run(run_id).transitions] == ["queued", "running"]
+    rewinds = [e.data for e in store.read_events(run_id) if e.kind == "metrics.rewound"]
+    assert rewinds == [{"step": 2}]
+    # The second copy of the rewind found its op token: it drops none of the steps trained again.
+    store.append_metrics(run_id, [{"step": 3, "again": True}])
+    assert store.read_metrics(run_id) == [{"step": 1}, {"step": 2}, {"step": 3, "again": True}]
     store.close()

@@ -354,8 +354,9 @@ def _guard_section(guard: GuardPhase) -> list[str]:
         f"### The guard phase: {GUARDED.label}",
         "",
         "Each arm under the stress without the guard and with `stability.action: rollback` "
-        "(the default objectives; remedy: KPO with its defaults at half the learning rate; at "
-        "most 3 rollbacks, then the run stops as unstable), on shared seeds. The healthy "
+        "(the default objectives; remedy: KPO with the diffuse prior and the posterior-sd clip "
+        "at half the learning rate; at most 3 rollbacks, then the run stops as unstable), on "
+        "shared seeds. The healthy "
         "baseline is GRPO without the guard. Outcomes by the rules above, with the KL median "
         "of every run under the stress.",
         "",

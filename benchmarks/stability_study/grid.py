@@ -57,6 +57,7 @@ class Cell:
 
 # The paper's constants, pinned so that the arm keeps them whatever the estimator's defaults.
 _KPO_PAPER = {"name": "kalman", "q": 1e-6, "r": 1.0, "p0": 0.0, "reference_length": None}
+_KPO_DIFFUSE = {**_KPO_PAPER, "p0": "diffuse", "clip_mode": "posterior"}
 GRPO = Method("grpo", "GRPO (token)", {"name": "token"})
 ARMS = (
     GRPO,
@@ -74,11 +75,7 @@ ARMS = (
         "KPO, length-matched, unclipped",
         {**_KPO_PAPER, "reference_length": "auto", "clipped": False},
     ),
-    Method(
-        "kpo-diffuse",
-        "KPO, diffuse prior, posterior-sd clip",
-        {**_KPO_PAPER, "p0": "diffuse", "clip_mode": "posterior"},
-    ),
+    Method("kpo-diffuse", "KPO, diffuse prior, posterior-sd clip", _KPO_DIFFUSE),
     # q = 0 with P0 = 0: every gain is 0, the filtered log-ratio stays at 0 and the ratio is 1:
     # REINFORCE on the (stale) batch, no importance correction, no trust region.
     Method("kpo-q0", "control: KPO with q = 0 (REINFORCE)", {**_KPO_PAPER, "q": 0.0}),
@@ -153,14 +150,15 @@ SWITCH_BASELINES = {
 # without a trust region collapsed in every seed of the earlier studies; GRPO did not.
 GUARD_STRESS = STRESSES[0]
 GUARD_ARMS = tuple(m for m in ARMS if m.key in ("grpo", "kpo-matched-unclipped", "kpo-q0"))
-# The guard with its default objectives, rolling back; the remedy switches to KPO with its
-# defaults (length-matched, clipped: a trust region) at half the step size. Three rollbacks,
-# then the run stops as unstable.
+# The guard with its default objectives, rolling back; the remedy switches to the arm that did
+# best under this stress in the earlier studies, KPO with the diffuse prior and the
+# posterior-sd clip (a trust region), at half the step size. Three rollbacks, then the run
+# stops as unstable.
 GUARD_SECTION = {
     "enabled": True,
     "action": "rollback",
     "max_rollbacks": 3,
-    "remedy": {"estimator": "kalman", "lr_scale": 0.5},
+    "remedy": {"estimator": dict(_KPO_DIFFUSE), "lr_scale": 0.5},
 }
 GUARDED = Setting(
     f"{GUARD_STRESS.key}-guard",

@@ -228,8 +228,8 @@ class RunSpec(StrictModel):
     def remedied(self, rollbacks: int) -> RunSpec:
         """This spec as it trains after `rollbacks` rollbacks of its stability guard: each one
         scales `learner.lr` by the remedy's `lr_scale` again; the remedy's `max_staleness` (a
-        fixed bound, in place of an adaptive one) and `estimator` (with that estimator's
-        defaults) hold from the first one."""
+        fixed bound, in place of an adaptive one) and `estimator` (whole: its settings, or the
+        defaults of a remedy given by name) hold from the first one."""
         remedy = self.stability.remedy
         if rollbacks == 0:
             return self
@@ -238,8 +238,10 @@ class RunSpec(StrictModel):
             data["learner"]["lr"] = self.learner.lr * remedy.lr_scale**rollbacks
         if remedy.max_staleness is not None:
             _set_staleness_bound(data, remedy.max_staleness)
-        if remedy.estimator is not None and remedy.estimator != self.algorithm.estimator.name:
-            _set_estimator(data, {"name": remedy.estimator})
+        if remedy.estimator is not None:
+            # Applied even when the name is the run's: a remedy of `kalman` for a KPO run with
+            # q = 0 or no clip is exactly the change of settings it asks for.
+            _set_estimator(data, remedy.estimator.model_dump(mode="json"))
         return RunSpec.model_validate(data, context={REMEDIED: True})
 
     def patched(self, patch: Mapping[str, Any]) -> RunSpec:

@@ -34,7 +34,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from kpo_core.config import EstimatorConfig, StrictModel
-from services.spec.bounds import MAX_STALENESS, MAX_STEPS, NameText
+from services.spec.bounds import MAX_STALENESS, MAX_STEPS
 
 # The guard keeps up to this many values per objective and saves them with every checkpoint:
 # 10,000 steps of a signal is far more history than a running median needs, and keeps the
@@ -129,18 +129,23 @@ class StabilityRemedy(StrictModel):
         le=MAX_STALENESS,
         description="pipeline.max_staleness after a rollback (fresher batches)",
     )
-    estimator: NameText | None = Field(
+    estimator: EstimatorConfig | None = Field(
         None,
-        description="algorithm.estimator.name after a rollback, with that estimator's "
-        "default settings",
+        description="the training estimator after a rollback: a name (that estimator with its "
+        "defaults) or a whole estimator object, e.g. {name: kalman, p0: diffuse, clip_mode: "
+        "posterior}; it replaces the run's even when the name is the same",
     )
 
-    @field_validator("estimator")
+    @field_validator("estimator", mode="before")
     @classmethod
-    def _known_estimator(cls, value: str | None) -> str | None:
-        names = estimator_names()
-        if value is not None and value not in names:
-            raise ValueError(f"unknown estimator {value!r}; valid: {', '.join(names)}")
+    def _estimator_by_name(cls, value: Any) -> Any:
+        # A bare name is that estimator with its defaults; an unknown one is named with the
+        # valid ones (the discriminated union's own message would only list tags).
+        if isinstance(value, str):
+            names = estimator_names()
+            if value not in names:
+                raise ValueError(f"unknown estimator {value!r}; valid: {', '.join(names)}")
+            return {"name": value}
         return value
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kpo_core.config import KalmanEstimator
 from services.pipeline.outputs import STATUS_FILE
 from services.pipeline.specs import load_run_spec
 from stability_study import guard_phase
@@ -36,7 +37,9 @@ def test_the_guard_cells_are_each_arm_with_and_without_the_guard_and_the_bounds(
         on = cell_spec(base, Cell(method, GUARDED), seed=2)
         assert not off.stability.enabled and on.stability.enabled
         assert on.stability.action == "rollback" and on.stability.max_rollbacks == 3
-        assert on.stability.remedy.estimator == "kalman" and on.stability.remedy.lr_scale == 0.5
+        remedy = on.remedied(1).algorithm.estimator
+        assert isinstance(remedy, KalmanEstimator) and on.stability.remedy.lr_scale == 0.5
+        assert (remedy.p0, remedy.clip_mode, remedy.clipped) == ("diffuse", "posterior", True)
         # The guard is the only difference: same stress, same arm.
         assert on.model_dump(exclude={"stability", "name"}) == off.model_dump(
             exclude={"stability", "name"}

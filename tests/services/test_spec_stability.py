@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from kpo_core.config import describe_validation_error
+from kpo_core.config import KalmanEstimator, describe_validation_error
 from services.pipeline.specs import SpecError, load_run_spec
 from services.spec import RunSpec, StabilityConfig, StabilityObjectives
 
@@ -215,6 +215,35 @@ def test_every_objective_may_be_switched_off_with_null() -> None:
     off = dict.fromkeys(StabilityObjectives.model_fields)
     spec = RunSpec.model_validate({"stability": {"enabled": True, "objectives": off}})
     assert set(spec.stability.objectives.model_dump().values()) == {None}
+
+
+def test_a_remedy_estimator_is_a_whole_estimator_and_replaces_one_of_the_same_name() -> None:
+    """The collapsing arms of the study are KPO without a trust region (q = 0, or unclipped):
+    a remedy of KPO with the diffuse prior and the posterior clip must change their settings,
+    though the name stays `kalman`."""
+    diffuse = {"name": "kalman", "p0": "diffuse", "clip_mode": "posterior"}
+    spec = RunSpec.model_validate(
+        {
+            "algorithm": {"estimator": {"name": "kalman", "q": 0.0, "clipped": False}},
+            "stability": {**ROLLBACK, "remedy": {"estimator": diffuse}},
+        }
+    )
+    estimator = spec.remedied(1).algorithm.estimator
+    assert isinstance(estimator, KalmanEstimator)
+    assert (estimator.p0, estimator.clip_mode, estimator.clipped) == ("diffuse", "posterior", True)
+    assert estimator.q == KalmanEstimator().q
+    # By name: that estimator's defaults, here in place of the run's own settings.
+    by_name = spec.model_copy(
+        update={
+            "stability": StabilityConfig.model_validate(
+                {**ROLLBACK, "remedy": {"estimator": "kalman"}}
+            )
+        }
+    )
+    assert by_name.remedied(1).algorithm.estimator == KalmanEstimator()
+    # An estimator object the union does not know is refused, naming the field.
+    error = stability_error({**ROLLBACK, "remedy": {"estimator": {"name": "kalmn"}}})
+    assert error.startswith("run.yaml: stability.remedy.estimator"), error
 
 
 def test_a_remedys_estimator_listed_as_a_shadow_trains_and_stops_being_one() -> None:

@@ -16,7 +16,9 @@ cancel) and tells the guard which checkpoints it wrote (`checkpointed`).
   after `patience` consecutive steps with none open (re-armed). In an episode the guard acts
   once, at the first objective broken for `patience` consecutive evaluations: one collapse
   seen by several objectives (entropy and its slope) is one action, not several.
-- A checkpoint is healthy once the `patience` steps after it passed with no objective open.
+- A checkpoint is healthy once `patience` steps trained on rollouts of its policy or a later
+  one (each record's `staleness_max` says how old its batch is) passed, with no objective open
+  at any step after it until then.
   At the first warning the guard asks for a checkpoint when the newest healthy one is older
   than `max_healthy_age_steps` (or there is none): if the warning passes, that checkpoint
   becomes healthy, and a later rollback loses less.
@@ -217,6 +219,15 @@ def number(value: Any) -> float | None:
     return float(value)
 
 
+def oldest_version(record: Mapping[str, Any], step: int) -> int:
+    """The oldest policy version that sampled the batch of `step`'s record: the learner was at
+    version step - 1, and its rollouts lagged at most `staleness_max` versions behind (on
+    policy where the record does not say)."""
+    lag = number(record.get("staleness_max"))
+    lag = 0.0 if lag is None or not math.isfinite(lag) or lag < 0 else lag
+    return step - 1 - int(lag)
+
+
 def check(objective: Objective, track: Track, value: float, min_baseline: int) -> Check | None:
     """`value` against `objective`; None when it cannot be judged yet (too few values behind
     its baseline, no best seen, a window not yet full, a baseline of 0 to scale by)."""
@@ -263,6 +274,8 @@ class StabilityGuard:
         self._clean_run = 0  # consecutive steps with no objective open
         self._rollbacks = 0
         self._pending: list[int] = []  # checkpoints not yet healthy, nor spoilt
+        # Per pending checkpoint: clean steps so far on rollouts its policy or a later one made.
+        self._judged: dict[int, int] = {}
         self._healthy: int | None = None
         self._last_checkpoint: int | None = None
 
@@ -283,7 +296,7 @@ class StabilityGuard:
             if (breach := self._evaluate(objective, record, step)) is not None
         )
         clean = all(track.streak == 0 for track in self._tracks.values())
-        self._advance_checkpoints(step, clean)
+        self._advance_checkpoints(step, clean, oldest_version(record, step))
         self._advance_episode(step, clean)
         return self._decide(step, breaches)
 
@@ -332,16 +345,25 @@ class StabilityGuard:
             track.since,
         )
 
-    def _advance_checkpoints(self, step: int, clean: bool) -> None:
-        # A pending checkpoint is spoilt by any step within `patience` after it with an
-        # objective open, and healthy once `patience` clean steps followed it.
+    def _advance_checkpoints(self, step: int, clean: bool, oldest: int) -> None:
+        # A pending checkpoint is healthy once `patience` clean steps trained on rollouts that
+        # its policy or a later one sampled (`oldest`: the oldest version in the step's batch).
+        # Under staleness the first steps after it train on older policies' rollouts, whose
+        # signals say nothing of it: at staleness 8 a policy that collapsed at the checkpoint
+        # shows it only about 8 steps later. Any step with an objective open before then spoils
+        # it, whatever its rollouts' age.
         pending = []
         for at in self._pending:
             if at >= step:
                 pending.append(at)
-            elif not clean:
                 continue
-            elif step - at >= self.config.patience:
+            if not clean:
+                self._judged.pop(at, None)
+                continue
+            if oldest >= at:
+                self._judged[at] = self._judged.get(at, 0) + 1
+            if self._judged.get(at, 0) >= self.config.patience:
+                self._judged.pop(at)
                 self._healthy = at if self._healthy is None else max(self._healthy, at)
             else:
                 pending.append(at)
@@ -402,6 +424,7 @@ class StabilityGuard:
         self._rollbacks = rollbacks
         self._episode_start, self._fired, self._clean_run = None, False, 0
         self._pending = []  # older than the healthy one: they no longer matter
+        self._judged = {}
         self._healthy = step
         self._last_checkpoint = step
         self._last_step = step
@@ -425,7 +448,7 @@ class StabilityGuard:
             track.streak, track.since = 0, None
 
     def healthy_checkpoint(self) -> int | None:
-        """The newest checkpoint followed by `patience` steps with no objective open."""
+        """The newest checkpoint judged healthy (module doc)."""
         return self._healthy
 
     def kept_checkpoints(self) -> tuple[int, ...]:
@@ -455,6 +478,7 @@ class StabilityGuard:
             "clean_run": self._clean_run,
             "rollbacks": self._rollbacks,
             "pending": list(self._pending),
+            "judged": {str(at): clean for at, clean in self._judged.items()},
             "healthy": self._healthy,
             "last_checkpoint": self._last_checkpoint,
             "objectives": {name: track.state() for name, track in self._tracks.items()},
@@ -475,6 +499,8 @@ class StabilityGuard:
         guard._clean_run = int(state["clean_run"])
         guard._rollbacks = int(state["rollbacks"])
         guard._pending = [int(step) for step in state["pending"]]
+        # A state saved before checkpoints were judged on their own rollouts has none counted.
+        guard._judged = {int(at): int(clean) for at, clean in state.get("judged", {}).items()}
         guard._healthy = state["healthy"]
         guard._last_checkpoint = state["last_checkpoint"]
         for name, saved in state["objectives"].items():

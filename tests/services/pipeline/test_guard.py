@@ -316,6 +316,36 @@ def test_a_checkpoint_followed_by_a_broken_objective_within_patience_is_not_heal
     assert guard.healthy_checkpoint() == 130  # 140: the stream ended before 143
 
 
+def test_under_staleness_a_checkpoint_is_judged_on_the_rollouts_its_own_policy_sampled() -> None:
+    """At staleness 8 the step after a checkpoint of step 100 trains on rollouts of versions 92
+    and on: clean steps 101-108 say nothing of it. Step 109 is the first whose whole batch its
+    policy (version 100) or a later one sampled, so it is healthy after step 111; a broken
+    objective at step 106, on older rollouts, spoils it all the same."""
+    stale = [{**r, "staleness_max": 8} for r in healthy_stream(7, steps=130)]
+    guard = StabilityGuard(enabled())
+    observe_with_checkpoints(guard, stale[:110], every=100)
+    assert guard.healthy_checkpoint() is None
+    guard.observe(stale[110])  # step 111
+    assert guard.healthy_checkpoint() == 100
+
+    spoilt = StabilityGuard(enabled())
+    observe_with_checkpoints(spoilt, spikes(stale, [106]), every=100)
+    assert spoilt.healthy_checkpoint() is None
+    # On policy (no staleness_max, or 0) the three steps after it judge it, as before.
+    fresh = StabilityGuard(enabled())
+    observe_with_checkpoints(fresh, [{**r, "staleness_max": 0} for r in stale[:103]], every=100)
+    assert fresh.healthy_checkpoint() == 100
+
+
+def test_a_checkpoint_half_judged_keeps_its_count_through_the_saved_state() -> None:
+    stale = [{**r, "staleness_max": 8} for r in healthy_stream(7, steps=130)]
+    guard = StabilityGuard(enabled())
+    observe_with_checkpoints(guard, stale[:110], every=100)  # 109, 110 judged it: 2 of 3
+    restored = StabilityGuard.from_state(enabled(), guard.state())
+    restored.observe(stale[110])
+    assert restored.healthy_checkpoint() == 100
+
+
 def test_a_checkpoint_during_an_open_objective_becomes_healthy_only_after_it_holds() -> None:
     """Held-out accuracy dropped at step 50 and is evaluated again only at 60: the steps between
     keep the objective open, so a checkpoint at 52 is not healthy, one at 60 is."""

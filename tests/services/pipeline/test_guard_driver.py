@@ -176,12 +176,13 @@ class TestGuardedRuns:
     def test_rollback_returns_to_the_healthy_checkpoint_with_its_remedy_then_stops_unstable(
         self, tmp_path: Path
     ) -> None:
-        # Clean through the guard's warm-up (steps 1-4), broken at almost every step after: the
-        # first rollback returns to a checkpoint judged healthy, the next broken objective
-        # finds no rollback left (max_rollbacks 1) and stops the run as unstable.
+        # Clean through the guard's warm-up (steps 1-6), broken at almost every step after: the
+        # first rollback returns to a checkpoint judged healthy (by three clean steps on its
+        # own policy's rollouts, within the warm-up), the next broken objective finds no
+        # rollback left (max_rollbacks 1) and stops the run as unstable.
         spec = tiny_spec(
             *MUST_BREAK,
-            "stability.warmup_steps=4",
+            "stability.warmup_steps=6",
             "stability.action=rollback",
             "stability.max_rollbacks=1",
             "stability.remedy.lr_scale=0.5",

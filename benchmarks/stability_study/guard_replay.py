@@ -68,6 +68,9 @@ from stability_study.summary import COLLAPSED, Outcome, outcome, setting_kl_medi
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results"
+# The studies whose runs are replayed: those made before the guard acted on any run. The guard
+# phase's runs (study `guard`) are its own evidence, reported as runs, not replayed.
+REPLAYED = ("arms-reduced", "inflight-reduced", "study")
 EVAL_KEY = "eval_accuracy_avg_at_k"
 MARGIN = 1.25
 FIGURES = 2
@@ -202,8 +205,9 @@ def load_study(directory: Path) -> list[RecordedRun]:
 
 
 def load_runs(results: Path = RESULTS) -> list[RecordedRun]:
-    """Every recorded run of every study under `results`."""
-    return [run for folder in sorted(results.glob("*/metrics")) for run in load_study(folder)]
+    """Every recorded run of the studies in REPLAYED under `results`."""
+    folders = [results / name / "metrics" for name in REPLAYED]
+    return [run for folder in folders if folder.is_dir() for run in load_study(folder)]
 
 
 def guard_config(bounds: Mapping[str, float | None], **settings: Any) -> StabilityConfig:

@@ -2,12 +2,13 @@
 
     python -m benchmarks.stability_study.guard_replay     # the tables of docs/results.md
 
-Every run of every study under docs/results/*/metrics (one CSV per cell: a row per seed and
-step, empty cells absent from the record; evals.csv: held-out evaluations) becomes the stream of
-metrics records the guard would have read (services/pipeline/guard.py). The study evaluated
-every 10 steps; an evaluation joins the record after its step, as the pipeline's does (the
-starting model's at step 0 and the last one have no record to join: the pipeline makes neither
-part of its records). This replays recorded metric streams: nothing acted on the runs.
+Every run of the studies in REPLAYED, each under docs/results/<study>/metrics (one CSV per cell:
+a row per seed and step, empty cells absent from the record; evals.csv: held-out evaluations),
+becomes the stream of metrics records the guard would have read (services/pipeline/guard.py).
+The study evaluated every 10 steps; an evaluation joins the record after its step, as the
+pipeline's does (the starting model's at step 0 and the last one have no record to join: the
+pipeline makes neither part of its records). This replays recorded metric streams: nothing
+acted on the runs.
 
 Each run is classified with the study's own criterion (stability_study.summary.outcome, the KL
 median over every run of its setting in its study, as the report does), and grouped:

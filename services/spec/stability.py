@@ -11,8 +11,9 @@ A run the guard paused resumes with a spec patch (`POST /v1/runs/{id}/resume`, o
 directory's `resume.json`): spec-shaped, it may change only the remedy's targets
 (`SPEC_PATCH_KEYS`); `RunSpec.patched` applies one, the functions here check and merge them.
 
-The default bounds are derived from the stability study's recorded runs (docs/results/*/metrics)
-by benchmarks/stability_study/guard_replay.py; `python -m benchmarks.stability_study.guard_replay`
+The default bounds are derived from the stability study's recorded runs (docs/results/<study>/
+metrics of the studies made before the guard acted: `guard_replay.REPLAYED`) by
+benchmarks/stability_study/guard_replay.py; `python -m benchmarks.stability_study.guard_replay`
 prints the derivation (docs/results.md, "The stability guard on the study's recorded runs").
 Healthy runs are those of every arm and setting none of whose seeds collapsed by the study's
 criterion (benchmarks/stability_study/summary.py), whether they learned or not. Each bound is

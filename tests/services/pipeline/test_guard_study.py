@@ -1,9 +1,10 @@
 """The stability guard's defaults on the stability study's recorded runs.
 
-The runs' metric streams (docs/results/*/metrics) are replayed through the guard
-(benchmarks/stability_study/guard_replay.py): nothing acted on the runs themselves. The spec's
-defaults must act on no healthy run, act on the collapsing runs within `patience` evaluations
-of the objective's first break, and be the bounds that the derivation gives from the data.
+The runs' metric streams (docs/results/<study>/metrics of the studies in REPLAYED) are replayed
+through the guard (benchmarks/stability_study/guard_replay.py): nothing acted on the runs
+themselves. The spec's defaults must act on no healthy run, act on the collapsing runs within
+`patience` evaluations of the objective's first break, and be the bounds that the derivation
+gives from the data.
 """
 
 from __future__ import annotations

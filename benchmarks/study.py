@@ -342,8 +342,9 @@ def write_report(
     in_phases = [*(s for v in phases.values() for s in v.values()), *in_flight.values()]
     # GRPO's pilot runs under the chosen stress are listed with the main phase's.
     every = [*(s for c, s in pilot.items() if not any(c in v for v in phases.values())), *in_phases]
-    block += ["### Runs that did not learn or collapsed", "", *report.outcome_notes(every), ""]
-    block += _dynamics_section(results, assets, link, figures, args.filter_lengths)
+    if every:
+        block += ["### Runs that did not learn or collapsed", "", *report.outcome_notes(every), ""]
+        block += _dynamics_section(results, assets, link, figures, args.filter_lengths)
     report.write_metrics_csv(results, assets / "metrics")
     document = docs / "results.md"
     report.replace_block(document, args.name, block, "Stability study")
@@ -518,6 +519,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         found = study.run(cells, seeds, start and "in-flight" in wanted)
         in_flight = summaries_of({c: study.results[c] for c in found}, seeds)
         guard = _guard_phase(study, start and "guard" in wanted)
+        if wanted == ("guard",):
+            # GRPO's runs under the stress are the guard phase's baseline, not a pilot.
+            pilot, choice = {}, None
     finally:
         study.close()
     if not study.results:

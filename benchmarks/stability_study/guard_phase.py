@@ -107,6 +107,10 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return lines + ["| " + " | ".join(row) + " |" for row in rows]
 
 
+def _unsigned(interval: Interval, digits: int) -> str:
+    return f"{interval.mean:.{digits}f} [{interval.low:.{digits}f}, {interval.high:.{digits}f}]"
+
+
 def _per_run(values: Sequence[float]) -> str:
     if not values:
         return "n/a"
@@ -159,7 +163,7 @@ def arms_table(results: Mapping[Cell, Sequence[RunResult]]) -> list[str]:
                     str(len(runs)),
                     " / ".join(map(str, counts)),
                     str(unstable),
-                    Interval.of([final_accuracy(r) for r in runs]).format(),
+                    _unsigned(Interval.of([final_accuracy(r) for r in runs]), 3),
                     _paired(runs, without) if setting is GUARDED else "",
                     _paired(runs, healthy) if method is not GRPO or setting is GUARDED else "",
                     f"{sum(within_noise(final_accuracy(r), baseline) for r in runs)} / {len(runs)}"
@@ -204,16 +208,26 @@ def bounds_table(results: Mapping[Cell, Sequence[RunResult]]) -> list[str]:
             [
                 setting.label,
                 str(len(runs)),
-                Interval.of(rates).format(0).lstrip("+"),
+                _unsigned(Interval.of(rates), 0),
                 f"{statistics.mean(ratios):.3f}" if ratios else "",
-                Interval.of([final_accuracy(r) for r in runs]).format(),
+                _unsigned(Interval.of([final_accuracy(r) for r in runs]), 3),
                 _paired(runs, loosest) if setting is not BOUND_SETTINGS[2] else "",
                 f"{statistics.mean(staleness):.2f}" if staleness else "n/a",
-                _per_run([last_value(r.records, "staleness_bound") for r in runs]),
-                _per_run([last_value(r.records, "staleness_bound_changes_total") for r in runs]),
+                *_adaptive(runs),
             ]
         )
     return _table(headers, rows)
+
+
+def _adaptive(runs: Sequence[RunResult]) -> list[str]:
+    """The adaptive bound's value at the end and its changes per run ("fixed" for a fixed
+    bound, whose records carry neither)."""
+    if not any("staleness_bound" in r.records[-1] for r in runs if r.records):
+        return ["fixed", "fixed"]
+    return [
+        _per_run([last_value(r.records, "staleness_bound") for r in runs]),
+        _per_run([last_value(r.records, "staleness_bound_changes_total") for r in runs]),
+    ]
 
 
 def _values(result: RunResult, key: str) -> list[float]:

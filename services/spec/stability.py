@@ -233,8 +233,9 @@ class StabilityObjectives(StrictModel):
         360.0,
         gt=0.0,
         allow_inf_nan=False,
-        description="`approx_kl` (the k3 estimate of KL(behaviour || current) per response "
-        "token, summed as services/metrics.py records it) above this breaks it",
+        description="`approx_kl` (the k3 estimate of KL(behaviour || policy) in nats, the mean "
+        "over the step's minibatches) above this breaks it; 360 is the study's tiny model under "
+        "staleness 8, far past what a healthy run of a real model reaches: set your own",
     )
 
 

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -20,10 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.pipeline.launch import execute_run
-from services.pipeline.outputs import STATUS_FILE, RunDirectory, read_metrics
+from services.pipeline.outputs import RunDirectory, read_metrics
 from services.spec import RunSpec
 from stability_study.grid import BOUND_SETTINGS, GRPO, GUARD_ARMS, GUARD_STRESS, GUARDED, Cell
-from stability_study.runner import RunResult, stopped_unstable
+from stability_study.report import markdown_table
+from stability_study.runner import RunResult, run_status, stopped_unstable
 from stability_study.summary import (
     COLLAPSED,
     LEARNED,
@@ -32,6 +32,7 @@ from stability_study.summary import (
     final_step,
     outcome,
     setting_kl_median,
+    values_of,
 )
 
 DEMO_DIR = "demo-guard"
@@ -77,34 +78,22 @@ class DemoRun:
 def run_demo(spec: RunSpec, out: Path, start: bool) -> DemoRun | None:
     """The demo configuration's run under `out` (run first when `start` and not finished)."""
     path = out / "runs" / DEMO_DIR
-    status = path / STATUS_FILE
-
-    def state() -> str:
-        try:
-            return str(json.loads(status.read_text(encoding="utf-8"))["state"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return ""
-
-    if state() != "succeeded" and start:
+    if run_status(path).get("state") != "succeeded" and start:
         path.mkdir(parents=True, exist_ok=True)
         for stale in path.iterdir():  # a half-written run starts again from scratch
             if stale.is_file():
                 stale.unlink()
         execute_run(spec, RunDirectory(path))
-    if not state():
+    state = str(run_status(path).get("state") or "")
+    if not state:
         return None
     records = read_metrics(path)
     return DemoRun(
         steps=len(records),
         actions=int(last_value(records, "guard_actions_total")),
         broken_steps=sum(bool(r.get("guard_broken_objectives")) for r in records),
-        state=state(),
+        state=state,
     )
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    return lines + ["| " + " | ".join(row) + " |" for row in rows]
 
 
 def _unsigned(interval: Interval, digits: int) -> str:
@@ -174,7 +163,7 @@ def arms_table(results: Mapping[Cell, Sequence[RunResult]]) -> list[str]:
                     _per_run([last_value(r.records, "rollouts_rolled_back_total") for r in runs]),
                 ]
             )
-    return _table(headers, rows)
+    return markdown_table(headers, rows)
 
 
 def bounds_table(results: Mapping[Cell, Sequence[RunResult]]) -> list[str]:
@@ -203,7 +192,7 @@ def bounds_table(results: Mapping[Cell, Sequence[RunResult]]) -> list[str]:
         ratios = [
             tokens_per_second(r) / rate_by_seed[r.seed] for r in runs if r.seed in rate_by_seed
         ]
-        staleness = [v for r in runs for v in _values(r, "staleness_mean")]
+        staleness = [v for r in runs for v in values_of(r, "staleness_mean")]
         rows.append(
             [
                 setting.label,
@@ -216,7 +205,7 @@ def bounds_table(results: Mapping[Cell, Sequence[RunResult]]) -> list[str]:
                 *_adaptive(runs),
             ]
         )
-    return _table(headers, rows)
+    return markdown_table(headers, rows)
 
 
 def _adaptive(runs: Sequence[RunResult]) -> list[str]:
@@ -228,10 +217,6 @@ def _adaptive(runs: Sequence[RunResult]) -> list[str]:
         _per_run([last_value(r.records, "staleness_bound") for r in runs]),
         _per_run([last_value(r.records, "staleness_bound_changes_total") for r in runs]),
     ]
-
-
-def _values(result: RunResult, key: str) -> list[float]:
-    return [float(v) for r in result.records if isinstance(v := r.get(key), int | float)]
 
 
 def demo_line(demo: DemoRun | None) -> str:

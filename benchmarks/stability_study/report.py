@@ -116,7 +116,7 @@ def _cell_value(value: Any) -> str:
     return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return lines
@@ -158,7 +158,7 @@ def pilot_table(summaries: Sequence[CellSummary]) -> list[str]:
         ]
         for s in summaries
     ]
-    return _table(headers, rows)
+    return markdown_table(headers, rows)
 
 
 def arms_table(summaries: Sequence[CellSummary], baseline: CellSummary | None) -> list[str]:
@@ -197,7 +197,7 @@ def arms_table(summaries: Sequence[CellSummary], baseline: CellSummary | None) -
                 s.entropy_tail.format(),
             ]
         )
-    return _table(headers, rows)
+    return markdown_table(headers, rows)
 
 
 def _change(summary: CellSummary, name: str) -> str:
@@ -248,7 +248,7 @@ def arm_dynamics_table(summaries: Sequence[CellSummary]) -> list[str]:
             f"{'/'.join(f'{v[0]:g}' for v in lengths)} -> {'/'.join(f'{v[1]:g}' for v in lengths)}",
         ]
     )
-    return _table(headers, rows)
+    return markdown_table(headers, rows)
 
 
 def in_flight_table(
@@ -281,7 +281,7 @@ def in_flight_table(
                 else f"{error.error:.3f} ({error.switches} switches)",
             ]
         )
-    return _table(headers, rows)
+    return markdown_table(headers, rows)
 
 
 def collapse_test(arm: CellSummary, baseline: CellSummary) -> float:
@@ -314,7 +314,7 @@ def pooled_table(
         p = "" if method is baseline else f"{fisher_exact(c, n - c, base_c, base_n - base_c):.2f}"
         cells = [f"{k}/{total}" if total else "" for k, total in counts[method]]
         rows.append([method.label, *cells, f"{c}/{n}", p])
-    return _table(headers, rows)
+    return markdown_table(headers, rows)
 
 
 def dynamics_table(
@@ -335,7 +335,7 @@ def dynamics_table(
             )
     for column, label in ((0, "raw"), (1, "filtered")):
         rows.append(["paper", label, "", *(f"{v[column]:g}" for v in PAPER_DYNAMICS.values())])
-    return _table(headers, rows)
+    return markdown_table(headers, rows)
 
 
 def filter_table(rows: Sequence[FilterComparison]) -> list[str]:
@@ -348,7 +348,7 @@ def filter_table(rows: Sequence[FilterComparison]) -> list[str]:
         "closed form: ms",
         "ours / closed form time",
     ]
-    return _table(
+    return markdown_table(
         headers,
         [
             [
@@ -388,7 +388,7 @@ def settings_table(methods: Sequence[Method], settings: Sequence[Setting]) -> li
         ]
         for s in settings
     ]
-    return _table(["cell part", "name", "applied to the base spec"], rows)
+    return markdown_table(["cell part", "name", "applied to the base spec"], rows)
 
 
 def outcome_rules() -> list[str]:

@@ -72,14 +72,19 @@ def load_result(out: Path, cell: Cell, seed: int) -> RunResult | None:
     return RunResult(cell, seed, path, read_metrics(path), evaluations, seconds)
 
 
-def stopped_unstable(path: Path) -> bool:
-    """Whether the run in `path` was stopped by its stability guard after its last rollback:
-    an outcome of the guard phase, evaluated like a finished run."""
+def run_status(path: Path) -> dict[str, Any]:
+    """The status.json of the run in `path` ({} when there is none yet, or it is unreadable)."""
     try:
         status = json.loads((path / STATUS_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return False
-    guard = status.get("guard") if isinstance(status, dict) else None
+        return {}
+    return status if isinstance(status, dict) else {}
+
+
+def stopped_unstable(path: Path) -> bool:
+    """Whether the run in `path` was stopped by its stability guard after its last rollback:
+    an outcome of the guard phase, evaluated like a finished run."""
+    guard = run_status(path).get("guard")
     return isinstance(guard, dict) and guard.get("action") == "stop_unstable"
 
 

@@ -40,9 +40,11 @@ class EventObserver(Protocol):
 @runtime_checkable
 class RewindObserver(Protocol):
     """Hears that the run resumed from its checkpoint of `step`: the records it received after
-    `step` are replaced by those of the steps trained again, which follow."""
+    `step` are replaced by those of the steps trained again, which follow. `record` is the
+    checkpointed step's own record (None at step 0): the keeper holds it afterwards, also where
+    the driver that wrote it was killed before it reached this keeper."""
 
-    def on_metrics_rewound(self, step: int) -> None: ...
+    def on_metrics_rewound(self, step: int, record: MetricsRecord | None) -> None: ...
 
 
 @dataclass(frozen=True)

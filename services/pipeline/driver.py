@@ -239,13 +239,17 @@ class RunDriver:
         self._paused = state.paused  # a pause's checkpoint: the run waits for its resume first
         self._resume_path = path
         self._last_checkpoint_step = step
-        self._rewind_metrics(step)
         # The checkpointed step's record is emitted only once its checkpoint is written: a driver
-        # killed in between left a checkpoint whose step nobody recorded. Recorded now, from the
-        # checkpoint (the store ignores a record it holds already).
+        # killed in between left a checkpoint whose step one keeper or all of them lack (it
+        # reaches them one after another). The keepers take it with the rewind; the observers
+        # that keep nothing hear it only where the run directory lacked it, so at most once.
         held = state.record
-        if held is not None and all(r["step"] != step for r in self.run_dir.read_metrics(["step"])):
-            self._emit(held)
+        unrecorded = all(r["step"] != step for r in self.run_dir.read_metrics(["step"]))
+        self._rewind_metrics(step, held)
+        if held is not None and unrecorded:
+            for observer in self.observers:
+                if not isinstance(observer, RewindObserver):
+                    observer.on_metrics(held)
         return step
 
     def _effective_spec(self, patch: dict[str, Any] | None = None) -> RunSpec:
@@ -428,7 +432,7 @@ class RunDriver:
         resumed_step = self.restore(at_step)
         if resumed_step is None:
             self._start_from_scratch()
-            self._rewind_metrics(0)
+            self._rewind_metrics(0, None)
         for name, value in carried.items():
             setattr(self.counters, name, value)
         self.counters.elapsed_seconds, self._started = elapsed, time.perf_counter()
@@ -574,12 +578,13 @@ class RunDriver:
                     refused.add(request.request_id)
         return None
 
-    def _rewind_metrics(self, step: int) -> None:
+    def _rewind_metrics(self, step: int, record: MetricsRecord | None) -> None:
         """Tell every observer that keeps records (the run directory, the store) that the
-        steps after `step` are trained again: their new records replace what it holds."""
+        steps after `step` (whose own record is `record`) are trained again: their new records
+        replace what it holds."""
         for observer in self.observers:
             if isinstance(observer, RewindObserver):
-                observer.on_metrics_rewound(step)
+                observer.on_metrics_rewound(step, record)
 
     def _report_event(self, kind: str, data: dict[str, Any]) -> None:
         safe = json_safe(data)

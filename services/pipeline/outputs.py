@@ -99,9 +99,12 @@ class RunDirectory:
     def read_metrics(self, keys: Collection[str] | None = None) -> list[MetricsRecord]:
         return read_metrics(self.path, keys)
 
-    def on_metrics_rewound(self, step: int) -> None:
-        """Drop records after `step`: a resumed run redoes those steps, and must not repeat them."""
+    def on_metrics_rewound(self, step: int, record: MetricsRecord | None) -> None:
+        """Drop records after `step`: a resumed run redoes those steps, and must not repeat them.
+        `step`'s own record is kept, or added where it never arrived."""
         kept = [r for r in read_metrics(self.path) if r["step"] <= step]
+        if record is not None and all(r["step"] != step for r in kept):
+            kept.append(json_safe_record(record))
         text = "".join(json.dumps(r) + "\n" for r in kept)
         _write_atomic(self.path / METRICS_FILE, text)
 

@@ -107,8 +107,11 @@ class StoreObserver:
         if line is not None:
             self._write("log lines", lambda: self.store.append_logs(self.run_id, [line]))
 
-    def on_metrics_rewound(self, step: int) -> None:
+    def on_metrics_rewound(self, step: int, record: MetricsRecord | None) -> None:
         self._write(f"rewind to step {step}", lambda: self.store.rewind_metrics(self.run_id, step))
+        if record is not None:  # the store ignores it where it holds that step already
+            safe = json_safe_record(record)
+            self._write(f"metrics of step {step}", lambda: self._append_metrics(safe))
 
     def take_resume(self, paused_at: int) -> ResumeRequest | None:
         if not self._read_events_on():

@@ -3,6 +3,7 @@ on disk is tests/conftest.py's)."""
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,4 +46,9 @@ def ray_instance() -> Iterator[None]:
     try:
         yield
     finally:
+        # Object refs and actor handles the module's tests left in reference cycles (a failed
+        # call's traceback holds the frames that hold them) are freed here, while Ray is up.
+        # Left to the cyclic collector, one would be freed at some later allocation, in whatever
+        # thread makes it, and a Ray call after shutdown ends the whole test process.
+        gc.collect()
         ray.shutdown()

@@ -3,8 +3,9 @@ record: the record travels in the checkpoint, and a resumed driver records it on
 
 The record of a step at a checkpoint boundary is emitted only after its checkpoint is written
 (so that it is never recorded for a step that would be redone). A driver killed in that window
-leaves a checkpoint of step N with no record of step N anywhere; the resumed run goes on from
-N + 1, so without this the run's history (and the store's) would miss step N for good.
+leaves a checkpoint of step N with no record of step N anywhere, or (killed while the record
+went from one keeper to the next) in the run directory and not in the store; the resumed run goes
+on from N + 1, so without this the run's history (or the store's) would miss step N for good.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 from services.observers import MetricsRecord, RunState
 from services.pipeline.driver import RunDriver
 from services.pipeline.outputs import RunDirectory
+from services.pipeline.store_observer import StoreObserver
+from services.store import LocalStore
 from tests.services.pipeline.conftest import tiny_spec
 
 
@@ -75,3 +78,26 @@ def test_a_resumed_driver_records_the_checkpointed_step_that_its_predecessor_did
     assert RunDriver(tiny_spec(), run_dir, [again]).restore() == 2
     assert again.records == []
     assert [r["step"] for r in run_dir.read_metrics()] == [1, 2]
+
+
+def test_a_resumed_driver_gives_the_store_the_checkpointed_step_the_run_directory_got_alone(
+    tmp_path: Path,
+) -> None:
+    """Killed after the run directory took step 2's record and before the store did: the resumed
+    driver's rewind gives the store that record, and the run directory keeps its one copy."""
+    run_dir = RunDirectory(tmp_path / "run")
+    record = checkpoint_with_a_held_record(run_dir, step=2)
+    run_dir.on_metrics(record)  # the first keeper got it; the store below never did
+    store = LocalStore(tmp_path / "store")
+    try:
+        run = store.create_run({"name": "t"})
+        store.append_metrics(run.id, [{"step": 1, "reward_mean": 0.1}])
+        recorder = Recorder()  # keeps nothing: it heard step 2 from the killed driver already
+        observers = [StoreObserver(store, run.id, total_steps=8), recorder]
+        assert RunDriver(tiny_spec(), run_dir, observers).restore() == 2
+        assert [r["step"] for r in store.read_metrics(run.id)] == [1, 2]
+        assert store.read_metrics(run.id)[-1]["reward_mean"] == record["reward_mean"]
+        assert [r["step"] for r in run_dir.read_metrics()] == [1, 2]
+        assert recorder.records == []
+    finally:
+        store.close()

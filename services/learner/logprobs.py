@@ -3,8 +3,10 @@
 The logits are divided by the sampling temperature before the softmax, because the behaviour
 log-probs were taken at that temperature (as verl does): with the weights that generated a batch
 and temperature-only sampling (top_k 0, top_p 1), the result equals the behaviour log-probs up to
-float32 summation order. Top-k / top-p truncation is NOT reproduced: against a truncated
-behaviour distribution the on-policy ratio is pi_T(y) / pi_trunc(y) <= 1, not 1.
+float32 summation order. Top-k / top-p truncation is reproduced only where each token's kept set
+is given (`kept`: the log-prob over the renormalised kept set, as the sampler took it); without
+it, against a truncated behaviour distribution the on-policy ratio is pi_T(y) / pi_trunc(y) <= 1,
+not 1.
 
 Memory and speed: the decoder runs once over the micro-batch (padded [B, P+T], or its rows
 packed into one sequence without padding: `packed_attention`); only the hidden states of the
@@ -35,7 +37,7 @@ from kpo_core.losses import token_entropy
 from services.learner.batch import TrainingBatch
 from services.learner.packed_attention import PACKED_ROWS, PackedRows
 from services.learner.vocab_kernels import LogprobKernel
-from services.learner.vocab_logprobs import vocab_chunked_logprobs
+from services.learner.vocab_logprobs import kept_mask, taken_outside, vocab_chunked_logprobs
 from services.model_layout import ModelLayout
 
 # Packed sequences are padded to a multiple of this many tokens, and the longest row rounded up
@@ -70,7 +72,12 @@ class SoftCappedHead(nn.Module):
 
 
 def chunk_logprobs(
-    hidden: Tensor, head: nn.Module, targets: Tensor, temperature: float, with_entropy: bool
+    hidden: Tensor,
+    head: nn.Module,
+    targets: Tensor,
+    temperature: float,
+    with_entropy: bool,
+    kept: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """log pi(target) and (if asked, detached) entropy of one chunk of positions, through the
     head module with [n, V] logits at once: the path for a head that is not a plain linear
@@ -81,16 +88,23 @@ def chunk_logprobs(
     the position's logits are not finite) and entropy [n] float32 (zeros unless with_entropy):
 
         logp = l[y] - logsumexp_v l[v],   l = head(hidden).float() / temperature
+
+    With `kept` [n, K] (each position's kept set of truncated sampling, ids padded with -1), v
+    runs over the kept set only, as in `vocab_chunked_logprobs`: NaN where y is not in it, and
+    the entropy stays the full vocabulary's.
     """
     logits = head(hidden)
     # float32 at least (float64 stays float64: the equivalence tests run in it).
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # [n, V]
     # log Z is NaN or inf exactly when a logit of the position is NaN or +inf (or all are -inf).
     bad = ~torch.isfinite(torch.logsumexp(logits, dim=-1))
+    if kept is not None:
+        bad = bad | taken_outside(kept, targets)
     # where(), not a product: the gradient of the replaced logits is exactly 0, not 0 * NaN.
     logits = torch.where(bad.unsqueeze(-1), 0.0, logits)
-    log_z = torch.logsumexp(logits, dim=-1)
-    chosen = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    scored = logits if kept is None else _restricted(logits, kept, bad)
+    log_z = torch.logsumexp(scored, dim=-1)
+    chosen = scored.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     logp = torch.where(bad, torch.nan, chosen - log_z)
     if with_entropy:
         with torch.no_grad():
@@ -98,6 +112,13 @@ def chunk_logprobs(
     else:
         entropy = torch.zeros_like(log_z).detach()
     return logp, entropy
+
+
+def _restricted(logits: Tensor, kept: Tensor, bad: Tensor) -> Tensor:
+    """The logits [n, V] at -inf outside each position's kept set; a `bad` position's (zeros)
+    are left whole, so that no row is all -inf (its softmax, in the backward, would be NaN)."""
+    keep = kept_mask(kept, 0, logits.shape[-1]) | bad.unsqueeze(-1)
+    return torch.where(keep, logits, -torch.inf)
 
 
 def _spans(starts: Sequence[int], lengths: Sequence[int]) -> Tensor:
@@ -161,12 +182,18 @@ class ResponseLogProbs(nn.Module):
         self.layout = layout or ModelLayout.of(policy.config)  # type: ignore[arg-type]
 
     def forward(
-        self, batch: TrainingBatch, temperature: float, with_entropy: bool
+        self,
+        batch: TrainingBatch,
+        temperature: float,
+        with_entropy: bool,
+        kept: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """logp [B, T] float32 (float64 for a float64 model; 0 off the response mask, NaN
         where the logits are not finite) and entropy [B, T] float32 (detached; 0 off the
         mask, and everywhere unless `with_entropy`). Differentiable in the policy's
-        parameters when grad is enabled."""
+        parameters when grad is enabled. `kept` [B, T, K]: each response token's kept set of
+        truncated sampling (ids padded with -1), over which alone its log-prob is taken
+        (`vocab_chunked_logprobs`); None, the full vocabulary."""
         mask = batch.response_mask
         hidden, scored = self._hidden(batch)  # [X, H]; host indices of the scored states
         width = batch.response_width
@@ -179,11 +206,12 @@ class ResponseLogProbs(nn.Module):
             # With no response token at all (empty responses), one ghost position keeps the
             # head in the graph with a zero gradient: every rank of an FSDP group must reduce
             # the same gradients, whatever its rows.
-            states, targets = hidden[-1:], batch.input_ids[:1, -1]
+            states, targets, kept = hidden[-1:], batch.input_ids[:1, -1], None
         else:
             states = hidden.index_select(0, _to_device(scored, batch.device))
             targets = batch.response_ids.flatten().index_select(0, slots)
-        logp, entropy = self._score(states, targets, temperature, with_entropy)
+            kept = None if kept is None else kept.flatten(0, 1).index_select(0, slots)
+        logp, entropy = self._score(states, targets, temperature, with_entropy, kept)
         zeros = torch.zeros(mask.shape, dtype=logp.dtype, device=logp.device)
         if not slots.numel():
             # where(), not a product: the ghost's log-prob may be NaN.
@@ -196,7 +224,12 @@ class ResponseLogProbs(nn.Module):
         return torch.where(mask, logp_out, 0.0), torch.where(mask, entropy_out, 0.0)
 
     def _score(
-        self, states: Tensor, targets: Tensor, temperature: float, with_entropy: bool
+        self,
+        states: Tensor,
+        targets: Tensor,
+        temperature: float,
+        with_entropy: bool,
+        kept: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """(logp [N], entropy [N]) of the scored states through the output head, with the
         family's logit transforms: a scale folds into the temperature (l m / T = l / (T / m)),
@@ -208,12 +241,13 @@ class ResponseLogProbs(nn.Module):
         elif type(head) is nn.Linear:
             return vocab_chunked_logprobs(
                 states, head.weight, head.bias, targets, temperature,
-                self.chunk_tokens, self.vocab_chunk, with_entropy, self.kernel,
+                self.chunk_tokens, self.vocab_chunk, with_entropy, self.kernel, kept,
             )  # fmt: skip
         parts_logp, parts_entropy = [], []
         for start in range(0, int(targets.shape[0]), self.chunk_tokens):
             end = start + self.chunk_tokens
-            args = (states[start:end], head, targets[start:end], temperature, with_entropy)
+            part = None if kept is None else kept[start:end]
+            args = (states[start:end], head, targets[start:end], temperature, with_entropy, part)
             if torch.is_grad_enabled():
                 # The chunk's [n, V] logits are recomputed in the backward, not kept.
                 logp, entropy = checkpoint(chunk_logprobs, *args, use_reentrant=False)

@@ -7,6 +7,10 @@ one block: the forward's statistics come out of one softmax (whose largest entry
 e^(l - max), so the block's log-sum-exp needs no separate exp pass), and the backward's
 d logp / d l is that same softmax, its per-row scale folded into the small matrices around the
 products instead of into the block.
+
+With a kept set (truncated sampling replayed: `kept_block_stats`, `kept_block_probs`), the
+block's logits outside the set are set to FLOOR before the same softmax, so that its
+log-sum-exp and softmax are those of the kept ids only.
 """
 
 from __future__ import annotations
@@ -23,6 +27,14 @@ log = logging.getLogger(__name__)
 LogprobKernel = Literal["auto", "torch", "compiled"]
 BlockStats = Callable[[Tensor, float, bool], tuple[Tensor, Tensor]]
 BlockProbs = Callable[[Tensor, float, torch.dtype, torch.dtype], Tensor]
+KeptBlockStats = Callable[[Tensor, Tensor, float, bool], tuple[Tensor, Tensor, Tensor]]
+KeptBlockProbs = Callable[[Tensor, Tensor, float, torch.dtype, torch.dtype], Tensor]
+
+# -inf biases (divided by the temperature) are raised to this, and the logits of ids outside a
+# kept set are set to it: with no -inf logit, no block's softmax is NaN (a block all -inf would
+# be, and 0 x NaN is NaN in the products) and the entropy's sum p l has no 0 x -inf.
+# e^(FLOOR - anything finite) is exactly 0, so no value changes.
+FLOOR = -1e30
 
 
 def _logits(z: Tensor, scale: float, accumulate: torch.dtype) -> Tensor:
@@ -59,23 +71,74 @@ def block_probs(z: Tensor, scale: float, accumulate: torch.dtype, out: torch.dty
     return torch.softmax(_logits(z, scale, accumulate), -1).to(out)
 
 
+def kept_block_stats(
+    z: Tensor, keep: Tensor, scale: float, with_entropy: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(log-sum-exp over the block's kept ids [c], the block's full log-sum-exp [c], the entropy
+    of its full softmax [c]) of one block whose ids in each position's kept set are `keep`
+    [c, width]; the last two zeros without `with_entropy`. A block with no kept id has a kept
+    log-sum-exp of FLOOR (+ log width, lost to rounding): it adds nothing to log Z.
+
+    A NaN or +inf logit anywhere in the block, kept or not, makes the kept log-sum-exp NaN: the
+    position is non-finite, as it is without a kept set (the mask alone would hide it)."""
+    logits = _logits(z, scale, torch.promote_types(z.dtype, torch.float32))
+    top = logits.amax(-1)  # NaN or +inf where any logit is (all -inf too: -inf - -inf)
+    kept_lse, _ = block_stats(torch.where(keep, logits, FLOOR), 1.0, False)
+    kept_lse = kept_lse + (top - top)
+    if not with_entropy:
+        zeros = torch.zeros_like(kept_lse)
+        return kept_lse, zeros, zeros
+    # The entropy is the full vocabulary's (see vocab_logprobs): the block's own statistics, as
+    # without a kept set; `block_stats` leaves `logits` as it is.
+    lse, entropy = block_stats(logits, 1.0, True)
+    return kept_lse, lse, entropy
+
+
+def kept_block_probs(
+    z: Tensor, keep: Tensor, scale: float, accumulate: torch.dtype, out: torch.dtype
+) -> Tensor:
+    """The block's softmax over its kept ids `keep` [c, width] (exactly 0 at the others; uniform
+    where the block has no kept id, which its share of 0 then cancels), in `out`."""
+    logits = _logits(z, scale, accumulate)
+    return torch.softmax(torch.where(keep, logits, FLOOR), -1).to(out)
+
+
 class _Kernels:
     """The eager functions and, once asked for, their compiled versions."""
 
     def __init__(self) -> None:
         self.compiled: tuple[BlockStats, BlockProbs] | None = None
-        # (device type, dtype, scale) -> auto's probe compiled and ran there
-        self.auto_works: dict[tuple[str, torch.dtype, float], bool] = {}
+        self.compiled_kept: tuple[KeptBlockStats, KeptBlockProbs] | None = None
+        # (device type, dtype, scale, kept) -> auto's probe compiled and ran there
+        self.auto_works: dict[tuple[str, torch.dtype, float, bool], bool] = {}
 
     def get(
         self, kernel: LogprobKernel, device: torch.device, dtype: torch.dtype, scale: float
     ) -> tuple[BlockStats, BlockProbs]:
         """The functions for blocks of products in `dtype` at `scale` (1 / temperature)."""
-        if kernel == "torch" or (
-            kernel == "auto" and not self._auto_compiles(device, dtype, scale)
-        ):
+        if self._eager(kernel, device, dtype, scale, kept=False):
             return block_stats, block_probs
         return self._compiled()
+
+    def get_kept(
+        self, kernel: LogprobKernel, device: torch.device, dtype: torch.dtype, scale: float
+    ) -> tuple[KeptBlockStats, KeptBlockProbs]:
+        """`get`'s, for blocks restricted to kept sets."""
+        if self._eager(kernel, device, dtype, scale, kept=True):
+            return kept_block_stats, kept_block_probs
+        return self._compiled_kept()
+
+    def _eager(
+        self,
+        kernel: LogprobKernel,
+        device: torch.device,
+        dtype: torch.dtype,
+        scale: float,
+        kept: bool,
+    ) -> bool:
+        return kernel == "torch" or (
+            kernel == "auto" and not self._auto_compiles(device, dtype, scale, kept)
+        )
 
     def _compiled(self) -> tuple[BlockStats, BlockProbs]:
         if self.compiled is None:
@@ -84,26 +147,43 @@ class _Kernels:
             self.compiled = (torch.compile(block_stats), torch.compile(block_probs))
         return self.compiled
 
-    def _auto_compiles(self, device: torch.device, dtype: torch.dtype, scale: float) -> bool:
+    def _compiled_kept(self) -> tuple[KeptBlockStats, KeptBlockProbs]:
+        if self.compiled_kept is None:
+            self.compiled_kept = (torch.compile(kept_block_stats), torch.compile(kept_block_probs))
+        return self.compiled_kept
+
+    def _auto_compiles(
+        self, device: torch.device, dtype: torch.dtype, scale: float, kept: bool
+    ) -> bool:
         """auto: CUDA only, and only if both functions compile and run there on blocks of the
         run's dtype and scale (once per process and setting: a missing Triton or compiler, or
         a dtype the GPU's kernels lack, must not fail a run that eager code would serve; a
         probe in another dtype would compile other kernels than the run's)."""
         if device.type != "cuda":
             return False
-        key = (device.type, dtype, scale)
+        key = (device.type, dtype, scale, kept)
         if key not in self.auto_works:
-            stats, probs = self._compiled()
-            probe = torch.zeros(2, 8, device=device, dtype=dtype)
-            accumulate = torch.promote_types(dtype, torch.float32)
             try:
-                stats(probe, scale, True)
-                probs(probe, scale, accumulate, dtype)
+                self._probe(device, dtype, scale, kept)
                 self.auto_works[key] = True
             except Exception as error:  # any compiler failure means eager
                 log.warning("logprob_kernel auto: the compiled head failed (%s); eager", error)
                 self.auto_works[key] = False
         return self.auto_works[key]
+
+    def _probe(self, device: torch.device, dtype: torch.dtype, scale: float, kept: bool) -> None:
+        """Both compiled functions (kept or not) once on a small block."""
+        probe = torch.zeros(2, 8, device=device, dtype=dtype)
+        accumulate = torch.promote_types(dtype, torch.float32)
+        if kept:
+            keep = torch.ones(2, 8, device=device, dtype=torch.bool)
+            kept_stats, kept_probs = self._compiled_kept()
+            kept_stats(probe, keep, scale, True)
+            kept_probs(probe, keep, scale, accumulate, dtype)
+            return
+        stats, probs = self._compiled()
+        stats(probe, scale, True)
+        probs(probe, scale, accumulate, dtype)
 
 
 KERNELS = _Kernels()

@@ -25,24 +25,47 @@ product. No step of either pass depends on a tensor's value: nothing waits on th
 
 A position whose logits hold NaN or +inf gets log-prob NaN and a gradient of exactly 0 (the
 rest of the batch is untouched): the loss then masks and counts it (docs/numerics.md).
+
+Truncated sampling replayed (`kept`): a generator that samples with top-k / top-p / min-p draws
+token t from the renormalised kept set S_t, so its behaviour log-prob is over S_t, and one over
+the full vocabulary would put log(kept mass) into every importance ratio. Given each position's
+S_t (ids [N, K], padded with -1), log Z is the log-sum-exp over S_t only: each block's lse_b is
+that of its logits at the kept ids within it (FLOOR where there are none: a share of 0), and
+d logp / d l = onehot(y) - the softmax over S_t, 0 outside it. Each block builds its own
+[c, vocab_chunk] membership mask from the ids; nothing [N, V] is held. Ids outside [0, V) count
+as padding and an id given twice counts once. A taken token outside its set (a record that
+contradicts itself: its log-prob would be -inf) is a non-finite position as above: log-prob
+NaN, entropy NaN, gradient 0, so the loss drops and counts it. The entropy stays the full
+vocabulary's: it is a metric of the policy, read by the dashboard, the entropy-collapse alert
+and the guard with thresholds set on full-softmax entropy, while the kept set's is capped at
+log |S_t| and is 0 wherever one token is kept (a collapse the sampler makes, not the policy).
+It costs a second softmax per block, in the forward and only when the entropy is asked for.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from services.learner.vocab_kernels import KERNELS, BlockProbs, BlockStats, LogprobKernel
+from services.learner.vocab_kernels import (
+    FLOOR,
+    KERNELS,
+    BlockStats,
+    KeptBlockStats,
+    LogprobKernel,
+)
 
-# -inf biases (divided by the temperature) are raised to this: with no -inf logit, no block's
-# softmax is NaN (a block all -inf would be, and 0 x NaN is NaN in the products) and the
-# entropy's sum p l has no 0 x -inf. e^(FLOOR - anything finite) is exactly 0, so no value
-# changes; a log Z below BAD_LOG_Z means every logit was -inf, which is then NaN, as before.
-FLOOR = -1e30
+# -inf biases are raised to FLOOR (vocab_kernels); a log Z below BAD_LOG_Z means every logit
+# was -inf (or, with a kept set, every kept one), which is then NaN, as before.
 BAD_LOG_Z = -1e20
+
+# The softmax of one block over the logits' product z, given the block's first vocabulary id:
+# the full block's, or that over the kept ids in it.
+BlockSoftmax = Callable[[Tensor, int], Tensor]
 
 
 @dataclass(frozen=True)
@@ -132,12 +155,62 @@ def _forward_chunk(
     log_z = torch.logsumexp(block_lse, -1)
     if not entropy:
         return log_z, block_lse, torch.zeros_like(log_z)
-    # The entropy of a mixture of the blocks' softmaxes with shares e^(lse_b - log Z): the
-    # shares' mean entropy plus the entropy of the shares. A position with a non-finite logit
-    # has NaN here (and NaN shares), and is set NaN by the caller anyway.
+    return log_z, block_lse, _mixture_entropy(block_lse, log_z, torch.stack(entropies, -1))
+
+
+def _mixture_entropy(block_lse: Tensor, log_z: Tensor, entropies: Tensor) -> Tensor:
+    """The entropy [c] of a mixture of the blocks' softmaxes (entropies [c, blocks]) with shares
+    e^(lse_b - log Z): the shares' mean entropy plus the entropy of the shares. A position with
+    a non-finite logit has NaN here (and NaN shares), and is set NaN by the caller anyway."""
     share = torch.exp(block_lse - log_z.unsqueeze(-1))
-    within = share * torch.stack(entropies, -1)
-    return log_z, block_lse, (within + torch.special.entr(share)).sum(-1)
+    mixture: Tensor = (share * entropies + torch.special.entr(share)).sum(-1)
+    return mixture
+
+
+def kept_mask(kept: Tensor, start: int, width: int) -> Tensor:
+    """[c, width] bool: which ids of the block [start, start + width) are in each position's
+    kept set (kept [c, K], -1 padded). Padding and the ids of other blocks are scattered into a
+    spare last column, dropped; an id given twice is set once."""
+    local = kept - start
+    inside = (local >= 0) & (local < width)
+    slots = torch.where(inside, local, width)
+    mask = torch.zeros((kept.shape[0], width + 1), dtype=torch.bool, device=kept.device)
+    return mask.scatter_(1, slots, True)[:, :width]
+
+
+def taken_outside(kept: Tensor, targets: Tensor) -> Tensor:
+    """[N] bool: the positions whose taken token is not among their kept ids."""
+    return ~(kept == targets.unsqueeze(-1)).any(-1)
+
+
+def _forward_kept_chunk(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    kept: Tensor,
+    plan: _Plan,
+    stats: KeptBlockStats,
+    entropy: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`_forward_chunk` restricted to the kept sets kept [c, K]: (log Z over each position's
+    kept ids [c], each block's part of it [c, blocks], the full vocabulary's entropy [c], zeros
+    unless `entropy`)."""
+    kept_lses, lses, entropies = [], [], []
+    for start in range(0, weight.shape[0], plan.vocab_chunk):
+        w = weight[start : start + plan.vocab_chunk]
+        block_bias = None if bias is None else bias[start : start + plan.vocab_chunk]
+        keep = kept_mask(kept, start, w.shape[0])
+        kept_lse, lse, own = stats(_product(x, w, block_bias), keep, plan.scale, entropy)
+        kept_lses.append(kept_lse)
+        lses.append(lse)
+        entropies.append(own)
+    block_kept = torch.stack(kept_lses, -1)
+    log_z = torch.logsumexp(block_kept, -1)
+    if not entropy:
+        return log_z, block_kept, torch.zeros_like(log_z)
+    block_lse = torch.stack(lses, -1)
+    full = _mixture_entropy(block_lse, torch.logsumexp(block_lse, -1), torch.stack(entropies, -1))
+    return log_z, block_kept, full
 
 
 def _backward_chunk(
@@ -146,20 +219,20 @@ def _backward_chunk(
     bias: Tensor | None,
     coef: Tensor,
     plan: _Plan,
-    probs_of: BlockProbs,
+    softmax: BlockSoftmax,
     grads: tuple[Tensor | None, Tensor | None],
 ) -> Tensor:
     """The softmax part of one chunk's gradients: returns d/dx [c, H] (accumulation dtype) and
     adds into the weight's and bias's gradients (`grads`). coef [c, blocks] is each position's
-    -grad e^(lse_b - log Z): the block's softmax times it is d loss / d logits."""
+    -grad e^(lse_b - log Z): the block's softmax (over its kept ids, with a kept set) times it
+    is d loss / d logits."""
     grad_weight, grad_bias = grads
     grad_x = torch.zeros(x.shape, dtype=plan.accumulate, device=x.device)
     for index, start in enumerate(range(0, weight.shape[0], plan.vocab_chunk)):
         end = start + plan.vocab_chunk
         w = weight[start:end]
         block_bias = None if bias is None else bias[start:end]
-        z = _product(x, w, block_bias)
-        probs = probs_of(z, plan.scale, plan.accumulate, plan.dtype)
+        probs = softmax(_product(x, w, block_bias), start)
         factor = coef[:, index].unsqueeze(-1)
         grad_x.addcmul_(factor, (probs @ w).to(plan.accumulate))
         if grad_weight is not None:
@@ -189,6 +262,53 @@ def _one_hot_part(
     return factor * weight.index_select(0, targets).to(rate.dtype)
 
 
+# The forward statistics (log Z [c], lse_b [c, blocks], entropy [c]) of a chunk of positions:
+# its operand x and its rows of the batch.
+ChunkForward = Callable[[Tensor, slice], tuple[Tensor, Tensor, Tensor]]
+
+
+def _chunk_forward(
+    weight: Tensor,
+    bias: Tensor | None,
+    kept: Tensor | None,
+    plan: _Plan,
+    device: torch.device,
+    with_entropy: bool,
+) -> ChunkForward:
+    """`_forward_chunk`, or with kept sets [N, K] `_forward_kept_chunk` on the chunk's rows, with
+    the kernels of the call fetched once."""
+    if kept is None:
+        stats, _ = KERNELS.get(plan.kernel, device, plan.dtype, plan.scale)
+        return lambda x, _rows: _forward_chunk(x, weight, bias, plan, stats, with_entropy)
+    kept_stats, _ = KERNELS.get_kept(plan.kernel, device, plan.dtype, plan.scale)
+    return lambda x, rows: _forward_kept_chunk(
+        x, weight, bias, kept[rows], plan, kept_stats, with_entropy
+    )
+
+
+def _chunk_softmax(
+    kept: Tensor | None, plan: _Plan, device: torch.device
+) -> Callable[[slice], BlockSoftmax]:
+    """For a chunk of positions (its rows of the batch), the softmax of its blocks: the full
+    block's, or with kept sets [N, K] that over the chunk's kept ids in the block."""
+    if kept is None:
+        _, probs = KERNELS.get(plan.kernel, device, plan.dtype, plan.scale)
+
+        def full(z: Tensor, _first: int) -> Tensor:
+            return probs(z, plan.scale, plan.accumulate, plan.dtype)
+
+        return lambda _rows: full
+    _, kept_probs = KERNELS.get_kept(plan.kernel, device, plan.dtype, plan.scale)
+
+    def restricted(rows: slice) -> BlockSoftmax:
+        ids = kept[rows]
+        return lambda z, first: kept_probs(
+            z, kept_mask(ids, first, z.shape[1]), plan.scale, plan.accumulate, plan.dtype
+        )
+
+    return restricted
+
+
 class _VocabChunkedLogProbs(torch.autograd.Function):
     """(logp [N], entropy [N]) of `vocab_chunked_logprobs`; entropy carries no gradient."""
 
@@ -201,30 +321,33 @@ class _VocabChunkedLogProbs(torch.autograd.Function):
         targets: Tensor,
         plan: _Plan,
         with_entropy: bool,
+        kept: Tensor | None,
     ) -> tuple[Tensor, Tensor]:
         count = hidden.shape[0]
         blocks = -(-weight.shape[0] // plan.vocab_chunk)
         log_z = torch.empty(count, dtype=plan.accumulate, device=hidden.device)
         block_lse = torch.empty((count, blocks), dtype=plan.accumulate, device=hidden.device)
         chosen, entropy = torch.empty_like(log_z), torch.empty_like(log_z)
-        stats, _ = KERNELS.get(plan.kernel, hidden.device, plan.dtype, plan.scale)
         # The casts run once, not once per block; autocast is off below so that nothing is
         # cast twice (the backward, which autocast does not cover, casts the same way).
         w, b = weight.to(plan.dtype), _operand_bias(bias, plan)
+        statistics = _chunk_forward(w, b, kept, plan, hidden.device, with_entropy)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, count, plan.position_chunk):
-                end = min(start + plan.position_chunk, count)
-                x = _operand(hidden[start:end], plan)
-                log_z[start:end], block_lse[start:end], entropy[start:end] = _forward_chunk(
-                    x, w, b, plan, stats, with_entropy
-                )
-                chosen[start:end] = _picked(x, w, b, targets[start:end], plan)
+                rows = slice(start, min(start + plan.position_chunk, count))
+                x = _operand(hidden[rows], plan)
+                log_z[rows], block_lse[rows], entropy[rows] = statistics(x, rows)
+                chosen[rows] = _picked(x, w, b, targets[rows], plan)
+        if kept is not None:
+            # A taken token outside its kept set (log-prob -inf) is made non-finite: log Z NaN,
+            # which the backward reads too.
+            log_z = torch.where(taken_outside(kept, targets), torch.nan, log_z)
         # log Z is NaN or +inf exactly when a logit of the position is NaN or +inf (below
         # BAD_LOG_Z when every logit is -inf).
         bad = ~torch.isfinite(log_z) | (log_z < BAD_LOG_Z)
         logp = torch.where(bad, torch.nan, chosen - log_z)
         entropy = torch.where(bad, torch.nan, entropy)
-        ctx.save_for_backward(hidden, weight, bias, targets, log_z, block_lse)
+        ctx.save_for_backward(hidden, weight, bias, targets, log_z, block_lse, kept)
         ctx.plan = plan
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
@@ -233,7 +356,7 @@ class _VocabChunkedLogProbs(torch.autograd.Function):
     def backward(
         ctx: Any, grad_logp: Tensor, _grad_entropy: Tensor | None
     ) -> tuple[Tensor | None, ...]:
-        hidden, weight, bias, targets, log_z, block_lse = ctx.saved_tensors
+        hidden, weight, bias, targets, log_z, block_lse, kept = ctx.saved_tensors
         plan: _Plan = ctx.plan
         finite = torch.isfinite(log_z) & (log_z >= BAD_LOG_Z)
         # A non-finite position passes no gradient (its log-prob is NaN and masked); in the
@@ -248,22 +371,22 @@ class _VocabChunkedLogProbs(torch.autograd.Function):
         grad_bias = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
         grads = (grad_weight, grad_bias)
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
-        _, probs_of = KERNELS.get(plan.kernel, hidden.device, plan.dtype, plan.scale)
+        softmax_of = _chunk_softmax(kept, plan, hidden.device)
         w, b = weight.to(plan.dtype), _operand_bias(bias, plan)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], plan.position_chunk):
-                end = min(start + plan.position_chunk, hidden.shape[0])
+                rows = slice(start, min(start + plan.position_chunk, hidden.shape[0]))
                 # A non-finite state (which made its logits so) must not meet a zero gradient
                 # in the weight's product: 0 x NaN is NaN.
-                states = torch.where(finite[start:end].unsqueeze(-1), hidden[start:end], 0.0)
+                states = torch.where(finite[rows].unsqueeze(-1), hidden[rows], 0.0)
                 x = _operand(states, plan)
-                grad_x = _one_hot_part(x, w, targets[start:end], rate[start:end], grads)
-                grad_x += _backward_chunk(x, w, b, coef[start:end], plan, probs_of, grads)
+                grad_x = _one_hot_part(x, w, targets[rows], rate[rows], grads)
+                grad_x += _backward_chunk(x, w, b, coef[rows], plan, softmax_of(rows), grads)
                 if grad_hidden is not None:
-                    grad_hidden[start:end] = (grad_x * plan.operand_scale).to(hidden.dtype)
+                    grad_hidden[rows] = (grad_x * plan.operand_scale).to(hidden.dtype)
         if grad_bias is not None and plan.folded:
             grad_bias *= plan.operand_scale
-        return (grad_hidden, grad_weight, grad_bias, None, None, None)
+        return (grad_hidden, grad_weight, grad_bias, None, None, None, None)
 
 
 def vocab_chunked_logprobs(
@@ -276,20 +399,31 @@ def vocab_chunked_logprobs(
     vocab_chunk: int,
     with_entropy: bool,
     kernel: LogprobKernel = "auto",
+    kept: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """logp [N] (differentiable in `hidden`, `weight`, `bias`) and entropy [N] (detached; zeros
     unless `with_entropy`) of the targets [N] under the head `weight` [V, H] (+ `bias` [V]) at
     `temperature`, from hidden states [N, H]; float32 (float64 for float64 inputs). NaN where
     the position's logits are not finite. `kernel`: the per-block elementwise work eager
-    (torch), compiled, or auto (compiled on CUDA where it compiles). See the module docstring."""
+    (torch), compiled, or auto (compiled on CUDA where it compiles). `kept` [N, K] int64: each
+    position's kept set of truncated sampling (vocabulary ids, padded with -1), over which
+    alone log Z is taken; NaN where the target is not in it; the entropy stays the full
+    vocabulary's. See the module docstring."""
     if position_chunk < 1 or vocab_chunk < 1:
         raise ValueError(
             f"position_chunk and vocab_chunk must be >= 1, got {position_chunk}, {vocab_chunk}"
+        )
+    if kept is not None and (
+        kept.dim() != 2 or kept.shape[0] != targets.shape[0] or kept.dtype != torch.long
+    ):
+        raise ValueError(
+            f"kept must be int64 [N, K] for {targets.shape[0]} targets, got {kept.dtype}"
+            f" {tuple(kept.shape)}"
         )
     dtype = _compute_dtype(hidden)
     accumulate = torch.promote_types(dtype, torch.float32)
     plan = _Plan(temperature, position_chunk, vocab_chunk, dtype, accumulate, kernel)
     logp, entropy = _VocabChunkedLogProbs.apply(  # type: ignore[no-untyped-call]
-        hidden, weight, bias, targets, plan, with_entropy
+        hidden, weight, bias, targets, plan, with_entropy, kept
     )
     return logp, entropy

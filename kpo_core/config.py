@@ -243,6 +243,10 @@ def default_estimator(name: str) -> EstimatorConfig:
     return _ESTIMATOR_CONFIG.validate_python({"name": name})
 
 
+# What a run does with truncated training sampling (`OffPolicyCorrection.truncated_sampling`).
+TruncatedSampling = Literal["refuse", "allow", "replay"]
+
+
 class OffPolicyCorrection(StrictModel):
     """Decoupled PPO (AReaL): weight each token's loss by the detached w = pi_ref / pi_behaviour.
 
@@ -252,11 +256,13 @@ class OffPolicyCorrection(StrictModel):
     """
 
     level: Literal["token", "sequence", "sequence-mean"] = "token"
-    truncated_sampling: Literal["refuse", "allow"] = Field(
-        "refuse",
-        description="training rollouts sampled with top-p < 1 or top-k > 0: refuse (the "
-        "learner's log-probs are of the full softmax, so every ratio would be biased) or allow "
-        "(a declared choice, recorded with the run)",
+    truncated_sampling: TruncatedSampling | None = Field(
+        None,
+        description="training rollouts sampled with top-p < 1, top-k > 0 or min-p > 0: replay "
+        "(the sampler records each token's kept set and the learner takes its log-probs over "
+        "it, so the ratios are unbiased), refuse (a learner over the full softmax would bias "
+        "every ratio) or allow (the full softmax anyway: a declared choice, recorded with the "
+        "run); null: replay where training sampling truncates (the run spec resolves it)",
     )
     tis_cap: float | None = Field(None, gt=0.0)
     mis_low: float | None = Field(None, ge=0.0)

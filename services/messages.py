@@ -75,6 +75,12 @@ class Response:
     # "timeout", "refused", "unavailable": `services.tools.sandbox.ToolResult`), whether or not
     # its observation fitted in the context.
     tool_calls: list[str] = field(default_factory=list)
+    # Truncated-sampling replay (`algorithm.off_policy.truncated_sampling: replay`): per response
+    # token, the ids its sampler kept (top-k / top-p / min-p), ascending, over which its
+    # behaviour log-prob was normalised and the learner normalises its own. [] at observation
+    # tokens and where the set was larger than `generation.replay_max_kept` (the learner drops
+    # that token); empty when nothing was recorded (no replay).
+    kept_ids: list[list[int]] = field(default_factory=list)
 
     def is_model_token(self) -> list[bool]:
         """Per response token: sampled by the model (True) or an observation (False)."""

@@ -18,8 +18,8 @@ if TYPE_CHECKING:
     from services.tools.rollout import ToolRollout
     from services.tools.sandbox import ToolRunner
 
-# "processed": log-probs of the distribution actually sampled from (after temperature, top-k,
-# top-p). This is the behaviour policy the importance ratio must be taken against.
+# "processed": log-probs of the distribution actually sampled from (after temperature, min-p,
+# top-k, top-p). This is the behaviour policy the importance ratio must be taken against.
 LogprobsMode = Literal["processed"]
 
 
@@ -30,8 +30,20 @@ class SamplingSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = no top-k truncation
+    # Keep the tokens whose probability is at least min_p times the most likely token's (0 =
+    # off); applied before top-k and top-p, as vLLM's sampler does.
+    min_p: float = 0.0
     max_new_tokens: int = 256
     seed: int | None = None
+    # Record each sampled token's kept set (`Response.kept_ids`), for the learner to replay the
+    # truncation; a set larger than this is recorded empty ("over the limit": the learner drops
+    # the token). None: nothing recorded.
+    replay_max_kept: int | None = None
+
+    @property
+    def truncated(self) -> bool:
+        """Whether a token may be sampled from fewer than the whole vocabulary."""
+        return self.top_p < 1 or self.top_k > 0 or self.min_p > 0
 
 
 @dataclass(frozen=True)
@@ -310,6 +322,10 @@ def validate_sampling(sampling: SamplingSettings, group_size: int) -> None:
         raise ValueError(f"top_p must be in (0, 1], got {sampling.top_p}")
     if sampling.top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0 = off), got {sampling.top_k}")
+    if not 0 <= sampling.min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1] (0 = off), got {sampling.min_p}")
+    if sampling.replay_max_kept is not None and sampling.replay_max_kept < 1:
+        raise ValueError(f"replay_max_kept must be >= 1 (or None), got {sampling.replay_max_kept}")
     if sampling.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
 

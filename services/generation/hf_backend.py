@@ -74,8 +74,9 @@ class HFBackend(GenerationBackend):
 
     Behaviour log-probs (`logprobs_mode = "processed"`): each is the log-prob of the sampled token
     under the distribution it was actually drawn from, i.e. after temperature scaling (the
-    temperature IS applied) and top-k / top-p truncation, renormalised over the kept tokens.
-    With temperature 1, top_k 0 and top_p 1 that equals the model's plain log-softmax, which is
+    temperature IS applied) and min-p / top-k / top-p truncation, renormalised over the kept
+    tokens (whose ids a request may ask to record: `SamplingSettings.replay_max_kept`).
+    Untruncated at temperature 1 that equals the model's plain log-softmax, which is
     what a learner recomputes. With temperature 0 decoding is greedy and every log-prob is 0.0
     (a point mass on the arg-max token).
     """

@@ -26,7 +26,8 @@ stream at every step any of them decodes, and a call's duration decides how many
 Every sampled token records the policy version passed to that `step` and the log-prob of the
 distribution it was drawn from, which the weights loaded at that step computed: a token's
 behaviour log-prob is that of the weights that sampled it by construction, whatever was loaded
-before or after.
+before or after. A group sampled with `replay_max_kept` also records each token's kept set
+(`hf_sampling.kept_sets`; `Response.kept_ids`), [] for its observation tokens.
 
 Randomness (`GroupNoise`): each group owns a torch.Generator seeded with its request's seed
 (a fresh random seed when it has none) and draws G uniform numbers from it at every step it is
@@ -237,7 +238,14 @@ class ContinuousBatcher:
 
     def _new_row(self, group: _Group, index: int) -> _Row:
         prompt = group.request.prompt
-        row = _Row(group, index, prompt_ids=group.prompt_ids, chat=bool(prompt.messages))
+        records = group.request.sampling.replay_max_kept is not None
+        row = _Row(
+            group,
+            index,
+            prompt_ids=group.prompt_ids,
+            chat=bool(prompt.messages),
+            kept=[] if records else None,
+        )
         if self._tools is not None and prompt.takes_tools:
             assert self._decode_text is not None
             limit = group.request.sampling.max_new_tokens
@@ -282,13 +290,14 @@ class ContinuousBatcher:
                 "weights hold NaN or inf values (or overflow their dtype)"
             )
         settings = [row.group.request.sampling for row in self._rows]
-        tokens, logprobs = sample_rows(logits, settings, self._uniforms())
+        draws = sample_rows(logits, settings, self._uniforms())
+        tokens = draws.tokens
         ended: list[list[Response]] = []
         keep: list[int] = []
         for position, (row, token, logprob) in enumerate(
-            zip(self._rows, tokens.tolist(), logprobs.tolist(), strict=True)
+            zip(self._rows, tokens.tolist(), draws.logprobs.tolist(), strict=True)
         ):
-            row.append_model_token(token, logprob, version)
+            row.append_model_token(token, logprob, version, draws.kept.get(position))
             decision = self._decide(row, token)
             if decision == "continue":
                 keep.append(position)

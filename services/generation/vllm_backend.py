@@ -5,7 +5,9 @@ Prompts and log-probs:
   tokenizer exactly as the `hf` backend does, so both backends see the same prompt ids.
 - Behaviour log-probs come from the engine itself with `logprobs_mode="processed_logprobs"`:
   the log-prob of each sampled token under the distribution it was sampled from, i.e. after
-  temperature, top-k and top-p (`SamplingParams(logprobs=0)` asks for the sampled token only).
+  temperature, min-p, top-k and top-p (`SamplingParams(logprobs=0)` asks for the sampled token
+  only). It does not report the kept sets of that truncation, so a request that asks for them
+  (`SamplingSettings.replay_max_kept`) is refused.
 - Temperature 0 is greedy decoding: one sample per prompt (vLLM refuses `n > 1` for it)
   repeated across the group, with log-probs 0.0 (a point mass), as in the `hf` backend.
 
@@ -278,6 +280,7 @@ class VLLMBackend(GenerationBackend):
         Every request is validated and encoded first, so a bad one adds nothing.
         """
         validate_requests(requests)
+        _refuse_kept_sets(requests)
         if not requests:
             return
         from vllm import TokensPrompt
@@ -376,6 +379,7 @@ class VLLMBackend(GenerationBackend):
                     temperature=sampling.temperature,
                     top_p=sampling.top_p,
                     top_k=sampling.top_k,
+                    min_p=sampling.min_p,
                     max_tokens=max_tokens,
                     seed=seed,
                     logprobs=0,
@@ -465,6 +469,7 @@ class VLLMBackend(GenerationBackend):
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k,  # 0 disables top-k in vLLM, as in SamplingSettings
+            min_p=sampling.min_p,  # 0 disables min-p, as in SamplingSettings
             max_tokens=sampling.max_new_tokens,
             # vLLM seeds the n samples of one request `seed + j`.
             seed=sampling.seed,
@@ -671,6 +676,18 @@ def _external_id(request_id: str) -> str:
     randomisation is turned off; outputs carry the name.
     """
     return request_id.partition("-")[0]
+
+
+def _refuse_kept_sets(requests: Sequence[GroupRequest]) -> None:
+    """ValueError for a request that asks for its tokens' kept sets: vLLM's sampler reports
+    the sampled tokens' log-probs, not the sets it kept (the spec refuses such a run first)."""
+    for request in requests:
+        if request.sampling.replay_max_kept is not None:
+            raise ValueError(
+                f"request for prompt {request.prompt.prompt_id!r}: the vllm backend does not "
+                "record the kept sets of truncated sampling "
+                "(algorithm.off_policy.truncated_sampling: replay needs the hf backend)"
+            )
 
 
 def _token_versions(output: CompletionOutput, count: int, submitted: int) -> list[int]:

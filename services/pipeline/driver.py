@@ -699,8 +699,10 @@ class RunDriver:
             temperature=gen.temperature,
             top_p=gen.top_p,
             top_k=gen.top_k,
+            min_p=gen.min_p,
             max_new_tokens=gen.max_new_tokens,
             seed=seed,
+            replay_max_kept=self.spec.replay_max_kept,
         )
 
     def _dispatch_generation(self, actors: RunActors) -> None:

@@ -38,13 +38,14 @@ log = logging.getLogger(__name__)
 def eval_sampling(
     config: EvalConfig, generation: GenerationConfig, seed: int, step: int
 ) -> SamplingSettings:
-    """The sampling of the evaluation at `step`: the eval temperature, top-p and top-k where
-    given, the run's other settings."""
+    """The sampling of the evaluation at `step`: the eval temperature, top-p, top-k and min-p
+    where given, the run's other settings (no kept set recorded: evaluation trains nothing)."""
     digest = hashlib.blake2b(f"eval:{seed}:{step}".encode(), digest_size=8).digest()
     return SamplingSettings(
         temperature=config.temperature,
         top_p=generation.top_p if config.top_p is None else config.top_p,
         top_k=generation.top_k if config.top_k is None else config.top_k,
+        min_p=generation.min_p if config.min_p is None else config.min_p,
         max_new_tokens=config.max_new_tokens or generation.max_new_tokens,
         seed=int.from_bytes(digest, "big") >> 1,
     )

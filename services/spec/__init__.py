@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import Field, ValidationError, ValidationInfo, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from kpo_core.config import AlgorithmConfig, StrictModel
@@ -109,7 +109,8 @@ class RunSpec(StrictModel):
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    # Validated even as the default: `_truncated_sampling_resolved` fills in its mode.
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, validate_default=True)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     eval: EvalConfig | None = Field(
         None, description="held-out evaluation during the run (off when absent)"
@@ -130,37 +131,51 @@ class RunSpec(StrictModel):
         "breaking one does (warn, rollback, pause, cancel); off by default",
     )
 
+    @field_validator("algorithm")
+    @classmethod
+    def _truncated_sampling_resolved(
+        cls, algorithm: AlgorithmConfig, info: ValidationInfo
+    ) -> AlgorithmConfig:
+        # Unset, truncated training sampling is replayed: resolved here, where the generation
+        # section (validated before this one) is known, so that the stored spec says so.
+        generation = info.data.get("generation")
+        off_policy = algorithm.off_policy
+        if off_policy.truncated_sampling is not None or generation is None:
+            return algorithm
+        if not generation.truncated:
+            return algorithm
+        replay = off_policy.model_copy(update={"truncated_sampling": "replay"})
+        return algorithm.model_copy(update={"off_policy": replay})
+
     @model_validator(mode="after")
     def _truncated_sampling_declared(self) -> RunSpec:
-        # The learner's log-probs are of the full softmax (services/learner/logprobs.py): with
-        # top-p/top-k the behaviour log-probs are of a renormalised subset, every on-policy
-        # ratio falls below 1, and the loss is biased without a word. So it is a choice.
-        if self.algorithm.off_policy.truncated_sampling == "allow":
+        # Without replay the learner's log-probs are of the full softmax (services/learner/
+        # logprobs.py): with top-p/top-k/min-p the behaviour log-probs are of a renormalised
+        # subset, every on-policy ratio falls below 1, and the loss is biased without a word.
+        # So that is a choice; replay needs a backend that records the kept sets.
+        mode = self.algorithm.off_policy.truncated_sampling
+        truncated = self.generation.truncated
+        if not truncated or mode == "allow":
             return self
-        truncated = {
-            "top_p": (self.generation.top_p, self.generation.top_p < 1.0, "< 1"),
-            "top_k": (self.generation.top_k, self.generation.top_k > 0, "> 0"),
-        }
-        errors = [
-            InitErrorDetails(
-                type=PydanticCustomError(
-                    "truncated_sampling",
-                    "{value} {bound} truncates training sampling, but the learner's log-probs "
-                    "are of the full softmax, so every importance ratio is biased (below 1 even "
-                    "on-policy); sample training rollouts untruncated (top_p 1, top_k 0; "
-                    "eval.top_p / eval.top_k truncate evaluation only), or declare it with "
-                    "algorithm.off_policy.truncated_sampling: allow",
-                    {"value": value, "bound": bound},
-                ),
-                loc=("generation", name),
-                input=value,
-            )
-            for name, (value, is_truncated, bound) in truncated.items()
-            if is_truncated
-        ]
-        if errors:
-            raise ValidationError.from_exception_data("RunSpec", errors)
-        return self
+        if mode == "replay":
+            if self.generation.backend != "vllm":
+                return self
+            errors = [_replay_needs_hf(truncated)]
+        else:
+            errors = [
+                _refused_truncation(name, value, bound)
+                for name, (value, bound) in truncated.items()
+            ]
+        raise ValidationError.from_exception_data("RunSpec", errors)
+
+    @property
+    def replay_max_kept(self) -> int | None:
+        """The kept-set limit training generation records each token's kept set with
+        (`SamplingSettings.replay_max_kept`); None when the run does not replay."""
+        replays = self.algorithm.off_policy.truncated_sampling == "replay"
+        if replays and self.generation.truncated:
+            return self.generation.replay_max_kept
+        return None
 
     @model_validator(mode="after")
     def _version_switch_needs_in_flight_updates(self) -> RunSpec:
@@ -273,6 +288,41 @@ class RunSpec(StrictModel):
                 f"batch (pipeline.batch_groups x generation.group_size = {rows})"
             )
         return self
+
+
+def _refused_truncation(name: str, value: float, bound: str) -> InitErrorDetails:
+    """The error of a training sampling setting that truncates, under `refuse`."""
+    return InitErrorDetails(
+        type=PydanticCustomError(
+            "truncated_sampling",
+            "{value} {bound} truncates training sampling, but the learner's log-probs "
+            "are of the full softmax, so every importance ratio is biased (below 1 even "
+            "on-policy); sample training rollouts untruncated (top_p 1, top_k 0, min_p 0; "
+            "eval.top_p / eval.top_k / eval.min_p truncate evaluation only), or declare it with "
+            "algorithm.off_policy.truncated_sampling: allow",
+            {"value": value, "bound": bound},
+        ),
+        loc=("generation", name),
+        input=value,
+    )
+
+
+def _replay_needs_hf(truncated: Mapping[str, tuple[float, str]]) -> InitErrorDetails:
+    """The error of truncated training sampling replayed by the vllm backend."""
+    settings = ", ".join(f"generation.{name} {value}" for name, (value, _) in truncated.items())
+    return InitErrorDetails(
+        type=PydanticCustomError(
+            "truncated_sampling",
+            "{settings} truncates training sampling, which is replayed "
+            "(algorithm.off_policy.truncated_sampling: replay, the default for truncated "
+            "sampling), but the vllm backend does not record the kept sets replay needs; use "
+            "generation.backend: hf, sample training rollouts untruncated, or declare "
+            "algorithm.off_policy.truncated_sampling: allow (biased ratios)",
+            {"settings": settings},
+        ),
+        loc=("algorithm", "off_policy", "truncated_sampling"),
+        input="replay",
+    )
 
 
 def _set_staleness_bound(data: dict[str, Any], bound: Any) -> None:

@@ -62,6 +62,10 @@ MAX_NAME_CHARS = 256
 MAX_TEXT_CHARS = 32_768
 # Sampling temperature: far past any useful value (sampling is uniform long before), but finite.
 MAX_TEMPERATURE = 100.0
+# Ids of one token's kept set that truncated-sampling replay records (generation.replay_max_kept):
+# the learner's batch holds [responses, tokens, this many] int64 ids (32 KiB a token at the
+# bound), and a set that large is hardly truncated any more.
+MAX_REPLAY_KEPT = 4096
 
 PathText = Annotated[str, StringConstraints(min_length=1, max_length=MAX_PATH_CHARS)]
 NameText = Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS)]

@@ -43,6 +43,9 @@ class EvalConfig(StrictModel):
     top_k: int | None = Field(
         None, ge=0, le=2**20, description="top-k of evaluation, 0 = off (default: generation's)"
     )
+    min_p: float | None = Field(
+        None, ge=0.0, le=1.0, description="min-p of evaluation, 0 = off (default: generation's)"
+    )
 
 
 # Tool calls of one response, and model turns: verl's multi-turn agent loop and CTPO's

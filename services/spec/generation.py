@@ -25,6 +25,7 @@ from services.spec.bounds import (
     MAX_GROUP_SIZE,
     MAX_PATH_CHARS,
     MAX_PROMPTS_PER_BATCH,
+    MAX_REPLAY_KEPT,
     MAX_RESPONSE_TOKENS,
     MAX_SEED,
     MAX_TEMPERATURE,
@@ -102,6 +103,21 @@ class GenerationConfig(StrictModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     # 2^20: above any vocabulary (Gemma 3's is 262,144); a larger k keeps every token anyway.
     top_k: int = Field(0, ge=0, le=2**20, description="0 = no top-k truncation")
+    min_p: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="keep the tokens whose probability is at least min_p times the most likely "
+        "token's (applied before top-k and top-p, as vLLM does); 0 = off",
+    )
+    replay_max_kept: int = Field(
+        256,
+        ge=1,
+        le=MAX_REPLAY_KEPT,
+        description="truncated-sampling replay: the largest kept set recorded per token; a "
+        "token whose set is larger is dropped from the loss (counted in "
+        "replay_dropped_tokens), never trained on a wrong set",
+    )
     max_new_tokens: int = Field(128, ge=1, le=MAX_RESPONSE_TOKENS)
     options: dict[str, BackendOption] = Field(
         default_factory=dict,
@@ -201,6 +217,16 @@ class GenerationConfig(StrictModel):
             # Raised as a ValidationError so each error's location is generation.engine.<name>.
             raise ValidationError.from_exception_data("GenerationConfig.engine", errors)
         return engine
+
+    @property
+    def truncated(self) -> dict[str, tuple[float, str]]:
+        """The settings that truncate sampling: name -> (value, what makes it truncate)."""
+        candidates = {
+            "top_p": (self.top_p, self.top_p < 1.0, "< 1"),
+            "top_k": (self.top_k, self.top_k > 0, "> 0"),
+            "min_p": (self.min_p, self.min_p > 0.0, "> 0"),
+        }
+        return {name: (value, bound) for name, (value, on, bound) in candidates.items() if on}
 
 
 def _unknown_option(

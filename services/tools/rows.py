@@ -44,6 +44,8 @@ class TurnRow:
     turns: ResponseTurns | None = None
     text: IncrementalText | None = None
     call: Future[ToolResult] | None = None  # the call it is parked on
+    # Per token, its sampler's kept set (`Response.kept_ids`); None: not recorded.
+    kept: list[list[int]] | None = None
 
     @property
     def context(self) -> list[int]:
@@ -55,11 +57,16 @@ class TurnRow:
         """len(context), without building it (read after every token)."""
         return len(self.prompt_ids) + len(self.tokens)
 
-    def append_model_token(self, token: int, logprob: float, version: int) -> None:
+    def append_model_token(
+        self, token: int, logprob: float, version: int, kept: list[int] | None = None
+    ) -> None:
+        """`kept`: the token's kept set, for a row that records them ([] over the limit)."""
         self.tokens.append(token)
         self.logprobs.append(logprob)
         self.versions.append(version)
         self.observed.append(False)
+        if self.kept is not None:
+            self.kept.append([] if kept is None else kept)
 
     def turn_decision(self, eos: bool) -> Decision:
         """What the model token just appended means for a multi-turn response (`eos`: it is an
@@ -83,6 +90,8 @@ class TurnRow:
         self.logprobs.extend([0.0] * len(ids))
         self.versions.extend([version] * len(ids))
         self.observed.extend([True] * len(ids))
+        if self.kept is not None:
+            self.kept.extend([] for _ in ids)
         self.turns.observed()
         self.text.restart(len(self.tokens))
 
@@ -153,4 +162,5 @@ def response_of(row: TurnRow, prompt_id: str, text: str, version: int) -> Respon
         token_versions=list(row.versions) if spans else [],
         observation_mask=list(row.observed) if any(row.observed) else [],
         tool_calls=list(row.call_statuses),
+        kept_ids=[] if row.kept is None else list(row.kept),
     )

@@ -152,6 +152,7 @@ NUMERIC_BOUNDS: list[tuple[str, int | float, Data]] = [
     ("generation.prompts_per_batch", 4096, {}),
     ("generation.group_size", 1024, {}),
     ("generation.top_k", 2**20, TRUNCATED),
+    ("generation.replay_max_kept", 4096, {}),
     ("generation.max_new_tokens", 131_072, {}),
     ("generation.options.max_batch_rows", 4096 * 1024, {}),
     ("generation.options.tensor_parallel_size", 64, VLLM),
@@ -540,18 +541,57 @@ def test_tools_run_on_both_backends() -> None:
     assert "tools" in RunSpec.model_json_schema()["properties"]
 
 
-@pytest.mark.parametrize(("field", "value"), [("top_p", 0.95), ("top_k", 40)])
-def test_truncated_training_sampling_is_refused_naming_the_field_and_the_option(
+REFUSED: Data = {"algorithm": {"off_policy": {"truncated_sampling": "refuse"}}}
+TRUNCATIONS = [("top_p", 0.95), ("top_k", 40), ("min_p", 0.05)]
+
+
+@pytest.mark.parametrize(("field", "value"), TRUNCATIONS)
+def test_truncated_training_sampling_is_replayed_unless_declared_otherwise(
+    field: str, value: float
+) -> None:
+    spec = RunSpec.model_validate({"generation": {field: value}})
+    # Resolved where the spec is validated, so the stored spec says it.
+    assert spec.algorithm.off_policy.truncated_sampling == "replay"
+    assert spec.replay_max_kept == 256
+    stored = spec.model_dump(mode="json")
+    assert stored["algorithm"]["off_policy"]["truncated_sampling"] == "replay"
+    assert RunSpec.model_validate(stored) == spec
+    # Untruncated, nothing is replayed, nor recorded as replayed.
+    plain = RunSpec.model_validate({"generation": {"replay_max_kept": 16}})
+    assert plain.algorithm.off_policy.truncated_sampling is None
+    assert plain.replay_max_kept is None
+
+
+@pytest.mark.parametrize(("field", "value"), TRUNCATIONS)
+def test_truncated_training_sampling_under_refuse_is_refused_naming_the_field_and_the_option(
     field: str, value: float
 ) -> None:
     with pytest.raises(ValidationError) as error:
-        RunSpec.model_validate({"generation": {field: value}})
+        RunSpec.model_validate({"generation": {field: value}, **REFUSED})
     (problem,) = error.value.errors()
     assert problem["loc"] == ("generation", field)
+    assert "full softmax" in problem["msg"] and "biased" in problem["msg"]
     assert "algorithm.off_policy.truncated_sampling: allow" in problem["msg"]
     declared = RunSpec.model_validate({"generation": {field: value}, **TRUNCATED})
     assert getattr(declared.generation, field) == value
     assert declared.model_dump()["algorithm"]["off_policy"]["truncated_sampling"] == "allow"
+    assert declared.replay_max_kept is None
+    # refuse refuses truncated sampling only.
+    assert RunSpec.model_validate(REFUSED).replay_max_kept is None
+
+
+def test_replay_with_the_vllm_backend_is_refused_naming_the_setting() -> None:
+    for declared in ({}, {"algorithm": {"off_policy": {"truncated_sampling": "replay"}}}):
+        with pytest.raises(ValidationError) as error:
+            RunSpec.model_validate(merged(VLLM, {"generation": {"top_k": 40}, **declared}))
+        (problem,) = error.value.errors()
+        assert problem["loc"] == ("algorithm", "off_policy", "truncated_sampling")
+        assert "generation.top_k 40" in problem["msg"] and "vllm" in problem["msg"]
+        assert "generation.backend: hf" in problem["msg"]
+    allowed = RunSpec.model_validate(merged(VLLM, {"generation": {"top_k": 40}, **TRUNCATED}))
+    assert allowed.replay_max_kept is None
+    # Untruncated, a vLLM run has nothing to replay.
+    assert RunSpec.model_validate(VLLM).algorithm.off_policy.truncated_sampling is None
 
 
 def test_evaluation_may_truncate_its_sampling_while_training_does_not() -> None:
@@ -559,12 +599,13 @@ def test_evaluation_may_truncate_its_sampling_while_training_does_not() -> None:
     assert spec.generation.top_p == 1.0 and spec.generation.top_k == 0
     assert spec.eval is not None
     sampling = eval_sampling(spec.eval, spec.generation, seed=0, step=1)
-    assert (sampling.top_p, sampling.top_k) == (0.9, 20)
-    # Unset, evaluation samples as training does.
-    plain = RunSpec.model_validate({"eval": {}})
+    assert (sampling.top_p, sampling.top_k, sampling.min_p) == (0.9, 20, 0.0)
+    # Unset, evaluation samples as training does, and records no kept set.
+    plain = RunSpec.model_validate({"eval": {"min_p": 0.1}, "generation": {"top_k": 5}})
     assert plain.eval is not None
     sampling = eval_sampling(plain.eval, plain.generation, seed=0, step=1)
-    assert (sampling.top_p, sampling.top_k) == (1.0, 0)
+    assert (sampling.top_p, sampling.top_k, sampling.min_p) == (1.0, 5, 0.1)
+    assert sampling.replay_max_kept is None
 
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"

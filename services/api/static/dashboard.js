@@ -406,13 +406,20 @@
     ];
     const shadow = (spec.algorithm && spec.algorithm.shadow) || [];
     if (shadow.length) facts.push(["shadow estimators", shadow.join(", ")]);
-    // Truncated training sampling biases every ratio: a run that declared it says so here.
+    // Truncated training sampling biases every ratio unless replayed: a run that declared it,
+    // or replays it, says so here.
     const offPolicy = (spec.algorithm && spec.algorithm.off_policy) || {};
+    const generation = spec.generation || {};
     if (offPolicy.truncated_sampling === "allow") {
-      const generation = spec.generation || {};
       facts.push([
         "truncated sampling",
         `allowed (top_p ${fmt(generation.top_p)}, top_k ${fmt(generation.top_k)})`,
+      ]);
+    } else if (offPolicy.truncated_sampling === "replay") {
+      facts.push([
+        "truncated sampling",
+        `replayed (top_p ${fmt(generation.top_p)}, top_k ${fmt(generation.top_k)}, ` +
+          `min_p ${fmt(generation.min_p || 0)})`,
       ]);
     }
     $("run-name").textContent = runTitle(run);

@@ -38,8 +38,14 @@ def test_bounds_options_and_attention_are_a_422_naming_each_field(api: Api) -> N
     assert api.launcher.submitted == [accepted.json()["id"]]
 
 
-def test_truncated_training_sampling_is_a_422_until_declared_and_then_recorded(api: Api) -> None:
-    body: dict[str, Any] = {**TINY, "generation": {"group_size": 4, "top_p": 0.9}}
+def test_truncated_training_sampling_is_a_422_under_refuse_until_declared_and_then_recorded(
+    api: Api,
+) -> None:
+    body: dict[str, Any] = {
+        **TINY,
+        "generation": {"group_size": 4, "top_p": 0.9},
+        "algorithm": {"off_policy": {"truncated_sampling": "refuse"}},
+    }
     response = api.client.post("/v1/runs", json=body)
     assert response.status_code == 422, response.text
     fields = {f["field"]: f["message"] for f in response.json()["error"]["fields"]}
@@ -57,3 +63,12 @@ def test_truncated_training_sampling_is_a_422_until_declared_and_then_recorded(a
     stored = api.client.get(f"/v1/runs/{run_id}").json()["spec"]
     assert stored["algorithm"]["off_policy"]["truncated_sampling"] == "allow"
     assert stored["generation"]["top_p"] == 0.9
+
+
+def test_truncated_training_sampling_is_replayed_by_default_and_recorded(api: Api) -> None:
+    body: dict[str, Any] = {**TINY, "generation": {"group_size": 4, "top_k": 20}}
+    accepted = api.client.post("/v1/runs", json=body)
+    assert accepted.status_code == 201, accepted.text
+    stored = api.client.get(f"/v1/runs/{accepted.json()['id']}").json()["spec"]
+    assert stored["algorithm"]["off_policy"]["truncated_sampling"] == "replay"
+    assert stored["generation"]["replay_max_kept"] == 256

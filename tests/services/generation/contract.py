@@ -140,6 +140,9 @@ def check_rejects_bad_settings(subject: ContractSubject) -> None:
         SamplingSettings(top_p=0.0),
         SamplingSettings(top_p=1.5),
         SamplingSettings(top_k=-1),
+        SamplingSettings(min_p=-0.1),
+        SamplingSettings(min_p=1.5),
+        SamplingSettings(replay_max_kept=0),
         SamplingSettings(max_new_tokens=0),
     ]
     for sampling in bad:

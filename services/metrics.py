@@ -21,8 +21,8 @@ declaration that breaks these rules. The exported names are a contract with depl
 dashboard, Prometheus rules): renaming one breaks dashboards and alerts.
 
 Not every key is in every record: those of an estimator or an option (Kalman, the proximal
-reference, TIS/MIS, `algorithm.shadow`) only with it, `grad_norm` only when a minibatch was
-trained; the notes of the table say which.
+reference, TIS/MIS, `algorithm.shadow`, truncated-sampling replay) only with it, `grad_norm`
+only when a minibatch was trained; the notes of the table say which.
 """
 
 from __future__ import annotations
@@ -360,6 +360,31 @@ BAD_NUMBERS = Group(
             "kpo_skipped_minibatches_total",
             "minibatches",
             "Minibatches whose loss or gradient was not finite, skipped without an update.",
+        ),
+    ),
+)
+REPLAY = Group(
+    "truncated sampling replayed (only with `algorithm.off_policy.truncated_sampling: replay`)",
+    (
+        _record(
+            "replay_kept_mean",
+            "tokens",
+            "Mean size of the kept sets (top-k / top-p / min-p) the learner normalised the "
+            "batch's log-probs over.",
+            note="Over the model tokens whose set was recorded; once per step.",
+        ),
+        _record(
+            "replay_kept_p99",
+            "tokens",
+            "99th percentile (nearest rank) of the kept-set sizes of the batch.",
+            note="As `replay_kept_mean`; near `generation.replay_max_kept`, raise it.",
+        ),
+        _record(
+            "replay_dropped_tokens",
+            "tokens",
+            "Model tokens dropped from the loss because their kept set had more ids than "
+            "`generation.replay_max_kept` (not recorded).",
+            note="Once per step; counted in tokens_trained, not in nonfinite_tokens.",
         ),
     ),
 )
@@ -787,6 +812,8 @@ SHADOW = Group(
 
 # The keys a record holds only in a run with `tools.enabled`.
 TOOL_KEYS = tuple(metric.key for metric in TOOLS.keys)
+# The keys a record holds only in a run that replays truncated sampling.
+REPLAY_KEYS = tuple(metric.key for metric in REPLAY.keys)
 # The keys a record holds only in a run with `algorithm.shadow` (those of its estimators).
 SHADOW_KEYS = tuple(key for metric in SHADOW.keys for key in metric.record_keys)
 
@@ -795,6 +822,7 @@ GROUPS = (
     REWARD,
     OPTIMISATION,
     BAD_NUMBERS,
+    REPLAY,
     RATIOS,
     RATIO_DIAGNOSTICS,
     STALENESS,

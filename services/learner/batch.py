@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -54,6 +55,11 @@ class TrainingBatch:
     the host: micro-batch plans, crops and packing read them there, so that the step never
     waits on the device to learn a shape. A response length counts its positions (model and
     observation tokens), not the tokens trained on: that count is `response_mask`'s.
+
+    kept: [B, T, K] int64 or None, the responses' `kept_ids` (truncated-sampling replay): each
+    response token's kept set, ascending, padded with -1 to K, the largest set of the batch (at
+    least 1). A model token whose row is all -1 had a set over the limit (`replay_dropped`).
+    None when no response recorded kept sets.
     """
 
     input_ids: Tensor
@@ -71,6 +77,7 @@ class TrainingBatch:
     truncated: Tensor
     prompt_lengths: tuple[int, ...]
     response_lengths: tuple[int, ...]
+    kept: Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -90,6 +97,14 @@ class TrainingBatch:
     def prompt_width(self) -> int:
         """P, the padded prompt length."""
         return int(self.input_ids.shape[1]) - self.response_width
+
+    @property
+    def replay_dropped(self) -> Tensor | None:
+        """[B, T] bool: the model tokens whose kept set was not recorded (it had more ids than
+        `generation.replay_max_kept`), which the learner drops; None without kept sets."""
+        if self.kept is None:
+            return None
+        return self.response_mask & (self.kept < 0).all(dim=-1)
 
     @property
     def longest_response(self) -> int:
@@ -113,12 +128,13 @@ class TrainingBatch:
             response_mask=self.response_mask[:, :response],
             behaviour_logp=self.behaviour_logp[:, :response],
             token_versions=self.token_versions[:, :response],
+            kept=None if self.kept is None else self.kept[:, :response],
         )
 
     def select(self, rows: Sequence[int]) -> TrainingBatch:
         """The batch restricted to `rows` (indices, on the host); widths P and T are kept."""
         index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
-        tensors = {name: getattr(self, name)[index] for name in self._tensor_fields()}
+        tensors = {name: tensor[index] for name, tensor in self._tensors().items()}
         return replace(
             self,
             **tensors,
@@ -128,19 +144,17 @@ class TrainingBatch:
 
     def to(self, device: torch.device | str) -> TrainingBatch:
         """The batch with every tensor on `device` (copied without waiting where it can)."""
-        return replace(
-            self,
-            **{
-                name: getattr(self, name).to(device, non_blocking=True)
-                for name in self._tensor_fields()
-            },
-        )
+        # Any: `replace` checks keyword types, and these are tensors of several fields.
+        moved: dict[str, Any] = {
+            name: tensor.to(device, non_blocking=True) for name, tensor in self._tensors().items()
+        }
+        return replace(self, **moved)
 
-    @classmethod
-    def _tensor_fields(cls) -> tuple[str, ...]:
-        return tuple(
-            f.name for f in fields(cls) if f.name not in ("prompt_lengths", "response_lengths")
-        )
+    def _tensors(self) -> dict[str, Tensor]:
+        """The batch's tensors by field name (an optional one that is None left out)."""
+        host = ("prompt_lengths", "response_lengths")
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in host}
+        return {name: value for name, value in values.items() if value is not None}
 
 
 def _check_response(response: Response, row: int) -> None:
@@ -169,6 +183,40 @@ def _check_response(response: Response, row: int) -> None:
             f"row {row} (prompt {response.prompt_id!r}) has "
             f"{len(response.response_token_ids)} response tokens but {len(versions)} token versions"
         )
+    kept = response.kept_ids
+    if kept and len(kept) != len(response.response_token_ids):
+        raise ValueError(
+            f"row {row} (prompt {response.prompt_id!r}) has "
+            f"{len(response.response_token_ids)} response tokens but {len(kept)} kept sets"
+        )
+
+
+def collate_kept(responses: Sequence[Response], width: int) -> Tensor | None:
+    """The responses' kept sets as [B, width, K] int64, -1 padded (`TrainingBatch.kept`); None
+    when none recorded any. Every response with tokens must have recorded them: a batch that
+    replays some tokens' truncation and not others' would train them under two rules."""
+    recorded = [bool(r.kept_ids) for r in responses if r.response_token_ids]
+    if not any(recorded):
+        return None
+    if not all(recorded):
+        missing = [r.prompt_id for r in responses if r.response_token_ids and not r.kept_ids]
+        raise ValueError(
+            f"responses of prompts {sorted(set(missing))} have no kept sets while others of the "
+            "batch have: a batch is replayed whole or not at all"
+        )
+    largest = max((len(s) for r in responses for s in r.kept_ids), default=0)
+    kept = torch.full((len(responses), width, max(largest, 1)), -1, dtype=torch.long)
+    for row, response in enumerate(responses):
+        sizes = [len(s) for s in response.kept_ids]
+        flat = [token for s in response.kept_ids for token in s]
+        if not flat:
+            continue
+        size = torch.tensor(sizes, dtype=torch.long)
+        position = torch.repeat_interleave(torch.arange(len(sizes)), size)
+        # Each id's place within its set: its index in `flat` less its set's start.
+        slot = torch.arange(len(flat)) - torch.repeat_interleave(torch.cumsum(size, 0) - size, size)
+        kept[row, position, slot] = torch.tensor(flat, dtype=torch.long)
+    return kept
 
 
 def collate(groups: Sequence[ScoredGroup], pad_id: int, learner_version: int) -> TrainingBatch:
@@ -176,9 +224,10 @@ def collate(groups: Sequence[ScoredGroup], pad_id: int, learner_version: int) ->
 
     `learner_version` is the learner's current version, against which staleness is measured.
     An empty response (0 tokens) gets an all-False mask row; observation tokens are in the row
-    but off the mask, their behaviour log-probs 0. Raises ValueError for no responses, a response
-    without prompt tokens, or log-probs or an observation mask that do not match the response
-    length.
+    but off the mask, their behaviour log-probs 0; kept sets, where recorded, become `kept`
+    (`collate_kept`). Raises ValueError for no responses, a response without prompt tokens,
+    log-probs, an observation mask or kept sets that do not match the response length, or kept
+    sets recorded for some responses only.
     """
     rows = [(index, scored) for index, group in enumerate(groups) for scored in group.responses]
     if not rows:
@@ -227,4 +276,5 @@ def collate(groups: Sequence[ScoredGroup], pad_id: int, learner_version: int) ->
         truncated=torch.tensor([r.finish_reason != "stop" for r in responses]),
         prompt_lengths=tuple(len(r.prompt_token_ids) for r in responses),
         response_lengths=tuple(len(r.response_token_ids) for r in responses),
+        kept=collate_kept(responses, width_t),
     )

@@ -351,8 +351,10 @@ class ResponseLogProbs(nn.Module):
 def response_logprobs(
     model: ResponseLogProbs, batch: TrainingBatch, temperature: float, with_entropy: bool
 ) -> tuple[Tensor, Tensor | None]:
-    """`model(batch, ...)`: logp [B, T] and, with `with_entropy`, the entropy [B, T] (else None)."""
-    logp, entropy = model(batch, temperature, with_entropy)
+    """`model(batch, ...)`: logp [B, T] and, with `with_entropy`, the entropy [B, T] (else None).
+    A batch with kept sets (`TrainingBatch.kept`) is scored over them: truncated sampling
+    replayed, so that logp is of the distribution the behaviour log-probs are of."""
+    logp, entropy = model(batch, temperature, with_entropy, kept=batch.kept)
     return logp, entropy if with_entropy else None
 
 

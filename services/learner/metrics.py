@@ -57,7 +57,8 @@ def batch_metric_tensors(batch: TrainingBatch, num_groups: int | None = None) ->
     Lengths count model tokens (`response_mask`): response_length_mean, empty_responses (no
     model token) and tokens_trained (every model token of the batch, including those the loss
     later masks for a NaN/inf reward or log-prob) leave observation tokens out;
-    observation_tokens counts those.
+    observation_tokens counts those. A replayed batch (with kept sets) adds
+    `replay_metric_tensors`.
 
     0-dim float64 tensors on the batch's device, nothing read back. `num_groups`: the number of
     groups the rows' group_ids index (known to the caller on the host); without it the distinct
@@ -89,7 +90,8 @@ def batch_metric_tensors(batch: TrainingBatch, num_groups: int | None = None) ->
     g_min = rewards.new_full(shape, math.inf).scatter_reduce(0, inverse, low, "amin")
     staleness = batch.staleness.double()
     zero_variance = ((g_min >= g_max) & present.to(g_min.device)).sum() / present.sum()
-    return {
+    replay = {} if batch.kept is None else replay_metric_tensors(batch)
+    return replay | {
         "reward_mean": reward_mean,
         "reward_std": reward_std,
         "accuracy": batch.correct.double().mean(),
@@ -102,6 +104,34 @@ def batch_metric_tensors(batch: TrainingBatch, num_groups: int | None = None) ->
         "staleness_max": staleness.max(),
         "tokens_trained": lengths.sum(),
         "observation_tokens": positions - lengths.sum(),
+    }
+
+
+# The quantile of the kept-set sizes `replay_kept_p99` reports.
+KEPT_QUANTILE = 0.99
+
+
+def replay_metric_tensors(batch: TrainingBatch) -> dict[str, Tensor]:
+    """The kept sets of a replayed batch (`TrainingBatch.kept`), over its model tokens:
+    replay_kept_mean and replay_kept_p99 (nearest rank), the sizes of the sets recorded (0.0
+    when none was), and replay_dropped_tokens, the tokens whose set was over the limit.
+
+    0-dim float64 tensors, nothing read back: the quantile is taken by sorting every position
+    with the positions that do not count put first, so no shape depends on the data."""
+    assert batch.kept is not None and batch.replay_dropped is not None
+    sizes = (batch.kept >= 0).sum(dim=-1).double().flatten()
+    counted = (batch.response_mask & ~batch.replay_dropped).flatten()
+    count = counted.sum()
+    ordered = torch.where(counted, sizes, -1.0).sort().values
+    # Nearest rank: the ceil(q n)-th of the n counted sizes, which sort after the others.
+    rank = (KEPT_QUANTILE * count.double()).ceil().long().clamp_min(1)
+    at = (ordered.numel() - count + rank - 1).clamp(0, ordered.numel() - 1)
+    p99 = torch.where(count > 0, ordered[at], 0.0)
+    mean = torch.where(counted, sizes, 0.0).sum() / count.clamp_min(1)
+    return {
+        "replay_kept_mean": mean,
+        "replay_kept_p99": p99,
+        "replay_dropped_tokens": batch.replay_dropped.sum().double(),
     }
 
 

@@ -323,6 +323,17 @@ def ratio_file(ratio_dir: Path, version: int) -> Path:
     return ratio_dir / f"step-{version + 1:06d}.pt"
 
 
+def trained_tokens(batch: TrainingBatch) -> TrainingBatch:
+    """`batch` with the tokens no loss may use off its response mask: those of responses
+    without a finite reward, and those whose kept set was over the replay limit (a set not
+    recorded: their log-prob over it cannot be taken). Both are counted in the batch
+    statistics, which read the mask before this."""
+    valid = batch.response_mask & torch.isfinite(batch.rewards).unsqueeze(-1)
+    if batch.replay_dropped is not None:
+        valid = valid & ~batch.replay_dropped
+    return replace(batch, response_mask=valid)
+
+
 def resolve_device(name: str) -> torch.device:
     """The learner's device: `cuda` means the (first) GPU Ray assigned to this rank."""
     device = torch.device(name)
@@ -408,12 +419,13 @@ class LearnerCore:
 
         Batch statistics (reward_*, accuracy, response_length_mean, truncated_fraction,
         zero_variance_group_fraction, nonfinite_rewards, empty_responses, staleness_*,
-        tokens_trained) are over the batch, once. Loss metrics are per minibatch (its
-        micro-batches and ranks merged by `merge_micro_batches`), then reduced over the
-        minibatches (`reduce_minibatches`): `*_max` max, `*_min` min, skipped_minibatches and
-        empty_minibatches summed, nonfinite_tokens and extreme_ratio_tokens summed and divided
-        by the epochs, the rest averaged over minibatches where finite (so grad_norm is absent
-        when no minibatch was trained). entropy is from the first epoch (each row once).
+        tokens_trained; replay_* with kept sets) are over the batch, once. Loss metrics are
+        per minibatch (its micro-batches and ranks merged by `merge_micro_batches`), then
+        reduced over the minibatches (`reduce_minibatches`): `*_max` max, `*_min` min,
+        skipped_minibatches and empty_minibatches summed, nonfinite_tokens and
+        extreme_ratio_tokens summed and divided by the epochs, the rest averaged over
+        minibatches where finite (so grad_norm is absent when no minibatch was trained).
+        entropy is from the first epoch (each row once).
         raw_* / filtered_* are `ratio_diagnostics` of the raw ratios exp(z) and of the
         estimator's ratios over all minibatches of the step; shadow_<name>_* the same for each
         shadow estimator (`_shadow_losses`). lr is the rate this step used;
@@ -435,11 +447,9 @@ class LearnerCore:
                 "drops those responses instead"
             )
         batch = collate(groups, self.pad_id, self._version).to(self.device)
-        finite_rewards = torch.isfinite(batch.rewards)
         advantages = self._advantages(batch, len(groups))
         batch_stats = batch_metric_tensors(batch, num_groups=len(groups))
-        # Responses without a finite reward are not trained on: no token of theirs is valid.
-        batch = replace(batch, response_mask=batch.response_mask & finite_rewards.unsqueeze(-1))
+        batch = trained_tokens(batch)
         ref_logp, behaviour_logp = self._references(batch)
         lr = float(self.scheduler.get_last_lr()[0])
         steps: list[tuple[MinibatchAccumulator, dict[str, float]]] = []

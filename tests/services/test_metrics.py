@@ -27,6 +27,7 @@ from services.metrics import (
     GUARD_KEYS,
     LEARNER_TOTALS,
     RECORD,
+    REPLAY_KEYS,
     SHADOW_KEYS,
     STALENESS_AUTO_KEYS,
     TOOL_KEYS,
@@ -146,13 +147,16 @@ def test_the_learner_writes_every_key_declared_as_its_own(
     learner_record: dict[str, float],
 ) -> None:
     # The shadow estimators' keys are only in a record of `algorithm.shadow`, and the KPO
-    # shadow's never beside KPO's own: tests/services/learner/test_shadow.py checks them.
+    # shadow's never beside KPO's own: tests/services/learner/test_shadow.py checks them. The
+    # replay's only in a record of a batch with kept sets: tests/services/learner/
+    # test_replay.py checks them.
     missing = sorted(
         declared(Source.LEARNER)
         - learner_record.keys()
         - NOT_YET_EMITTED
         - ACTOR_KEYS
         - set(SHADOW_KEYS)
+        - set(REPLAY_KEYS)
     )
     assert not missing, f"declared in services/metrics.py, not in the learner's record: {missing}"
 

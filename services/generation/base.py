@@ -30,20 +30,16 @@ class SamplingSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = no top-k truncation
-    # Keep the tokens whose probability is at least min_p times the most likely token's (0 =
-    # off); applied before top-k and top-p, as vLLM's sampler does.
-    min_p: float = 0.0
     max_new_tokens: int = 256
     seed: int | None = None
+    # Keep the tokens whose probability is at least min_p times the most likely token's (0 =
+    # off); applied before top-k and top-p, as vLLM's sampler does. (After the older fields:
+    # positional construction keeps its meaning.)
+    min_p: float = 0.0
     # Record each sampled token's kept set (`Response.kept_ids`), for the learner to replay the
     # truncation; a set larger than this is recorded empty ("over the limit": the learner drops
     # the token). None: nothing recorded.
     replay_max_kept: int | None = None
-
-    @property
-    def truncated(self) -> bool:
-        """Whether a token may be sampled from fewer than the whole vocabulary."""
-        return self.top_p < 1 or self.top_k > 0 or self.min_p > 0
 
 
 @dataclass(frozen=True)

@@ -392,6 +392,27 @@ RATIOS = Group(
     "ratios",
     (
         _record("ratio_mean", "", "Mean of the estimator's ratio over valid tokens."),
+        _record(
+            "onpolicy_ratio_mean",
+            "",
+            "Mean token ratio pi/pi_behaviour over the tokens the learner's own weights sampled "
+            "(staleness 0), before the step moved them: 1 when the learner scores exactly the "
+            "distribution its sampler drew from, the kept mass S below 1 for truncated sampling "
+            "without replay.",
+            note="Absent where no token of the batch had staleness 0.",
+        ),
+        _record(
+            "onpolicy_ratio_std",
+            "",
+            "Standard deviation of the token ratio over the tokens of `onpolicy_ratio_mean`.",
+            note="Float rounding alone gives about 1e-5.",
+        ),
+        _record(
+            "onpolicy_tokens",
+            "tokens",
+            "Tokens behind `onpolicy_ratio_mean`: sampled by the learner's current weights, "
+            "in the rows scored before the step's first update.",
+        ),
         _record("ratio_max", "", "Largest estimator ratio.", note="Max over minibatches."),
         _record("ratio_min", "", "Smallest estimator ratio.", note="Min over minibatches."),
         _record(

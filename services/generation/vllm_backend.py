@@ -6,8 +6,15 @@ Prompts and log-probs:
 - Behaviour log-probs come from the engine itself with `logprobs_mode="processed_logprobs"`:
   the log-prob of each sampled token under the distribution it was sampled from, i.e. after
   temperature, min-p, top-k and top-p (`SamplingParams(logprobs=0)` asks for the sampled token
-  only). It does not report the kept sets of that truncation, so a request that asks for them
-  (`SamplingSettings.replay_max_kept`) is refused.
+  only).
+- Kept sets (`SamplingSettings.replay_max_kept`, for the learner's truncated-sampling replay):
+  in that mode the top log-probs vLLM returns are those of the processed distribution too, -inf
+  outside what min-p / top-k / top-p kept. A request that records sets asks for its
+  `replay_max_kept + 1` most likely tokens (fewer under a smaller top-k): the finite ones are the
+  token's kept set, and a token whose asked-for ones are all finite kept more than that (the set
+  is recorded empty, over the limit, and the learner drops the token). Only vLLM's own sampler
+  sees the set, and this is its supported way of reporting what it saw (no patched sampler, no
+  logits processor that would have to re-derive the truncation).
 - Temperature 0 is greedy decoding: one sample per prompt (vLLM refuses `n > 1` for it)
   repeated across the group, with log-probs 0.0 (a point mass), as in the `hf` backend.
 
@@ -61,6 +68,7 @@ requests).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -91,6 +99,7 @@ from services.generation.vllm_transfer import (
 )
 from services.generation.vllm_worker_extension import WeightLoadingExtension
 from services.messages import FinishReason, Prompt, Response
+from services.spec.bounds import MAX_REPLAY_KEPT
 from services.tools.config import ToolsConfig
 from services.tools.rollout import ToolRollout
 from services.tools.sandbox import ToolRunner
@@ -110,6 +119,10 @@ INSTALL_HINT = "pip install 'kpo-rl[vllm]'"
 # sampled from (after temperature / top-k / top-p); the default, "raw_logprobs", is the
 # unmodified model distribution.
 VLLM_LOGPROBS_MODE = "processed_logprobs"
+
+# The most top log-probs a request may ask for (vLLM's `max_logprobs`): a kept set of the
+# largest `generation.replay_max_kept` and the one more that tells it was not larger.
+VLLM_MAX_LOGPROBS = MAX_REPLAY_KEPT + 1
 
 # vLLM decodes greedily below this temperature (`vllm.sampling_params._SAMPLING_EPS`).
 GREEDY_TEMPERATURE = 1e-5
@@ -204,12 +217,15 @@ class VLLMBackend(GenerationBackend):
             "kv_cache_memory_bytes": kv_cache_memory_bytes,
             "tensor_parallel_size": tensor_parallel_size,
             "logprobs_mode": VLLM_LOGPROBS_MODE,
+            "max_logprobs": VLLM_MAX_LOGPROBS,
             "worker_extension_cls": _EXTENSION_QUALNAME,
         }
         if enable_prefix_caching is not None:
             options["enable_prefix_caching"] = enable_prefix_caching
         options.update(engine_kwargs or {})
         self._llm: LLM = vllm.LLM(model=model, **options)
+        # Width of the logits (the kept sets' universe; may exceed the tokenizer's length).
+        self._vocab_size = int(self._llm.llm_engine.model_config.get_vocab_size())
         self._version = 0
         self._llm.update_weight_version("0")  # the label every output is stamped with
         self._groups: dict[str, _Group] = {}  # vLLM request id -> group in flight
@@ -280,7 +296,6 @@ class VLLMBackend(GenerationBackend):
         Every request is validated and encoded first, so a bad one adds nothing.
         """
         validate_requests(requests)
-        _refuse_kept_sets(requests)
         if not requests:
             return
         from vllm import TokensPrompt
@@ -382,7 +397,7 @@ class VLLMBackend(GenerationBackend):
                     min_p=sampling.min_p,
                     max_tokens=max_tokens,
                     seed=seed,
-                    logprobs=0,
+                    logprobs=_logprobs_asked(sampling, self._vocab_size),
                     # Stop strings need vLLM's detokenizer; the text it makes is not used
                     # (calls are read from the Hugging Face tokenizer's decoding).
                     stop=multi.stop_strings,
@@ -405,9 +420,12 @@ class VLLMBackend(GenerationBackend):
         versions = _token_versions(completion, len(token_ids), row.submitted_version)
         greedy = row.group.greedy
         logprobs = [0.0] * len(token_ids) if greedy else _sampled_logprobs(completion, token_ids)
+        kept = _kept_sets(
+            completion, token_ids, row.group.request.sampling, greedy, self._vocab_size
+        )
         stop_string = completion.finish_reason == "stop" and isinstance(completion.stop_reason, str)
         eos = completion.finish_reason == "stop" and not stop_string
-        segment = Segment(token_ids, logprobs, versions, eos=eos, stop_string=stop_string)
+        segment = Segment(token_ids, logprobs, versions, eos, stop_string, kept)
         decision = multi.segment_ended(row, segment)
         if decision == "continue":
             self._submit_segments(multi, [row])
@@ -450,6 +468,7 @@ class VLLMBackend(GenerationBackend):
         token_ids = [int(t) for t in output.token_ids]
         versions = _token_versions(output, len(token_ids), group.version)
         logprobs = [0.0] * len(token_ids) if group.greedy else _sampled_logprobs(output, token_ids)
+        kept = _kept_sets(output, token_ids, group.request.sampling, group.greedy, self._vocab_size)
         return Response(
             prompt_id=group.request.prompt.prompt_id,
             prompt_token_ids=list(group.prompt_ids),
@@ -459,6 +478,7 @@ class VLLMBackend(GenerationBackend):
             policy_version=versions[0] if versions else group.version,
             text=self._tokenizer.decode(token_ids, skip_special_tokens=True),
             token_versions=versions if len(set(versions)) > 1 else [],
+            kept_ids=kept or [],
         )
 
     def _sampling_params(self, sampling: SamplingSettings, n: int) -> SamplingParams:
@@ -473,7 +493,8 @@ class VLLMBackend(GenerationBackend):
             max_tokens=sampling.max_new_tokens,
             # vLLM seeds the n samples of one request `seed + j`.
             seed=sampling.seed,
-            logprobs=0,  # the sampled token's log-prob only
+            # The sampled token's log-prob, and the top ones that tell its kept set.
+            logprobs=_logprobs_asked(sampling, self._vocab_size),
             detokenize=False,  # text is decoded with the Hugging Face tokenizer
         )
 
@@ -678,16 +699,48 @@ def _external_id(request_id: str) -> str:
     return request_id.partition("-")[0]
 
 
-def _refuse_kept_sets(requests: Sequence[GroupRequest]) -> None:
-    """ValueError for a request that asks for its tokens' kept sets: vLLM's sampler reports
-    the sampled tokens' log-probs, not the sets it kept (the spec refuses such a run first)."""
-    for request in requests:
-        if request.sampling.replay_max_kept is not None:
-            raise ValueError(
-                f"request for prompt {request.prompt.prompt_id!r}: the vllm backend does not "
-                "record the kept sets of truncated sampling "
-                "(algorithm.off_policy.truncated_sampling: replay needs the hf backend)"
-            )
+def _logprobs_asked(sampling: SamplingSettings, vocab_size: int) -> int:
+    """How many top log-probs to ask vLLM for per token: none beyond the sampled token's, or,
+    where kept sets are recorded, one more than the largest set recordable (`_kept_sets`)."""
+    limit = sampling.replay_max_kept
+    if limit is None:
+        return 0
+    if sampling.top_k > 0:  # top-k keeps k ids (and ties with the k-th, which are rare)
+        limit = min(limit, sampling.top_k)
+    return min(limit + 1, vocab_size)
+
+
+def _kept_sets(
+    output: CompletionOutput,
+    token_ids: Sequence[int],
+    sampling: SamplingSettings,
+    greedy: bool,
+    vocab_size: int,
+) -> list[list[int]] | None:
+    """Per sampled token, the ids its processed distribution kept (finite log-prob, ascending),
+    or [] over the limit: more than `replay_max_kept` ids, or every id asked for finite (the set
+    may be larger than what was returned). None where the request records no sets. A greedy
+    token's set is itself."""
+    limit = sampling.replay_max_kept
+    if limit is None:
+        return None
+    if greedy:
+        return [[token] for token in token_ids]
+    asked = _logprobs_asked(sampling, vocab_size)
+    logprobs = output.logprobs
+    if logprobs is None or len(logprobs) != len(token_ids):
+        raise RuntimeError("vLLM returned no log-probs for some sampled tokens")
+    sets: list[list[int]] = []
+    for entry in logprobs:
+        # The sampled token's entry comes besides the top ones where it is not one of them.
+        finite = sorted(
+            token
+            for token, value in entry.items()
+            if value.rank is not None and value.rank <= asked and math.isfinite(value.logprob)
+        )
+        whole = len(finite) < asked or asked == vocab_size
+        sets.append(finite if whole and len(finite) <= limit else [])
+    return sets
 
 
 def _token_versions(output: CompletionOutput, count: int, submitted: int) -> list[int]:

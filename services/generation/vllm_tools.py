@@ -79,6 +79,7 @@ class Segment:
     versions: Sequence[int]
     eos: bool  # its last token ended it as end-of-sequence (not a stop string, not a budget)
     stop_string: bool  # it ended at a stop string
+    kept: Sequence[list[int]] | None = None  # per token, its kept set (None: not recorded)
 
 
 class MultiTurn:
@@ -117,6 +118,7 @@ class MultiTurn:
                 chat=bool(request.prompt.messages),
                 turns=self.tools.turns(limit, self._context_limit),
                 text=IncrementalText(self._decode_text),
+                kept=[] if request.sampling.replay_max_kept is not None else None,
             )
             for index in range(count)
         ]
@@ -152,7 +154,10 @@ class MultiTurn:
         count = len(segment.token_ids)
         for position, token in enumerate(segment.token_ids):
             row.append_model_token(
-                int(token), float(segment.logprobs[position]), int(segment.versions[position])
+                int(token),
+                float(segment.logprobs[position]),
+                int(segment.versions[position]),
+                None if segment.kept is None else segment.kept[position],
             )
             decision = row.turn_decision(eos=segment.eos and position == count - 1)
             if decision != "continue":

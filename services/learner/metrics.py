@@ -135,6 +135,33 @@ def replay_metric_tensors(batch: TrainingBatch) -> dict[str, Tensor]:
     }
 
 
+# The sums behind the on-policy ratio's statistics: tokens, sum of r, sum of r^2.
+ONPOLICY_SUMS = 3
+
+
+def onpolicy_ratio_sums(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    """[ONPOLICY_SUMS] float64 on the device: the count, sum and sum of squares of the ratios
+    r = exp(log_ratio) [b, t] over `mask`'s finite tokens (sums of parts add up)."""
+    counted = finite_mask(mask, log_ratio)
+    clamped = log_ratio.double().clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO)
+    ratio = torch.where(counted, clamped.exp(), 0.0)
+    return torch.stack([counted.sum().double(), ratio.sum(), ratio.square().sum()])
+
+
+def onpolicy_ratio_metrics(sums: Sequence[float]) -> dict[str, float]:
+    """onpolicy_ratio_mean and onpolicy_ratio_std of `onpolicy_ratio_sums` values, and
+    onpolicy_tokens; the first two absent where no token counted."""
+    count, total, squares = sums
+    if count == 0:
+        return {"onpolicy_tokens": 0.0}
+    mean = total / count
+    return {
+        "onpolicy_tokens": count,
+        "onpolicy_ratio_mean": mean,
+        "onpolicy_ratio_std": math.sqrt(max(squares / count - mean * mean, 0.0)),
+    }
+
+
 def finite_mask(mask: Tensor, *tensors: Tensor) -> Tensor:
     """`mask` [B, T] without the positions where any of `tensors` [B, T] is NaN or inf.
 

@@ -62,11 +62,14 @@ from services.learner.export import write_hf_files
 from services.learner.logprobs import reference_logprobs, response_logprobs
 from services.learner.lora import MergedWeights, base_model, is_adapted, write_adapter_config
 from services.learner.metrics import (
+    ONPOLICY_SUMS,
     PER_PASS,
     MinibatchAccumulator,
     batch_metric_tensors,
     diagnostic_sum_metrics,
     finite_mask,
+    onpolicy_ratio_metrics,
+    onpolicy_ratio_sums,
     raw_ratios,
     reduce_minibatches,
     shadow_key,
@@ -472,10 +475,11 @@ class LearnerCore:
                 )
                 steps.append((accumulator, outcome))
                 passes += count
+        onpolicy = self._onpolicy_sums(batch, ref_logp, behaviour_logp, ratios)
         self.scheduler.step()
         self._version += 1
         self._steps += 1
-        records, diagnostics = self._minibatch_records(steps, batch_stats, ratios)
+        records, diagnostics = self._minibatch_records(steps, batch_stats, ratios, onpolicy)
         self._save_ratios(ratios)
         if self.group.rank != 0:
             return {}  # the group's record is rank 0's
@@ -511,9 +515,11 @@ class LearnerCore:
         steps: Sequence[tuple[MinibatchAccumulator, dict[str, float]]],
         batch_stats: dict[str, Tensor],
         ratios: RatioLog,
+        onpolicy: Tensor,
     ) -> tuple[list[dict[str, float]], dict[str, float]]:
         """([the batch statistics, then each minibatch's record], the ratio diagnostics of
-        every rank's rows, prefixed raw_ and filtered_), read back in one transfer.
+        every rank's rows, prefixed raw_ and filtered_, and the on-policy ratio's statistics
+        of `onpolicy`'s sums), read back in one transfer.
 
         The minibatches' device sums of every rank, and the sums behind the diagnostics, are
         reduced in two collectives for the whole step (a sum and a max), not one per
@@ -522,7 +528,7 @@ class LearnerCore:
         """
         sums = [accumulator.sum_part() for accumulator, _ in steps]
         maxes = [accumulator.max_part() for accumulator, _ in steps]
-        diagnostic = ratios.diagnostic_sums(self.device)
+        diagnostic = torch.cat([ratios.diagnostic_sums(self.device), onpolicy.to(self.device)])
         summed = self.group.sum(torch.cat([diagnostic, *sums]))
         maxed = self.group.max(torch.cat(maxes))
         stats = torch.stack(list(batch_stats.values())).to(summed)
@@ -530,7 +536,9 @@ class LearnerCore:
         values = torch.cat([stats, summed, maxed.to(summed)]).tolist()
         records = [dict(zip(batch_stats, values[: len(stats)], strict=True))]
         at_sum, at_max = len(stats), len(stats) + len(summed)
-        diagnostics = self._diagnostics(values[at_sum : at_sum + len(diagnostic)])
+        at_onpolicy = at_sum + len(diagnostic) - ONPOLICY_SUMS
+        diagnostics = self._diagnostics(values[at_sum:at_onpolicy])
+        diagnostics.update(onpolicy_ratio_metrics(values[at_onpolicy : at_sum + len(diagnostic)]))
         at_sum += len(diagnostic)
         for (accumulator, outcome), sum_part, max_part in zip(steps, sums, maxes, strict=True):
             record = accumulator.merged(
@@ -539,6 +547,33 @@ class LearnerCore:
             at_sum, at_max = at_sum + len(sum_part), at_max + len(max_part)
             records.append({**record, **outcome})
         return records, diagnostics
+
+    def _onpolicy_sums(
+        self,
+        batch: TrainingBatch,
+        ref_logp: Tensor,
+        behaviour_logp: Tensor | None,
+        ratios: RatioLog,
+    ) -> Tensor:
+        """`onpolicy_ratio_sums` of the step's tokens that its starting weights sampled (token
+        version = the learner's) against those weights, before any update moved them: with
+        proximal log-probs (those weights computed them) every row; otherwise the first
+        minibatch's rows, whose ratios come before the step's first optimiser step."""
+        if behaviour_logp is not None:
+            fresh = batch.response_mask & (batch.token_versions == self._version)
+            return onpolicy_ratio_sums(ref_logp - behaviour_logp, fresh)
+        sums = [
+            onpolicy_ratio_sums(
+                row["log_ratio"],
+                row["mask"]
+                & (row["token_versions"] == self._version)
+                & (row["minibatch"] == 0)[:, None],
+            )
+            for row in ratios.first_epoch
+        ]
+        if not sums:
+            return torch.zeros(ONPOLICY_SUMS, dtype=torch.float64, device=self.device)
+        return torch.stack(sums).sum(0)
 
     def _diagnostics(self, sums: Sequence[float]) -> dict[str, float]:
         """The ratio diagnostics of `RatioLog.diagnostic_sums` values: raw_*, filtered_* and

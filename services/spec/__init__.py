@@ -152,20 +152,14 @@ class RunSpec(StrictModel):
         # Without replay the learner's log-probs are of the full softmax (services/learner/
         # logprobs.py): with top-p/top-k/min-p the behaviour log-probs are of a renormalised
         # subset, every on-policy ratio falls below 1, and the loss is biased without a word.
-        # So that is a choice; replay needs a backend that records the kept sets.
+        # So that is a choice; replay corrects it (both backends record the kept sets).
         mode = self.algorithm.off_policy.truncated_sampling
         truncated = self.generation.truncated
-        if not truncated or mode == "allow":
+        if not truncated or mode in ("allow", "replay"):
             return self
-        if mode == "replay":
-            if self.generation.backend != "vllm":
-                return self
-            errors = [_replay_needs_hf(truncated)]
-        else:
-            errors = [
-                _refused_truncation(name, value, bound)
-                for name, (value, bound) in truncated.items()
-            ]
+        errors = [
+            _refused_truncation(name, value, bound) for name, (value, bound) in truncated.items()
+        ]
         raise ValidationError.from_exception_data("RunSpec", errors)
 
     @property
@@ -304,24 +298,6 @@ def _refused_truncation(name: str, value: float, bound: str) -> InitErrorDetails
         ),
         loc=("generation", name),
         input=value,
-    )
-
-
-def _replay_needs_hf(truncated: Mapping[str, tuple[float, str]]) -> InitErrorDetails:
-    """The error of truncated training sampling replayed by the vllm backend."""
-    settings = ", ".join(f"generation.{name} {value}" for name, (value, _) in truncated.items())
-    return InitErrorDetails(
-        type=PydanticCustomError(
-            "truncated_sampling",
-            "{settings} truncates training sampling, which is replayed "
-            "(algorithm.off_policy.truncated_sampling: replay, the default for truncated "
-            "sampling), but the vllm backend does not record the kept sets replay needs; use "
-            "generation.backend: hf, sample training rollouts untruncated, or declare "
-            "algorithm.off_policy.truncated_sampling: allow (biased ratios)",
-            {"settings": settings},
-        ),
-        loc=("algorithm", "off_policy", "truncated_sampling"),
-        input="replay",
     )
 
 

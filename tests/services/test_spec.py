@@ -580,14 +580,10 @@ def test_truncated_training_sampling_under_refuse_is_refused_naming_the_field_an
     assert RunSpec.model_validate(REFUSED).replay_max_kept is None
 
 
-def test_replay_with_the_vllm_backend_is_refused_naming_the_setting() -> None:
-    for declared in ({}, {"algorithm": {"off_policy": {"truncated_sampling": "replay"}}}):
-        with pytest.raises(ValidationError) as error:
-            RunSpec.model_validate(merged(VLLM, {"generation": {"top_k": 40}, **declared}))
-        (problem,) = error.value.errors()
-        assert problem["loc"] == ("algorithm", "off_policy", "truncated_sampling")
-        assert "generation.top_k 40" in problem["msg"] and "vllm" in problem["msg"]
-        assert "generation.backend: hf" in problem["msg"]
+def test_a_vllm_run_replays_truncated_sampling_as_an_hf_run_does() -> None:
+    replayed = RunSpec.model_validate(merged(VLLM, {"generation": {"top_k": 40}}))
+    assert replayed.algorithm.off_policy.truncated_sampling == "replay"
+    assert replayed.replay_max_kept == replayed.generation.replay_max_kept
     allowed = RunSpec.model_validate(merged(VLLM, {"generation": {"top_k": 40}, **TRUNCATED}))
     assert allowed.replay_max_kept is None
     # Untruncated, a vLLM run has nothing to replay.

@@ -28,7 +28,9 @@ from services.generation.base import GroupRequest, SamplingSettings
 from services.generation.hf_backend import HFBackend, StateDictMismatchError, processed_logprobs
 from services.generation.vllm_backend import VLLMBackend
 from services.generation.vllm_checkpoint import ignorable_names
-from services.messages import Prompt, Response
+from services.learner.batch import TrainingBatch, collate
+from services.learner.logprobs import ResponseLogProbs, response_logprobs
+from services.messages import Prompt, Response, ScoredGroup, ScoredResponse
 from services.weights.base import TensorSpec, WeightGroupBackend, WeightsManifest
 from services.weights.buckets import plan_buckets
 from services.weights.collective import connect, open_weight_group
@@ -297,6 +299,75 @@ def test_logprobs_are_those_of_the_processed_distribution(
     # ... and not the raw model distribution, which differs by far more than the tolerance.
     raw_error = max_logprob_error(reference, groups, PLAIN)
     assert raw_error > 100 * LOGPROB_ATOL
+
+
+# Truncated-sampling replay: each setting truncates differently (top-k ids, a top-p mass, a
+# min-p ratio, all three at once, applied in vLLM's order: min-p, then top-k, then top-p).
+REPLAYED = {
+    "top_k": SamplingSettings(temperature=0.7, top_k=5, max_new_tokens=24, seed=31),
+    "top_p": SamplingSettings(temperature=1.3, top_p=0.8, max_new_tokens=24, seed=32),
+    "min_p": SamplingSettings(temperature=1.0, min_p=0.1, max_new_tokens=24, seed=33),
+    "all": SamplingSettings(0.9, top_p=0.9, top_k=8, max_new_tokens=24, seed=34, min_p=0.05),
+}
+
+
+def scored_batch(groups: list[list[Response]]) -> TrainingBatch:
+    scored = [
+        ScoredGroup(p, [ScoredResponse(r, 1.0, verified=True) for r in group])
+        for p, group in zip(PROMPTS, groups, strict=True)
+    ]
+    return collate(scored, 0, learner_version=0)
+
+
+@pytest.mark.parametrize("name", list(REPLAYED))
+def test_the_learner_replays_the_kept_sets_vllm_records_to_its_behaviour_log_probs(
+    backend: VLLMBackend, reference: torch.nn.Module, name: str
+) -> None:
+    """Every sampled token's set is the one its processed distribution keeps (from a plain
+    transformers forward), and the learner's log-prob over it is vLLM's behaviour log-prob: the
+    on-policy ratio is 1 (to the two engines' float32 rounding), where unreplayed it is the
+    kept mass S."""
+    sampling = replace(REPLAYED[name], replay_max_kept=64)
+    groups = backend.generate(PROMPTS, 4, sampling)
+    plain = backend.generate(PROMPTS, 4, REPLAYED[name])
+    assert token_ids(groups) == token_ids(plain), "recording changed what was sampled"
+    sizes: set[int] = set()
+    for response in (r for group in groups for r in group):
+        assert len(response.kept_ids) == len(response.response_token_ids)
+        ids = response.prompt_token_ids + response.response_token_ids
+        with torch.no_grad():
+            logits = reference(torch.tensor([ids])).logits[0].float()
+        start = len(response.prompt_token_ids)
+        keep = torch.isfinite(processed_logprobs(logits[start - 1 : len(ids) - 1], sampling))
+        for token, kept, row in zip(
+            response.response_token_ids, response.kept_ids, keep, strict=True
+        ):
+            assert token in kept and kept == row.nonzero()[:, 0].tolist()
+            sizes.add(len(kept))
+    assert 1 < max(sizes) < logits.shape[-1], "nothing was truncated"
+
+    batch = scored_batch(groups)
+    policy = ResponseLogProbs(reference, chunk_tokens=16, vocab_chunk=7, packed=False)
+    with torch.no_grad():
+        replayed, _ = response_logprobs(policy, batch, sampling.temperature, False)
+        full, _ = response_logprobs(policy, replace(batch, kept=None), sampling.temperature, False)
+    mask = batch.response_mask
+    error = float((replayed - batch.behaviour_logp)[mask].abs().max())
+    print(f"{name}: max |learner replayed - vLLM behaviour| log-prob {error:.2e}")
+    assert error < LOGPROB_ATOL
+    assert float((full - batch.behaviour_logp)[mask].min()) < -0.1  # log S, unreplayed
+
+
+def test_vllm_records_a_set_over_the_limit_empty(backend: VLLMBackend) -> None:
+    sampling = replace(REPLAYED["top_p"], replay_max_kept=64)
+    whole = [r for group in backend.generate(PROMPTS, 4, sampling) for r in group]
+    sizes = sorted(len(kept) for r in whole for kept in r.kept_ids)
+    limit = sizes[len(sizes) // 2]
+    assert sizes[0] <= limit < sizes[-1], "want sets on both sides of the limit"
+    limited = backend.generate(PROMPTS, 4, replace(sampling, replay_max_kept=limit))
+    for full, response in zip(whole, (r for group in limited for r in group), strict=True):
+        assert response.response_token_ids == full.response_token_ids
+        assert response.kept_ids == [s if len(s) <= limit else [] for s in full.kept_ids]
 
 
 # -- in-place weight updates ------------------------------------------------------------------

@@ -225,3 +225,51 @@ def test_a_token_over_the_limit_is_dropped_and_counted_and_the_rest_trains_on_po
     width = saved["mask"].shape[1]
     assert torch.equal(saved["mask"], (batch.response_mask & ~dropped)[rows, :width])
     assert float(saved["log_ratio"][saved["mask"]].abs().max()) < TOLERANCE
+
+
+@pytest.mark.parametrize("reference", ["behaviour", "proximal"])
+def test_the_step_reports_the_on_policy_ratio_one_with_replay_and_the_kept_mass_without(
+    tiny_model_dir: Path, backend: HFBackend, tmp_path: Path, reference: str
+) -> None:
+    """Groups sampled by the learner's own weights (version 0, staleness 0): replayed, the
+    step's onpolicy_ratio_mean is 1 with a spread of float rounding; the same groups without
+    their sets (truncated_sampling: allow) report the mean kept mass S, below 1."""
+    sampling = SETTINGS["top_p"]
+    groups = replayed_groups(backend, sampling)
+    batch = collate(groups, PAD, learner_version=0)
+    unreplayed = [
+        ScoredGroup(
+            g.prompt,
+            [ScoredResponse(replace(s.response, kept_ids=[]), s.reward, True) for s in g.responses],
+        )
+        for g in groups
+    ]
+    records = {}
+    for mode, given in (("replay", groups), ("allow", unreplayed)):
+        algorithm = AlgorithmConfig.model_validate(
+            {"reference": reference, "off_policy": {"truncated_sampling": mode}}
+        )
+        core = LearnerCore(
+            tiny_model_dir,
+            LearnerConfig(lr=1e-3, minibatches=2),
+            algorithm,
+            temperature=sampling.temperature,
+            ratio_dir=tmp_path / mode,
+            response_length=MAX_NEW_TOKENS,
+        )
+        records[mode] = core.train_step(given)
+    replayed = records["replay"]
+    assert abs(replayed["onpolicy_ratio_mean"] - 1.0) < TOLERANCE
+    assert replayed["onpolicy_ratio_std"] < TOLERANCE
+    # With proximal log-probs every row counts; otherwise the first minibatch's (half).
+    tokens = int(batch.response_mask.sum())
+    if reference == "proximal":
+        assert replayed["onpolicy_tokens"] == tokens
+    else:
+        assert 0 < replayed["onpolicy_tokens"] < tokens
+    plain = records["allow"]
+    assert plain["onpolicy_tokens"] == replayed["onpolicy_tokens"]
+    assert plain["onpolicy_ratio_mean"] < 0.97 and plain["onpolicy_ratio_std"] > 100 * TOLERANCE
+    if reference == "proximal":  # every token: the batch's mean kept mass exactly
+        mass = kept_mass(backend, batch, sampling.temperature)[batch.response_mask]
+        assert math.isclose(plain["onpolicy_ratio_mean"], float(mass.double().mean()), abs_tol=1e-5)

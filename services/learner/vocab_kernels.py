@@ -37,7 +37,7 @@ KeptBlockProbs = Callable[[Tensor, Tensor, float, torch.dtype, torch.dtype], Ten
 FLOOR = -1e30
 
 
-def _logits(z: Tensor, scale: float, accumulate: torch.dtype) -> Tensor:
+def scaled_logits(z: Tensor, scale: float, accumulate: torch.dtype) -> Tensor:
     """The block's logits in the accumulation dtype: z (the product, maybe in a lower compute
     dtype) times 1 / temperature. Neither step is a pass where nothing changes (float32 with the
     temperature folded into the product's operands)."""
@@ -53,7 +53,7 @@ def block_stats(z: Tensor, scale: float, with_entropy: bool) -> tuple[Tensor, Te
     entropy without `with_entropy`. The logits must be finite or NaN (the caller raises -inf
     biases to a floor): a -inf logit would make p l = 0 x -inf."""
     accumulate = torch.promote_types(z.dtype, torch.float32)
-    logits = _logits(z, scale, accumulate)
+    logits = scaled_logits(z, scale, accumulate)
     top = logits.amax(-1)
     probs = torch.softmax(logits, -1)
     # max softmax = e^0 / sum e^(l - top): log Z of the block without another exp pass.
@@ -68,7 +68,7 @@ def block_stats(z: Tensor, scale: float, with_entropy: bool) -> tuple[Tensor, Te
 
 def block_probs(z: Tensor, scale: float, accumulate: torch.dtype, out: torch.dtype) -> Tensor:
     """The block's own softmax, in `out` (the dtype of the products it enters)."""
-    return torch.softmax(_logits(z, scale, accumulate), -1).to(out)
+    return torch.softmax(scaled_logits(z, scale, accumulate), -1).to(out)
 
 
 def kept_block_stats(
@@ -77,21 +77,25 @@ def kept_block_stats(
     """(log-sum-exp over the block's kept ids [c], the block's full log-sum-exp [c], the entropy
     of its full softmax [c]) of one block whose ids in each position's kept set are `keep`
     [c, width]; the last two zeros without `with_entropy`. A block with no kept id has a kept
-    log-sum-exp of FLOOR (+ log width, lost to rounding): it adds nothing to log Z.
+    log-sum-exp of FLOOR or -inf: it adds nothing to log Z.
 
     A NaN or +inf logit anywhere in the block, kept or not, makes the kept log-sum-exp NaN: the
     position is non-finite, as it is without a kept set (the mask alone would hide it)."""
-    logits = _logits(z, scale, torch.promote_types(z.dtype, torch.float32))
+    logits = scaled_logits(z, scale, torch.promote_types(z.dtype, torch.float32))
     top = logits.amax(-1)  # NaN or +inf where any logit is (all -inf too: -inf - -inf)
-    kept_lse, _ = block_stats(torch.where(keep, logits, FLOOR), 1.0, False)
-    kept_lse = kept_lse + (top - top)
     if not with_entropy:
+        kept_lse, _ = block_stats(torch.where(keep, logits, FLOOR), 1.0, False)
         zeros = torch.zeros_like(kept_lse)
-        return kept_lse, zeros, zeros
-    # The entropy is the full vocabulary's (see vocab_logprobs): the block's own statistics, as
-    # without a kept set; `block_stats` leaves `logits` as it is.
-    lse, entropy = block_stats(logits, 1.0, True)
-    return kept_lse, lse, entropy
+        return kept_lse + (top - top), zeros, zeros
+    # With the entropy (the full vocabulary's, see vocab_logprobs) the block's full softmax is
+    # taken anyway, and the kept log-sum-exp is the full one plus the log of the kept ids' share
+    # of it: one softmax, not two. A kept id whose share underflows (more than about 87 nats
+    # below the block's most likely id, and so below the set's own most likely one, which a
+    # sampler always keeps) is lost only where it would be lost to rounding anyway.
+    probs = torch.softmax(logits, -1)
+    lse = top - probs.amax(-1).log()
+    kept_lse = lse + torch.where(keep, probs, 0.0).sum(-1).log()
+    return kept_lse, lse, lse - probs.mul_(logits).sum(-1)
 
 
 def kept_block_probs(
@@ -99,7 +103,7 @@ def kept_block_probs(
 ) -> Tensor:
     """The block's softmax over its kept ids `keep` [c, width] (exactly 0 at the others; uniform
     where the block has no kept id, which its share of 0 then cancels), in `out`."""
-    logits = _logits(z, scale, accumulate)
+    logits = scaled_logits(z, scale, accumulate)
     return torch.softmax(torch.where(keep, logits, FLOOR), -1).to(out)
 
 

@@ -57,11 +57,19 @@ from services.learner.vocab_kernels import (
     BlockStats,
     KeptBlockStats,
     LogprobKernel,
+    scaled_logits,
 )
 
 # -inf biases are raised to FLOOR (vocab_kernels); a log Z below BAD_LOG_Z means every logit
 # was -inf (or, with a kept set, every kept one), which is then NaN, as before.
 BAD_LOG_Z = -1e20
+
+# A backward with kept sets of at most V / this many ids gathers the kept ids' rows of the head
+# (`_backward_kept_chunk`: K products per position) instead of multiplying every vocabulary
+# block: a real vocabulary (32k to 256k ids) against sets of at most 4096, always. Sets nearly as
+# large as the vocabulary (a tiny model's) take the blocks, whose large products are cheaper
+# than many small gathered ones.
+GATHER_RATIO = 8
 
 # The softmax of one block over the logits' product z, given the block's first vocabulary id:
 # the full block's, or that over the kept ids in it.
@@ -309,6 +317,56 @@ def _chunk_softmax(
     return restricted
 
 
+def _backward_kept_chunk(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    kept: Tensor,
+    rate: Tensor,
+    plan: _Plan,
+    grads: tuple[Tensor | None, Tensor | None],
+) -> Tensor:
+    """`_backward_chunk` with kept sets kept [c, K]: the softmax over a position's kept ids is 0
+    at every other id, so only the head's rows of those ids take part. They are gathered, a few
+    positions at a time ([c', K, H] no larger than a [position_chunk, vocab_chunk] block), and
+    their logits taken again, where the full softmax multiplies every block of the vocabulary:
+    K products per position instead of V. rate [c]: each position's gradient of logp in the
+    product's units (0 where it is not finite). An id given twice counts
+    once, padding (-1) and ids outside [0, V) not at all, as in `kept_mask`."""
+    grad_weight, grad_bias = grads
+    grad_x = torch.zeros(x.shape, dtype=plan.accumulate, device=x.device)
+    ids, _ = kept.sort(-1)
+    repeated = torch.zeros_like(ids, dtype=torch.bool)
+    repeated[:, 1:] = ids[:, 1:] == ids[:, :-1]
+    valid = (ids >= 0) & (ids < weight.shape[0]) & ~repeated
+    ids = torch.where(valid, ids, 0)
+    width, hidden = ids.shape[1], x.shape[1]
+    block = plan.position_chunk * min(plan.vocab_chunk, weight.shape[0])
+    step = max(1, block // max(width * hidden, 1))
+    for start in range(0, x.shape[0], step):
+        part = slice(start, start + step)
+        flat = ids[part].flatten()
+        rows = weight.index_select(0, flat).view(-1, width, hidden)  # [c', K, H]
+        z = torch.bmm(rows, x[part].unsqueeze(-1)).squeeze(-1)
+        if bias is not None:
+            z = z + bias.index_select(0, flat).view(z.shape)
+        # Normalised over the same gathered logits (not the forward's log Z, whose blocked
+        # products round otherwise): the set's softmax sums to 1, and a set of one token is
+        # exactly onehot(y), so its gradient is exactly 0.
+        logits = torch.where(valid[part], scaled_logits(z, plan.scale, plan.accumulate), -torch.inf)
+        probs = torch.where(valid[part], torch.softmax(logits, -1), 0.0)
+        factor = -rate[part].unsqueeze(-1) * probs  # d loss / d product at each kept id
+        grad_x[part] = (
+            torch.bmm(factor.to(plan.dtype).unsqueeze(1), rows).squeeze(1).to(plan.accumulate)
+        )
+        if grad_weight is not None:
+            outer = factor.unsqueeze(-1) * x[part].unsqueeze(1).to(plan.accumulate)
+            grad_weight.index_add_(0, flat, outer.flatten(0, 1).to(grad_weight.dtype))
+        if grad_bias is not None:
+            grad_bias.index_add_(0, flat, factor.flatten().to(grad_bias.dtype))
+    return grad_x
+
+
 class _VocabChunkedLogProbs(torch.autograd.Function):
     """(logp [N], entropy [N]) of `vocab_chunked_logprobs`; entropy carries no gradient."""
 
@@ -372,6 +430,7 @@ class _VocabChunkedLogProbs(torch.autograd.Function):
         grads = (grad_weight, grad_bias)
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
         softmax_of = _chunk_softmax(kept, plan, hidden.device)
+        gathered = kept is not None and kept.shape[1] * GATHER_RATIO <= weight.shape[0]
         w, b = weight.to(plan.dtype), _operand_bias(bias, plan)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], plan.position_chunk):
@@ -381,7 +440,10 @@ class _VocabChunkedLogProbs(torch.autograd.Function):
                 states = torch.where(finite[rows].unsqueeze(-1), hidden[rows], 0.0)
                 x = _operand(states, plan)
                 grad_x = _one_hot_part(x, w, targets[rows], rate[rows], grads)
-                grad_x += _backward_chunk(x, w, b, coef[rows], plan, softmax_of(rows), grads)
+                if gathered:
+                    grad_x += _backward_kept_chunk(x, w, b, kept[rows], rate[rows], plan, grads)
+                else:
+                    grad_x += _backward_chunk(x, w, b, coef[rows], plan, softmax_of(rows), grads)
                 if grad_hidden is not None:
                     grad_hidden[rows] = (grad_x * plan.operand_scale).to(hidden.dtype)
         if grad_bias is not None and plan.folded:

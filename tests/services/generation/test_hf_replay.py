@@ -7,7 +7,9 @@ tests/services/learner/test_replay.py.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -143,13 +145,41 @@ def test_a_set_over_the_limit_is_recorded_empty(hf_backend: HFBackend) -> None:
         assert response.kept_ids == [s if len(s) <= limit else [] for s in whole.kept_ids]
 
 
-def test_the_vllm_backend_refuses_a_request_for_kept_sets() -> None:
-    """vLLM's sampler does not report its kept sets (the spec refuses replay with it first)."""
-    from services.generation.base import GroupRequest
-    from services.generation.vllm_backend import _refuse_kept_sets
+def top_logprobs(values: dict[int, float], sampled: int) -> dict[int, SimpleNamespace]:
+    """What vLLM returns at one position: the top log-probs asked for (ranks 1..n) and the
+    sampled token's, ranked among all."""
+    order = sorted(values, key=lambda t: -values[t])
+    entry = {t: SimpleNamespace(logprob=values[t], rank=r) for r, t in enumerate(order, 1)}
+    if sampled not in entry:
+        entry[sampled] = SimpleNamespace(logprob=-0.5, rank=len(values) + 3)
+    return entry
 
-    plain = GroupRequest(PROMPTS[0], 2, SamplingSettings(top_k=5))
-    _refuse_kept_sets([plain])
-    replayed = GroupRequest(PROMPTS[1], 2, SamplingSettings(top_k=5, replay_max_kept=8))
-    with pytest.raises(ValueError, match=r"prompt 'long'.*truncated_sampling: replay"):
-        _refuse_kept_sets([plain, replayed])
+
+def test_vllms_top_log_probs_give_the_kept_set_or_over_the_limit() -> None:
+    """The parsing half of the vLLM backend's kept sets (the engine's half is in the vLLM
+    stage, tests/services/generation/test_vllm_backend.py): asked for limit + 1, a position
+    whose asked-for log-probs are all finite kept more than the limit."""
+    from services.generation.vllm_backend import _kept_sets, _logprobs_asked
+
+    inf = -math.inf
+    sampling = SamplingSettings(top_p=0.9, replay_max_kept=3)
+    assert _logprobs_asked(sampling, vocab_size=100) == 4
+    assert _logprobs_asked(replace(sampling, top_k=2), vocab_size=100) == 3
+    assert _logprobs_asked(replace(sampling, replay_max_kept=None), vocab_size=100) == 0
+    assert _logprobs_asked(replace(sampling, replay_max_kept=300), vocab_size=100) == 100
+    positions = [
+        top_logprobs({7: -0.1, 3: -2.0, 9: inf, 1: inf}, sampled=3),  # {3, 7}
+        top_logprobs({5: -0.2, 4: -1.0, 2: -3.0, 8: -4.0}, sampled=5),  # 4 finite: over 3
+        top_logprobs({6: -0.01, 0: inf, 1: inf, 2: inf}, sampled=6),  # {6}
+    ]
+    output = SimpleNamespace(logprobs=positions)
+    assert _kept_sets(output, [3, 5, 6], sampling, False, 100) == [[3, 7], [], [6]]  # type: ignore[arg-type]
+    assert _kept_sets(output, [3, 5, 6], sampling, True, 100) == [[3], [5], [6]]  # type: ignore[arg-type]
+    plain = replace(sampling, replay_max_kept=None)
+    assert _kept_sets(output, [3, 5, 6], plain, False, 100) is None  # type: ignore[arg-type]
+    # A vocabulary no larger than what was asked for: all finite is the whole set.
+    whole = SimpleNamespace(logprobs=[top_logprobs({0: -1.0, 1: -0.5}, sampled=1)])
+    wide = replace(sampling, replay_max_kept=8)
+    assert _kept_sets(whole, [1], wide, False, 2) == [[0, 1]]  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="no log-probs"):
+        _kept_sets(SimpleNamespace(logprobs=None), [1], wide, False, 2)  # type: ignore[arg-type]

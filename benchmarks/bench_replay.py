@@ -1,0 +1,353 @@
+"""Truncated-sampling replay (`algorithm.off_policy.truncated_sampling: replay`), measured in
+one run: the bias it removes, what it costs the learner, and what it does to a KPO run.
+
+1. Bias. The demo model (tiny-arith) samples groups of the demo's task at the demo's
+   temperature with top-p 0.8, top-p 0.95 and top-k 20, recording each token's kept set. A
+   learner with the same weights scores them twice, replayed and with the sets dropped
+   (`allow`); its `onpolicy_ratio_mean` / `_std` (every token: proximal log-probs, staleness 0)
+   is the mean ratio at zero staleness: 1 with replay (goal: within 0.005), the kept mass S
+   without (TRL measured 0.896 at top-p 0.8 on its model, huggingface/trl #7269).
+2. Cost. Learner steps with replay against the same steps without, alternately in one process
+   (`--steps` each), on the tiny model's groups of part 1 and on a random model of
+   Qwen2.5-0.5B's width (`--layers` layers, vocabulary 151,936) with synthetic groups whose
+   kept sets hold 1 to `--wide-kept` ids; and each setting's peak RSS above the process's
+   before one step, in a forked process of its own (bench_learner.py's measure). Goal: at most
+   1.1x the time and memory.
+3. Runs. KPO with its defaults on the study's base spec (examples/study.yaml: 50 steps,
+   asynchronous), at top-p 1.0 and at top-p 0.9 replayed, `--seeds` shared seeds each, through
+   the stability study's runner: final held-out accuracy (512 prompts, sampled untruncated)
+   and the paired difference. `--no-runs` skips this part (about 10 minutes on 2 cores).
+
+Usage: python benchmarks/bench_replay.py [--groups 16] [--steps 5] [--layers 2]
+       [--wide-kept 64] [--seeds 3] [--no-runs] [--out DIR] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+# The repository too: run as a script where the project is not installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import print_table
+from bench_learner import (
+    QWEN25_05B,
+    peak_rss_bytes,
+    reset_peak_rss,
+    rss_bytes,
+    run_forked,
+    save_model,
+    synthetic_groups,
+)
+
+from kpo_core.config import AlgorithmConfig
+from services.generation.base import SamplingSettings
+from services.generation.hf_backend import HFBackend
+from services.learner.distributed import RankGroup
+from services.learner.step import LearnerCore
+from services.messages import ScoredGroup, ScoredResponse
+from services.pipeline.specs import load_run_spec
+from services.spec import LearnerConfig, RunSpec
+from services.tasks import generate_prompts
+from services.tasks.answers import is_correct
+from services.tasks.models import resolve_model
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "examples" / "demo.yaml"
+STUDY = ROOT / "examples" / "study.yaml"
+MiB = 2**20
+MAX_KEPT = 256  # generation.replay_max_kept's default
+TRL_UNREPLAYED = 0.896  # TRL's mean ratio at zero staleness, top-p 0.8, unreplayed (#7269)
+BIAS_SETTINGS = {
+    "top-p 0.8": {"top_p": 0.8},
+    "top-p 0.95": {"top_p": 0.95},
+    "top-k 20": {"top_k": 20},
+}
+TIMED_SETTING = "top-p 0.95"  # the tiny model's cost is measured on these groups
+RUN_TOP_P = (1.0, 0.9)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--groups", type=int, default=16, help="prompts sampled per setting")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps of each setting")
+    parser.add_argument("--layers", type=int, default=2, help="layers of the wide model")
+    parser.add_argument("--wide-kept", type=int, default=64, help="largest synthetic kept set")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds of each run arm")
+    parser.add_argument("--no-runs", action="store_true", help="skip part 3 (the runs)")
+    parser.add_argument("--out", type=Path, default=None, help="the runs' directory")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    return parser.parse_args()
+
+
+# --- 1. bias ---------------------------------------------------------------------------------
+
+
+def sampled_groups(spec: RunSpec, truncation: dict[str, Any], count: int) -> list[ScoredGroup]:
+    """`count` groups of the demo's task, sampled by the demo model with `truncation` and the
+    kept sets recorded (rewards alternate: the advantages are not what is measured)."""
+    gen = spec.generation
+    backend = HFBackend(str(resolve_model(spec.model)))
+    prompts = generate_prompts(count, seed=7, difficulty=spec.task.difficulty)  # type: ignore[union-attr]
+    sampling = SamplingSettings(
+        temperature=gen.temperature,
+        max_new_tokens=gen.max_new_tokens,
+        seed=11,
+        replay_max_kept=MAX_KEPT,
+        **truncation,
+    )
+    groups = backend.generate(prompts, gen.group_size, sampling)
+    return [
+        ScoredGroup(
+            p,
+            [ScoredResponse(r, float(is_correct(r.text, p.answer)), True) for r in g],
+        )
+        for p, g in zip(prompts, groups, strict=True)
+    ]
+
+
+def without_sets(groups: list[ScoredGroup]) -> list[ScoredGroup]:
+    return [
+        ScoredGroup(
+            g.prompt, [replace(s, response=replace(s.response, kept_ids=[])) for s in g.responses]
+        )
+        for g in groups
+    ]
+
+
+def learner(model_dir: str, mode: str, temperature: float, tokens: int) -> LearnerCore:
+    """A learner with proximal log-probs (every token at staleness 0 counts on-policy)."""
+    algorithm = AlgorithmConfig.model_validate(
+        {"reference": "proximal", "off_policy": {"truncated_sampling": mode}}
+    )
+    settings = LearnerConfig(lr=1e-6, micro_batch_tokens=0)
+    return LearnerCore(model_dir, settings, algorithm, temperature, response_length=tokens)
+
+
+def bias(spec: RunSpec, groups: dict[str, list[ScoredGroup]]) -> list[dict[str, Any]]:
+    model_dir = str(resolve_model(spec.model))
+    gen = spec.generation
+    rows = []
+    for name, sampled in groups.items():
+        row: dict[str, Any] = {"setting": name}
+        for mode, given in (("replay", sampled), ("allow", without_sets(sampled))):
+            core = learner(model_dir, mode, gen.temperature, gen.max_new_tokens)
+            record = core.train_step(given)
+            row[mode] = {
+                key: record[key]
+                for key in ("onpolicy_ratio_mean", "onpolicy_ratio_std", "onpolicy_tokens")
+            }
+            if mode == "replay":
+                row["kept_mean"], row["kept_p99"] = (
+                    record["replay_kept_mean"],
+                    record["replay_kept_p99"],
+                )
+        rows.append(row)
+    return rows
+
+
+# --- 2. cost ---------------------------------------------------------------------------------
+
+
+def with_synthetic_sets(groups: list[ScoredGroup], vocab: int, largest: int) -> list[ScoredGroup]:
+    """`groups` with a kept set for every token: the token and 0 to largest - 1 other ids."""
+    rng = random.Random(5)
+    out = []
+    for group in groups:
+        scored = []
+        for s in group.responses:
+            sets = []
+            for token in s.response.response_token_ids:
+                others = rng.sample(range(vocab), rng.randrange(largest))
+                sets.append(sorted({token, *others}))
+            scored.append(replace(s, response=replace(s.response, kept_ids=sets)))
+        out.append(ScoredGroup(group.prompt, scored))
+    return out
+
+
+def time_steps(
+    group: RankGroup, model_dir: str, groups: list[ScoredGroup], tokens: int, steps: int
+) -> dict[str, Any]:
+    """Seconds of `steps` alternate steps of a replaying learner and one without the sets."""
+    cores = {mode: learner(model_dir, mode, 1.0, tokens) for mode in ("replay", "allow")}
+    given = {"replay": groups, "allow": without_sets(groups)}
+    for mode, core in cores.items():
+        core.train_step(given[mode])  # warm-up: first-call set-up, AdamW's state
+    seconds: dict[str, list[float]] = {"replay": [], "allow": []}
+    for _ in range(steps):
+        for mode, core in cores.items():
+            start = time.perf_counter()
+            core.train_step(given[mode])
+            seconds[mode].append(time.perf_counter() - start)
+    return seconds
+
+
+def peak_memory(
+    group: RankGroup, model_dir: str, groups: list[ScoredGroup], tokens: int, mode: str
+) -> dict[str, Any]:
+    core = learner(model_dir, mode, 1.0, tokens)
+    given = groups if mode == "replay" else without_sets(groups)
+    core.train_step(given)
+    before = rss_bytes()
+    reset_peak_rss()
+    core.train_step(given)
+    return {"peak_above_bytes": peak_rss_bytes() - before, "peak_bytes": peak_rss_bytes()}
+
+
+def cost(
+    name: str, model_dir: str, groups: list[ScoredGroup], tokens: int, steps: int
+) -> dict[str, Any]:
+    [seconds] = run_forked(time_steps, 1, 1, 3600, model_dir, groups, tokens, steps)
+    memory = {
+        mode: run_forked(peak_memory, 1, 1, 3600, model_dir, groups, tokens, mode)[0]
+        for mode in ("replay", "allow")
+    }
+    ratios = [r / a for r, a in zip(seconds["replay"], seconds["allow"], strict=True)]
+    return {
+        "case": name,
+        "replay_s": statistics.median(seconds["replay"]),
+        "allow_s": statistics.median(seconds["allow"]),
+        "time_ratio": statistics.median(ratios),
+        "replay_peak_mib": memory["replay"]["peak_above_bytes"] / MiB,
+        "allow_peak_mib": memory["allow"]["peak_above_bytes"] / MiB,
+        "memory_ratio": memory["replay"]["peak_bytes"] / memory["allow"]["peak_bytes"],
+    }
+
+
+def wide_case(layers: int, largest: int, tmp: str) -> tuple[str, list[ScoredGroup], int]:
+    shape = replace(QWEN25_05B, layers=layers, name=f"{QWEN25_05B.name} x{layers}")
+    run_forked(save_model, 1, 1, 600, shape, tmp, 0)
+    rows, tokens = 8, 256
+    groups = synthetic_groups(rows, tokens, 16, shape.vocab, seed=0)
+    return tmp, with_synthetic_sets(groups, shape.vocab, largest), tokens
+
+
+# --- 3. runs ---------------------------------------------------------------------------------
+
+
+def runs(seeds: int, out: Path) -> dict[str, Any]:
+    """KPO (defaults) on the study's base spec at each of RUN_TOP_P, `seeds` shared seeds, run
+    and evaluated by the stability study's runner (a finished run under `out` is reused)."""
+    import ray
+
+    from services.pipeline.actors import connect_ray
+    from stability_study.evaluate import HeldOutEvaluator
+    from stability_study.grid import BOUND_ARM, Cell, Setting
+    from stability_study.runner import load_result, run_one
+    from stability_study.stats import bootstrap_interval
+
+    base = load_run_spec(STUDY)
+    evaluator = HeldOutEvaluator(base, 512)
+    cells = {
+        top_p: Cell(
+            BOUND_ARM, Setting(f"top-p-{top_p}", f"top-p {top_p}", {"generation": {"top_p": top_p}})
+        )
+        for top_p in RUN_TOP_P
+    }
+    final: dict[float, list[float]] = {}
+    onpolicy: dict[float, list[float]] = {}
+    connected = False
+    try:
+        for top_p, cell in cells.items():
+            for seed in range(seeds):
+                result = load_result(out, cell, seed)
+                if result is None:
+                    if not connected:
+                        connect_ray(base)
+                        connected = True
+                    result = run_one(base, cell, seed, out, evaluator.initial, evaluator.evaluate)
+                last = max(result.evaluations)
+                final.setdefault(top_p, []).append(result.evaluations[last].accuracy)
+                fresh = [
+                    r["onpolicy_ratio_mean"] for r in result.records if "onpolicy_ratio_mean" in r
+                ]
+                onpolicy.setdefault(top_p, []).append(
+                    statistics.fmean(fresh) if fresh else float("nan")
+                )
+                print(f"  top-p {top_p} seed {seed}: held-out {final[top_p][-1]:.3f}", flush=True)
+    finally:
+        if connected:
+            ray.shutdown()
+    full, truncated = final[RUN_TOP_P[0]], final[RUN_TOP_P[1]]
+    paired = [t - f for t, f in zip(truncated, full, strict=True)]
+    diff = {"mean": statistics.fmean(paired), "interval": bootstrap_interval(paired)}
+    return {
+        "final": {str(k): v for k, v in final.items()},
+        "onpolicy": {str(k): v for k, v in onpolicy.items()},
+        "difference": diff,
+    }
+
+
+def _bias_row(row: dict[str, Any]) -> list[str]:
+    """A bias table row: each mode's on-policy ratio as mean (sd)."""
+    replayed, plain = row["replay"], row["allow"]
+    return [
+        row["setting"],
+        f"{row['kept_mean']:.1f} / {row['kept_p99']:.0f}",
+        f"{replayed['onpolicy_ratio_mean']:.5f} ({replayed['onpolicy_ratio_std']:.1e})",
+        f"{plain['onpolicy_ratio_mean']:.4f} ({plain['onpolicy_ratio_std']:.3f})",
+        f"{replayed['onpolicy_tokens']:.0f}",
+    ]
+
+
+def main() -> None:
+    args = parse_args()
+    spec = load_run_spec(DEMO)
+    print(
+        f"1. bias: {args.groups} groups of {spec.generation.group_size} per setting, demo model",
+        flush=True,
+    )
+    groups = {name: sampled_groups(spec, t, args.groups) for name, t in BIAS_SETTINGS.items()}
+    figures: dict[str, Any] = {"bias": bias(spec, groups)}
+    print_table(
+        ["setting", "kept mean / p99", "ratio, replayed", "ratio, unreplayed", "tokens"],
+        [_bias_row(row) for row in figures["bias"]],
+    )
+    print(f"(TRL, its model, top-p 0.8 unreplayed: {TRL_UNREPLAYED})")
+    print(
+        f"2. cost: {args.steps} alternate steps each; peak memory in a process of its own",
+        flush=True,
+    )
+    tiny = str(resolve_model(spec.model))
+    figures["cost"] = [
+        cost("tiny-arith", tiny, groups[TIMED_SETTING], spec.generation.max_new_tokens, args.steps)
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, wide, tokens = wide_case(args.layers, args.wide_kept, tmp)
+        name = f"Qwen2.5-0.5B width x{args.layers} layers, sets of 1-{args.wide_kept}"
+        figures["cost"].append(cost(name, model_dir, wide, tokens, args.steps))
+    print_table(
+        ["case", "step s replay / without", "ratio", "peak MiB replay / without", "peak RSS ratio"],
+        [
+            [
+                c["case"],
+                f"{c['replay_s']:.3f} / {c['allow_s']:.3f}",
+                f"{c['time_ratio']:.3f}x",
+                f"{c['replay_peak_mib']:.0f} / {c['allow_peak_mib']:.0f}",
+                f"{c['memory_ratio']:.3f}x",
+            ]
+            for c in figures["cost"]
+        ],
+    )
+    if not args.no_runs:
+        out = args.out or Path(tempfile.mkdtemp(prefix="bench-replay-"))
+        print(f"3. runs: KPO at top-p {RUN_TOP_P}, {args.seeds} seeds, in {out}", flush=True)
+        figures["runs"] = runs(args.seeds, out)
+        for key, values in figures["runs"]["final"].items():
+            print(f"  top-p {key}: final held-out accuracy {statistics.fmean(values):.3f} {values}")
+        print(f"  top-p 0.9 replayed minus top-p 1.0, paired: {figures['runs']['difference']}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(figures, indent=1), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()

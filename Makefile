@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: system-deps venv lint typecheck test test-vllm test-integrations test-deploy gpu-check helm-docs demo study bench bench-pipeline bench-learner bench-learner-speed bench-shadow bench-logprob-head bench-weight-sync bench-api bench-sandbox bench-load soak driver-memory bench-generation bench-integrations audit clean
+.PHONY: system-deps venv lint typecheck test test-vllm test-integrations test-deploy gpu-check helm-docs demo study bench bench-pipeline bench-learner bench-learner-speed bench-shadow bench-replay bench-logprob-head bench-weight-sync bench-api bench-sandbox bench-load soak driver-memory bench-generation bench-integrations audit clean
 
 # The CPU build of torch goes in first: the package's torch range then resolves to it and
 # nothing pulls a CUDA build.
@@ -40,7 +40,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy kpo_core services benchmarks/study.py benchmarks/stability_study benchmarks/bench_load.py benchmarks/soak.py \
 		benchmarks/driver_memory.py benchmarks/bench_learner.py benchmarks/bench_learner_speed.py benchmarks/bench_logprob_head.py benchmarks/bench_weight_sync.py benchmarks/bench_pipeline.py \
-		benchmarks/bench_sandbox.py benchmarks/bench_shadow.py scripts/audit_dependencies.py scripts/gpu_check.py \
+		benchmarks/bench_sandbox.py benchmarks/bench_shadow.py benchmarks/bench_replay.py scripts/audit_dependencies.py scripts/gpu_check.py \
 		scripts/gpu_learner_check.py
 
 # tests/gpu runs where a GPU exists (scripts/gpu_check.sh); the CPU suite covers the same code.
@@ -112,6 +112,15 @@ bench-learner-speed: $(STAMP)
 # (~1 min on 2 idle cores). Flags through SHADOW_ARGS, e.g. SHADOW_ARGS="--json runs/shadow.json".
 bench-shadow: $(STAMP)
 	$(PY) benchmarks/bench_shadow.py $(SHADOW_ARGS)
+
+# Truncated-sampling replay (`truncated_sampling: replay`): the mean on-policy ratio at top-p
+# 0.8 / 0.95 and top-k 20 with and without replay on the demo model, the learner's step time and
+# memory with and without (the tiny model, and a head of Qwen2.5-0.5B's width), and KPO runs at
+# top-p 0.9 replayed against top-p 1.0 (REPLAY_ARGS="--no-runs" skips them; about 25 minutes
+# on 2 CPU cores with them).
+REPLAY_ARGS ?=
+bench-replay: $(STAMP)
+	$(PY) benchmarks/bench_replay.py $(REPLAY_ARGS)
 
 # The learner's log-prob head on CPU against a plain head (log_softmax + gather) and the head it
 # replaced: seconds, peak memory, matrix products and elementwise bytes per position x vocabulary

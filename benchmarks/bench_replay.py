@@ -67,7 +67,7 @@ STUDY = ROOT / "examples" / "study.yaml"
 MiB = 2**20
 MAX_KEPT = 256  # generation.replay_max_kept's default
 TRL_UNREPLAYED = 0.896  # TRL's mean ratio at zero staleness, top-p 0.8, unreplayed (#7269)
-BIAS_SETTINGS = {
+BIAS_SETTINGS: dict[str, dict[str, Any]] = {
     "top-p 0.8": {"top_p": 0.8},
     "top-p 0.95": {"top_p": 0.95},
     "top-k 20": {"top_k": 20},

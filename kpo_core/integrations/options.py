@@ -41,3 +41,38 @@ def framework_estimator_config(
     except ValidationError as error:
         settings = {option: setting for option, (setting, _) in framework_values.items()}
         raise ValueError(describe_validation_error(error, options_name, settings)) from None
+
+
+# What a framework's run does about truncated training sampling (the service's
+# `algorithm.off_policy.truncated_sampling`): `allow` trains against the full softmax anyway,
+# `refuse` refuses truncating settings, `replay` would take the learner's log-probs over each
+# token's kept set, which needs the set the framework's generation sampled from.
+TRUNCATED_SAMPLING_MODES = ("allow", "refuse", "replay")
+
+
+def check_truncated_sampling(
+    mode: str | None, truncating: Mapping[str, Any], mode_setting: str
+) -> None:
+    """ValueError for a run whose training sampling truncates (`truncating`: the framework
+    settings that do, by name, with their values; empty when none does) under `mode` (set at
+    `mode_setting`; None: allow, the framework's own behaviour). Neither verl nor TRL passes
+    the kept set of each sampled token to its trainer, so `replay` is refused there, naming
+    the settings: the trainer's log-probs are over the full softmax, and a ratio taken against
+    the truncated behaviour log-probs carries log(kept mass) at every token."""
+    if mode is not None and mode not in TRUNCATED_SAMPLING_MODES:
+        raise ValueError(f"{mode_setting}={mode!r}: must be one of {TRUNCATED_SAMPLING_MODES}")
+    if not truncating or mode in (None, "allow"):
+        return
+    settings = ", ".join(f"{name}={value!r}" for name, value in truncating.items())
+    if mode == "replay":
+        raise ValueError(
+            f"{mode_setting}='replay': {settings} truncates training sampling, and this "
+            "framework's generation does not record the kept set of each sampled token that "
+            "replay needs; sample untruncated, or set "
+            f"{mode_setting}='allow' (every ratio then carries the log of the kept mass)"
+        )
+    raise ValueError(
+        f"{settings} truncates training sampling, which {mode_setting}='refuse' refuses: the "
+        "trainer's log-probs are of the full softmax, so every ratio is biased (below 1 even "
+        f"on-policy); sample untruncated, or set {mode_setting}='allow'"
+    )

@@ -25,7 +25,7 @@ from trl.trainer.grpo_config import GRPOConfig
 from trl.trainer.grpo_trainer import GRPOTrainer
 
 from kpo_core.config import EstimatorConfig
-from kpo_core.integrations.options import framework_estimator_config
+from kpo_core.integrations.options import check_truncated_sampling, framework_estimator_config
 from kpo_core.losses import NonFinitePolicy, token_policy_loss
 from kpo_core.ratios import get_estimator
 
@@ -77,6 +77,14 @@ class KpoGRPOConfig(GRPOConfig):  # type: ignore[misc]
             "stops, 'mask' drops the token and counts it in kpo/nonfinite_tokens."
         },
     )
+    truncated_sampling: str | None = field(
+        default=None,
+        metadata={
+            "help": "Truncated training sampling (top_p < 1, top_k > 0, min_p > 0): 'allow' "
+            "(or unset) trains on it as TRL does, 'refuse' refuses it. 'replay' is refused: "
+            "TRL's generation does not record each token's kept set."
+        },
+    )
     epsilon: float | None = field(  # type: ignore[assignment]
         default=None,
         metadata={"help": "Lower clip (1 - epsilon). Unset: the estimator's own default."},
@@ -110,11 +118,28 @@ class KpoGRPOConfig(GRPOConfig):  # type: ignore[misc]
             raise ValueError(
                 f"nonfinite={self.nonfinite!r}: must be one of {get_args(NonFinitePolicy)}"
             )
+        check_truncated_sampling(
+            self.truncated_sampling, self._truncating_settings(), "truncated_sampling"
+        )
         if self.entropy_coef != 0.0 or self.use_adaptive_entropy:
             raise ValueError(
                 "entropy_coef/use_adaptive_entropy: KpoGRPOTrainer has no entropy bonus; "
                 "leave entropy_coef=0 and use_adaptive_entropy=False"
             )
+
+    def _truncating_settings(self) -> dict[str, Any]:
+        """The sampling settings that truncate TRL's training generation, by name: its own
+        fields, or the same keys in `generation_kwargs`, which override them."""
+        overrides = _parse_options(self.generation_kwargs, "generation_kwargs")
+        values = {
+            name: overrides.get(name, getattr(self, name)) for name in ("top_p", "top_k", "min_p")
+        }
+        truncates = {
+            "top_p": values["top_p"] is not None and values["top_p"] < 1.0,
+            "top_k": values["top_k"] is not None and values["top_k"] > 0,
+            "min_p": values["min_p"] is not None and values["min_p"] > 0.0,
+        }
+        return {name: values[name] for name, cut in truncates.items() if cut}
 
     def estimator_config(self) -> EstimatorConfig:
         """The kpo_core config: estimator_options, with the clip window from epsilon(_high) and
@@ -132,16 +157,18 @@ class KpoGRPOConfig(GRPOConfig):  # type: ignore[misc]
         )
 
 
-def _parse_options(options: dict[str, Any] | str | None) -> dict[str, Any]:
-    """estimator_options as a dict; the command line passes a JSON object as a string."""
+def _parse_options(
+    options: dict[str, Any] | str | None, setting: str = "estimator_options"
+) -> dict[str, Any]:
+    """`setting`'s options as a dict; the command line passes a JSON object as a string."""
     if not isinstance(options, str):
         return dict(options or {})
     try:
         parsed = json.loads(options)
     except json.JSONDecodeError as error:
-        raise ValueError(f"estimator_options: not a JSON object: {error}") from None
+        raise ValueError(f"{setting}: not a JSON object: {error}") from None
     if not isinstance(parsed, dict):
-        raise ValueError(f"estimator_options: not a JSON object: {options!r}")
+        raise ValueError(f"{setting}: not a JSON object: {options!r}")
     return parsed
 
 

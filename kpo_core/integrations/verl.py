@@ -34,7 +34,7 @@ from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, agg_loss, register
 from verl.workers.config import PolicyLossConfig
 
 from kpo_core.config import EstimatorConfig
-from kpo_core.integrations.options import framework_estimator_config
+from kpo_core.integrations.options import check_truncated_sampling, framework_estimator_config
 from kpo_core.losses import NonFinitePolicy, token_policy_loss
 from kpo_core.ratios import get_estimator
 
@@ -48,6 +48,7 @@ VERL_LOSSES: dict[str, str] = {
     },
 }
 _ACTOR_PATH = "actor_rollout_ref.actor"
+_ROLLOUT_PATH = "actor_rollout_ref.rollout"
 _OPTIONS_PATH = f"{_ACTOR_PATH}.policy_loss.estimator_options"
 _RESPONSE_LENGTH_PATH = (
     f"{_ACTOR_PATH}.policy_loss.response_length "
@@ -72,6 +73,13 @@ class KpoPolicyLossConfig(PolicyLossConfig):  # type: ignore[misc]
     # verl's response limit, which KPO's `reference_length: auto` resolves to. The actor config
     # does not hold it (the rollout's does): `${actor_rollout_ref.rollout.response_length}`.
     response_length: int | None = None
+    # Truncated training sampling (`check_truncated_sampling`): None or "allow" trains on it as
+    # verl does, "refuse" refuses it; "replay" is refused (verl's rollout does not record each
+    # token's kept set). The rollout's settings, which the actor config does not hold either:
+    # `${actor_rollout_ref.rollout.top_p}` and `${actor_rollout_ref.rollout.top_k}`.
+    truncated_sampling: str | None = None
+    rollout_top_p: float | None = None
+    rollout_top_k: int | None = None
 
 
 def estimator_config(estimator: str, actor_config: Any) -> EstimatorConfig:
@@ -111,6 +119,19 @@ def _nonfinite_policy(actor_config: Any) -> NonFinitePolicy:
     return cast(NonFinitePolicy, policy)
 
 
+def _check_truncation(actor_config: Any) -> None:
+    """`check_truncated_sampling` of the policy-loss section's mode and rollout settings."""
+    section = _policy_loss_section(actor_config)
+    top_p, top_k = section.get("rollout_top_p"), section.get("rollout_top_k")
+    truncating: dict[str, Any] = {}
+    if top_p is not None and top_p < 1.0:
+        truncating[f"{_ROLLOUT_PATH}.top_p"] = top_p
+    if top_k is not None and top_k > 0:  # verl's -1 (and 0) keep every token
+        truncating[f"{_ROLLOUT_PATH}.top_k"] = top_k
+    mode_setting = f"{_ACTOR_PATH}.policy_loss.truncated_sampling"
+    check_truncated_sampling(section.get("truncated_sampling"), truncating, mode_setting)
+
+
 def rollout_weights(weights: Tensor, mask: Tensor, estimator: str) -> Tensor:
     """verl's rollout-correction weights as applied to the per-token loss, 0 off the mask.
 
@@ -140,6 +161,7 @@ def make_policy_loss(estimator: str) -> PolicyLossFn:
     ) -> tuple[Tensor, dict[str, Any]]:
         if config is None:
             raise ValueError(f"kpo_core's {estimator!r} loss needs verl's actor config")
+        _check_truncation(config)
         token_loss = token_policy_loss(
             estimator_config(estimator, config),
             log_prob,

@@ -300,6 +300,16 @@ def test_clip_window_defaults_to_the_estimators_own(tmp_path: Path) -> None:
         ({"importance_sampling_level": "sequence"}, "ratio_estimator='sequence'"),
         ({"delta": 2.0}, "delta"),
         ({"entropy_coef": 0.01}, "entropy_coef"),
+        ({"truncated_sampling": "sometimes"}, "truncated_sampling='sometimes': must be one of"),
+        (
+            {"top_p": 0.9, "truncated_sampling": "replay"},
+            "truncated_sampling='replay': top_p=0.9 truncates training sampling",
+        ),
+        (
+            {"generation_kwargs": {"top_k": 20}, "truncated_sampling": "replay"},
+            "top_k=20 truncates",
+        ),
+        ({"min_p": 0.05, "truncated_sampling": "refuse"}, "min_p=0.05 truncates"),
     ],
 )
 def test_bad_settings_are_refused_naming_them(
@@ -308,6 +318,16 @@ def test_bad_settings_are_refused_naming_them(
     with pytest.raises(ValueError, match=named.replace("(", r"\(").replace("[", r"\[")) as error:
         trainer_args(KpoGRPOConfig, tmp_path, **fields)
     assert "Traceback" not in str(error.value)
+
+
+def test_truncated_sampling_is_trained_on_as_trl_does_unless_refused(tmp_path: Path) -> None:
+    """Unset or `allow`, a truncating setting is TRL's own behaviour; untruncated, every mode
+    is accepted (there is nothing to replay)."""
+    for mode in (None, "allow"):
+        config = trainer_args(KpoGRPOConfig, tmp_path, top_p=0.9, truncated_sampling=mode)
+        assert config.top_p == 0.9
+    for mode in ("refuse", "replay"):
+        assert trainer_args(KpoGRPOConfig, tmp_path, truncated_sampling=mode).top_p == 1.0
 
 
 def test_command_line_parses_estimator_and_options(tmp_path: Path) -> None:

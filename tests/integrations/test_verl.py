@@ -355,6 +355,43 @@ def test_a_clip_window_kpo_core_refuses_names_verls_setting() -> None:
         batch.loss(POLICY_LOSS_REGISTRY["kpo"], actor_config(1.5, 0.2), "token-mean")
 
 
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        (
+            {"truncated_sampling": "replay", "rollout_top_p": 0.9},
+            r"policy_loss\.truncated_sampling='replay': actor_rollout_ref\.rollout\.top_p=0\.9 "
+            "truncates training sampling, and this framework's generation does not record",
+        ),
+        (
+            {"truncated_sampling": "refuse", "rollout_top_k": 20},
+            r"actor_rollout_ref\.rollout\.top_k=20 truncates training sampling, which "
+            r"actor_rollout_ref\.actor\.policy_loss\.truncated_sampling='refuse' refuses",
+        ),
+        ({"truncated_sampling": "maybe"}, "'maybe': must be one of"),
+    ],
+)
+def test_replay_or_refuse_of_truncated_rollouts_is_refused_naming_the_settings(
+    section: dict[str, Any], message: str
+) -> None:
+    batch = Batch()
+    policy = KpoPolicyLossConfig(loss_mode="kpo", response_length=32, **section)
+    with pytest.raises(ValueError, match=message):
+        batch.loss(
+            POLICY_LOSS_REGISTRY["kpo"], actor_config(3e-4, 4e-4, policy_loss=policy), "token-mean"
+        )
+    # verl's defaults (top-p 1, top-k -1) truncate nothing: any mode trains; so does `allow`.
+    for fields in (
+        {"truncated_sampling": "replay", "rollout_top_p": 1.0, "rollout_top_k": -1},
+        {"truncated_sampling": "allow", "rollout_top_p": 0.9},
+        {"rollout_top_k": 20},
+    ):
+        policy = KpoPolicyLossConfig(loss_mode="kpo", response_length=32, **fields)
+        config = actor_config(3e-4, 4e-4, policy_loss=policy)
+        loss, _, _ = batch.loss(POLICY_LOSS_REGISTRY["kpo"], config, "token-mean")
+        assert torch.isfinite(loss)
+
+
 def test_nonfinite_inputs_raise_by_default_and_are_counted_when_masked() -> None:
     batch = Batch()
     batch.old_log_prob[0, 3] = float("nan")

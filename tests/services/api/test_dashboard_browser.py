@@ -33,6 +33,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 from services.api import dashboard
 from services.api.app import create_app
 from services.api.settings import ApiSettings
+from services.spec import RunSpec
 from services.store import LocalStore, Store
 from tests.services.api.conftest import TOKEN, Api, ApiFactory
 from tests.services.api.launchers import RecordingLauncher
@@ -262,6 +263,15 @@ def test_a_run_that_declared_truncated_sampling_shows_it(api: Api, page: WebDriv
     wait_for(page, lambda d: text_of(d, "run-name") == "nucleus", "the run's facts")
     facts = text_of(page, "run-facts")
     assert "truncated sampling" in facts and "allowed (top_p 0.9, top_k 0)" in facts
+    # Validated as the API validates a submitted spec: unset, the mode resolves to replay.
+    resolved = RunSpec.model_validate(
+        {"name": "replayed", "generation": {"top_p": 0.95, "min_p": 0.05}}
+    ).model_dump(mode="json")
+    assert resolved["algorithm"]["off_policy"]["truncated_sampling"] == "replay"
+    replayed = api.store.create_run(resolved)
+    page.get(f"{api.url}/#{replayed.id}")
+    wait_for(page, lambda d: text_of(d, "run-name") == "replayed", "the replayed run's facts")
+    assert "replayed (top_p 0.95, top_k 0, min_p 0.05)" in text_of(page, "run-facts")
     page.get(f"{api.url}/#{plain}")
     wait_for(page, lambda d: text_of(d, "run-name") == "untruncated", "the other run's facts")
     assert "truncated sampling" not in text_of(page, "run-facts")

@@ -558,10 +558,13 @@ class LearnerCore:
         """`onpolicy_ratio_sums` of the step's tokens that its starting weights sampled (token
         version = the learner's) against those weights, before any update moved them: with
         proximal log-probs (those weights computed them) every row; otherwise the first
-        minibatch's rows, whose ratios come before the step's first optimiser step."""
+        minibatch's rows, whose ratios come before the step's first optimiser step. The ranks'
+        sums add up (`_minibatch_records`): every rank holds every row's proximal log-probs, so
+        rank 0 alone counts them; the first minibatch's ratios are each rank's own rows."""
         if behaviour_logp is not None:
             fresh = batch.response_mask & (batch.token_versions == self._version)
-            return onpolicy_ratio_sums(ref_logp - behaviour_logp, fresh)
+            sums = onpolicy_ratio_sums(ref_logp - behaviour_logp, fresh)
+            return sums if self.group.rank == 0 else torch.zeros_like(sums)
         sums = [
             onpolicy_ratio_sums(
                 row["log_ratio"],

@@ -180,10 +180,10 @@ def kept_mask(kept: Tensor, start: int, width: int) -> Tensor:
     kept set (kept [c, K], -1 padded). Padding and the ids of other blocks are scattered into a
     spare last column, dropped; an id given twice is set once."""
     local = kept - start
-    inside = (local >= 0) & (local < width)
-    slots = torch.where(inside, local, width)
+    slots = torch.where((local >= 0) & (local < width), local, width)
     mask = torch.zeros((kept.shape[0], width + 1), dtype=torch.bool, device=kept.device)
-    return mask.scatter_(1, slots, True)[:, :width]
+    # A source tensor, not a scalar: torch's scatter of a scalar value takes a slower path.
+    return mask.scatter_(1, slots, torch.ones_like(slots, dtype=torch.bool))[:, :width]
 
 
 def taken_outside(kept: Tensor, targets: Tensor) -> Tensor:

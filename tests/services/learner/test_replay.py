@@ -22,13 +22,15 @@ from kpo_core.config import AlgorithmConfig
 from services.generation.base import SamplingSettings
 from services.generation.hf_backend import HFBackend
 from services.learner.batch import TrainingBatch, collate
+from services.learner.distributed import RankGroup
 from services.learner.logprobs import ResponseLogProbs, response_logprobs
 from services.learner.metrics import replay_metric_tensors
 from services.learner.packed_attention import register_learner_attention
 from services.learner.step import LearnerCore, ratio_file
 from services.messages import Response, ScoredGroup, ScoredResponse
 from services.spec import LearnerConfig
-from tests.services.learner.conftest import GROUP_SIZE, MAX_NEW_TOKENS, PROMPTS
+from tests.services.learner.conftest import GROUP_SIZE, MAX_NEW_TOKENS, PROMPTS, make_core
+from tests.services.learner.ranks import run_ranks
 
 TOLERANCE = 1e-5
 PAD = 0
@@ -273,3 +275,31 @@ def test_the_step_reports_the_on_policy_ratio_one_with_replay_and_the_kept_mass_
     if reference == "proximal":  # every token: the batch's mean kept mass exactly
         mass = kept_mass(backend, batch, sampling.temperature)[batch.response_mask]
         assert math.isclose(plain["onpolicy_ratio_mean"], float(mass.double().mean()), abs_tol=1e-5)
+
+
+def onpolicy_step(
+    group: RankGroup | None, model_dir: Path, groups: list[ScoredGroup], reference: str
+) -> dict[str, float]:
+    """One step of a learner (one rank of a group of two, or alone) replaying `groups`."""
+    core = make_core(
+        model_dir,
+        reference=reference,
+        group=group,
+        algorithm={"off_policy": {"truncated_sampling": "replay"}},
+        minibatches=2,
+    )
+    return core.train_step(groups)
+
+
+@pytest.mark.parametrize("reference", ["behaviour", "proximal"])
+def test_two_ranks_report_the_on_policy_ratio_of_one(
+    tiny_model_dir: Path, backend: HFBackend, reference: str
+) -> None:
+    """The ranks' sums add up to one learner's: the same token count, a ratio of 1 (min-p's
+    setting: make_core's learners score at temperature 1, as it samples)."""
+    groups = replayed_groups(backend, SETTINGS["min_p"])
+    alone = onpolicy_step(None, tiny_model_dir, groups, reference)
+    two = run_ranks(onpolicy_step, 2, tiny_model_dir, groups, reference)[0]
+    assert two["onpolicy_tokens"] == alone["onpolicy_tokens"] > 0
+    for record in (alone, two):
+        assert abs(record["onpolicy_ratio_mean"] - 1.0) < TOLERANCE

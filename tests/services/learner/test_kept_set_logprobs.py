@@ -18,10 +18,10 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM
 
+from services.learner import vocab_logprobs
 from services.learner.batch import collate
 from services.learner.logprobs import ResponseLogProbs, chunk_logprobs
 from services.learner.vocab_kernels import LogprobKernel
-from services.learner import vocab_logprobs
 from services.learner.vocab_logprobs import vocab_chunked_logprobs
 from tests.services.generation.tiny_model import build_model, build_tokenizer
 from tests.services.learner.conftest import sample_groups

@@ -116,8 +116,8 @@ bench-shadow: $(STAMP)
 # Truncated-sampling replay (`truncated_sampling: replay`): the mean on-policy ratio at top-p
 # 0.8 / 0.95 and top-k 20 with and without replay on the demo model, the learner's step time and
 # memory with and without (the tiny model, and a head of Qwen2.5-0.5B's width), and KPO runs at
-# top-p 0.9 replayed against top-p 1.0 (REPLAY_ARGS="--no-runs" skips them; about 25 minutes
-# on 2 CPU cores with them).
+# top-p 0.9 replayed and unreplayed against top-p 1.0 (about 35 minutes on 2 CPU cores;
+# REPLAY_ARGS="--no-runs" skips the runs).
 REPLAY_ARGS ?=
 bench-replay: $(STAMP)
 	$(PY) benchmarks/bench_replay.py $(REPLAY_ARGS)

@@ -14,9 +14,10 @@ one run: the bias it removes, what it costs the learner, and what it does to a K
    before one step, in a forked process of its own (bench_learner.py's measure). Goal: at most
    1.1x the time and memory.
 3. Runs. KPO with its defaults on the study's base spec (examples/study.yaml: 50 steps,
-   asynchronous), at top-p 1.0 and at top-p 0.9 replayed, `--seeds` shared seeds each, through
-   the stability study's runner: final held-out accuracy (512 prompts, sampled untruncated)
-   and the paired difference. `--no-runs` skips this part (about 10 minutes on 2 cores).
+   asynchronous) at top-p 1.0, at top-p 0.9 replayed and at top-p 0.9 unreplayed (`allow`),
+   `--seeds` shared seeds each, through the stability study's runner: final held-out accuracy
+   (512 prompts, sampled untruncated, as the study samples) and paired differences.
+   `--no-runs` skips this part (about 25 minutes on 2 cores).
 
 Usage: python benchmarks/bench_replay.py [--groups 16] [--steps 5] [--layers 2]
        [--wide-kept 64] [--seeds 3] [--no-runs] [--out DIR] [--json PATH]
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import sys
@@ -73,7 +75,6 @@ BIAS_SETTINGS: dict[str, dict[str, Any]] = {
     "top-k 20": {"top_k": 20},
 }
 TIMED_SETTING = "top-p 0.95"  # the tiny model's cost is measured on these groups
-RUN_TOP_P = (1.0, 0.9)
 
 
 def parse_args() -> argparse.Namespace:
@@ -234,30 +235,44 @@ def wide_case(layers: int, largest: int, tmp: str) -> tuple[str, list[ScoredGrou
 # --- 3. runs ---------------------------------------------------------------------------------
 
 
+def run_arms() -> dict[str, Any]:
+    """The runs' arms by label: KPO with its defaults (the cells' method, keyed `kpo`) at top-p
+    1.0 and at top-p 0.9 replayed, and at top-p 0.9 declared unreplayed (`allow`)."""
+    from stability_study.grid import BOUND_ARM, Cell, Method, Setting
+
+    def top_p(value: float) -> Setting:
+        return Setting(f"top-p-{value}", f"top-p {value}", {"generation": {"top_p": value}})
+
+    unreplayed = Method(
+        "kpo-allow", "KPO, truncation unreplayed", {"name": "kalman"},
+        off_policy={"truncated_sampling": "allow"},
+    )  # fmt: skip
+    return {
+        "top-p 1.0": Cell(BOUND_ARM, top_p(1.0)),
+        "top-p 0.9 replayed": Cell(BOUND_ARM, top_p(0.9)),
+        "top-p 0.9 unreplayed": Cell(unreplayed, top_p(0.9)),
+    }
+
+
 def runs(seeds: int, out: Path) -> dict[str, Any]:
-    """KPO (defaults) on the study's base spec at each of RUN_TOP_P, `seeds` shared seeds, run
-    and evaluated by the stability study's runner (a finished run under `out` is reused)."""
+    """Each of `run_arms` on the study's base spec, `seeds` shared seeds, run and evaluated by
+    the stability study's runner (a finished run under `out` is reused): final held-out
+    accuracy by seed, the runs' mean on-policy ratio, and paired differences with a bootstrap
+    interval."""
     import ray
 
     from services.pipeline.actors import connect_ray
     from stability_study.evaluate import HeldOutEvaluator
-    from stability_study.grid import BOUND_ARM, Cell, Setting
     from stability_study.runner import load_result, run_one
     from stability_study.stats import bootstrap_interval
 
     base = load_run_spec(STUDY)
     evaluator = HeldOutEvaluator(base, 512)
-    cells = {
-        top_p: Cell(
-            BOUND_ARM, Setting(f"top-p-{top_p}", f"top-p {top_p}", {"generation": {"top_p": top_p}})
-        )
-        for top_p in RUN_TOP_P
-    }
-    final: dict[float, list[float]] = {}
-    onpolicy: dict[float, list[float]] = {}
+    arms: dict[str, dict[str, list[float]]] = {}
     connected = False
     try:
-        for top_p, cell in cells.items():
+        for label, cell in run_arms().items():
+            arm = arms.setdefault(label, {"final": [], "onpolicy": []})
             for seed in range(seeds):
                 result = load_result(out, cell, seed)
                 if result is None:
@@ -265,26 +280,44 @@ def runs(seeds: int, out: Path) -> dict[str, Any]:
                         connect_ray(base)
                         connected = True
                     result = run_one(base, cell, seed, out, evaluator.initial, evaluator.evaluate)
-                last = max(result.evaluations)
-                final.setdefault(top_p, []).append(result.evaluations[last].accuracy)
-                fresh = [
+                arm["final"].append(result.evaluations[max(result.evaluations)].accuracy)
+                ratios = [
                     r["onpolicy_ratio_mean"] for r in result.records if "onpolicy_ratio_mean" in r
                 ]
-                onpolicy.setdefault(top_p, []).append(
-                    statistics.fmean(fresh) if fresh else float("nan")
-                )
-                print(f"  top-p {top_p} seed {seed}: held-out {final[top_p][-1]:.3f}", flush=True)
+                arm["onpolicy"].append(statistics.fmean(ratios) if ratios else math.nan)
+                print(f"  {label} seed {seed}: held-out {arm['final'][-1]:.3f}", flush=True)
     finally:
         if connected:
             ray.shutdown()
-    full, truncated = final[RUN_TOP_P[0]], final[RUN_TOP_P[1]]
-    paired = [t - f for t, f in zip(truncated, full, strict=True)]
-    diff = {"mean": statistics.fmean(paired), "interval": bootstrap_interval(paired)}
-    return {
-        "final": {str(k): v for k, v in final.items()},
-        "onpolicy": {str(k): v for k, v in onpolicy.items()},
-        "difference": diff,
+    pairs = {
+        "replayed - top-p 1.0": ("top-p 0.9 replayed", "top-p 1.0"),
+        "unreplayed - top-p 1.0": ("top-p 0.9 unreplayed", "top-p 1.0"),
+        "replayed - unreplayed": ("top-p 0.9 replayed", "top-p 0.9 unreplayed"),
     }
+    differences = {}
+    for name, (a, b) in pairs.items():
+        paired = [x - y for x, y in zip(arms[a]["final"], arms[b]["final"], strict=True)]
+        differences[name] = {
+            "mean": statistics.fmean(paired),
+            "interval": bootstrap_interval(paired),
+        }
+    return {"arms": arms, "differences": differences}
+
+
+def _print_runs(figures: dict[str, Any]) -> None:
+    rows = [
+        [
+            label,
+            f"{statistics.fmean(arm['final']):.3f}",
+            " ".join(f"{v:.3f}" for v in arm["final"]),
+            f"{statistics.fmean(arm['onpolicy']):.4f}",
+        ]
+        for label, arm in figures["arms"].items()
+    ]
+    print_table(["arm", "final held-out", "by seed", "mean on-policy ratio"], rows)
+    for name, diff in figures["differences"].items():
+        low, high = diff["interval"]
+        print(f"  {name}, paired: {diff['mean']:+.3f} [{low:+.3f}, {high:+.3f}]")
 
 
 def _bias_row(row: dict[str, Any]) -> list[str]:
@@ -340,11 +373,9 @@ def main() -> None:
     )
     if not args.no_runs:
         out = args.out or Path(tempfile.mkdtemp(prefix="bench-replay-"))
-        print(f"3. runs: KPO at top-p {RUN_TOP_P}, {args.seeds} seeds, in {out}", flush=True)
+        print(f"3. runs: KPO, {args.seeds} seeds, in {out}", flush=True)
         figures["runs"] = runs(args.seeds, out)
-        for key, values in figures["runs"]["final"].items():
-            print(f"  top-p {key}: final held-out accuracy {statistics.fmean(values):.3f} {values}")
-        print(f"  top-p 0.9 replayed minus top-p 1.0, paired: {figures['runs']['difference']}")
+        _print_runs(figures["runs"])
     if args.json is not None:
         args.json.write_text(json.dumps(figures, indent=1), encoding="utf-8")
 

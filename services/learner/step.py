@@ -563,8 +563,8 @@ class LearnerCore:
         rank 0 alone counts them; the first minibatch's ratios are each rank's own rows."""
         if behaviour_logp is not None:
             fresh = batch.response_mask & (batch.token_versions == self._version)
-            sums = onpolicy_ratio_sums(ref_logp - behaviour_logp, fresh)
-            return sums if self.group.rank == 0 else torch.zeros_like(sums)
+            every_row = onpolicy_ratio_sums(ref_logp - behaviour_logp, fresh)
+            return every_row if self.group.rank == 0 else torch.zeros_like(every_row)
         sums = [
             onpolicy_ratio_sums(
                 row["log_ratio"],

@@ -333,3 +333,19 @@ def test_a_single_turn_agent_row_is_answered_without_tools(
 ) -> None:
     runner = PrintingRunner()
     check_single_turn_rows_skip_tools(harness.with_tools(runner), runner, transcript)
+
+
+def test_a_replayed_multi_turn_response_records_no_set_at_its_observation_tokens(
+    harness: Harness,
+) -> None:
+    backend = harness.with_tools(PrintingRunner(), "fenced")
+    replayed = replace(sampling(), temperature=HOT, top_k=4, replay_max_kept=20)
+    [responses] = backend.generate([prompt_of(PLAIN)], 6, replayed)
+    two_turns = [r for r in responses if any(r.observation_mask)]
+    assert two_turns
+    for response in two_turns:
+        assert len(response.kept_ids) == len(response.response_token_ids)
+        for token, kept, model in zip(
+            response.response_token_ids, response.kept_ids, response.is_model_token(), strict=True
+        ):
+            assert (token in kept and len(kept) == 4) if model else kept == []

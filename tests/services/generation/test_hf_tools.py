@@ -9,7 +9,6 @@ imported here), each on a fresh backend.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,9 +17,7 @@ from services.generation.hf_backend import HFBackend
 from services.tools.calls import CallFormatSetting
 from services.tools.config import ToolsConfig
 from tests.services.generation import multi_turn_checks as checks
-from tests.services.generation import tool_rollouts as rollouts
 from tests.services.generation.multi_turn_checks import *  # noqa: F403 (the shared tests)
-from tests.services.generation.tool_model import PLAIN
 from tests.services.generation.tool_rollouts import PrintingRunner
 
 TOLERANCE = 5e-5  # as tests/services/learner/test_logprobs.py: float32 summation order
@@ -36,19 +33,3 @@ def harness(tool_model_dir: Path) -> checks.Harness:
         return backend
 
     return checks.Harness(tool_model_dir, backend_with_tools, TOLERANCE)
-
-
-def test_a_replayed_multi_turn_response_records_no_set_at_its_observation_tokens(
-    harness: checks.Harness,
-) -> None:
-    backend = harness.with_tools(PrintingRunner(), "fenced")
-    sampling = replace(rollouts.sampling(), temperature=rollouts.HOT, top_k=4, replay_max_kept=20)
-    [responses] = backend.generate([rollouts.prompt_of(PLAIN)], 6, sampling)
-    two_turns = [r for r in responses if any(r.observation_mask)]
-    assert two_turns
-    for response in two_turns:
-        assert len(response.kept_ids) == len(response.response_token_ids)
-        for token, kept, model in zip(
-            response.response_token_ids, response.kept_ids, response.is_model_token(), strict=True
-        ):
-            assert (token in kept and len(kept) == 4) if model else kept == []

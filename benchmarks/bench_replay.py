@@ -33,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,7 @@ from services.generation.base import SamplingSettings
 from services.generation.hf_backend import HFBackend
 from services.learner.distributed import RankGroup
 from services.learner.step import LearnerCore
-from services.messages import ScoredGroup, ScoredResponse
+from services.messages import Prompt, ScoredGroup, ScoredResponse
 from services.pipeline.specs import load_run_spec
 from services.spec import LearnerConfig, RunSpec
 from services.tasks import generate_prompts
@@ -254,38 +255,99 @@ def run_arms() -> dict[str, Any]:
     }
 
 
-def runs(seeds: int, out: Path) -> dict[str, Any]:
-    """Each of `run_arms` on the study's base spec, `seeds` shared seeds, run and evaluated by
-    the stability study's runner (a finished run under `out` is reused): final held-out
-    accuracy by seed, the runs' mean on-policy ratio, and paired differences with a bootstrap
-    interval."""
-    import ray
+OWN_SAMPLING_FILE = "own_sampling.json"  # a run's held-out accuracy at its own top-p, by step
 
-    from services.pipeline.actors import connect_ray
+
+def own_sampling_accuracy(prompts: list[Prompt], spec: RunSpec, top_p: float, model: Path) -> float:
+    """Held-out accuracy sampled as the run sampled its training rollouts (its temperature and
+    top-p), with the study's prompts and sampling seed."""
+    from stability_study.evaluate import EVAL_SAMPLING_SEED
+
+    gen = spec.generation
+    sampling = SamplingSettings(
+        temperature=gen.temperature,
+        top_p=top_p,
+        max_new_tokens=gen.max_new_tokens,
+        seed=EVAL_SAMPLING_SEED,
+    )
+    groups = HFBackend(str(model)).generate(prompts, 1, sampling)
+    return statistics.fmean(
+        float(is_correct(g[0].text, p.answer)) for g, p in zip(groups, prompts, strict=True)
+    )
+
+
+def recording(
+    evaluator: Any, spec: RunSpec, top_p: float
+) -> tuple[Callable[[Path], Any], list[float]]:
+    """The study's evaluation of a checkpoint, which also appends its accuracy at `top_p` (where
+    that truncates) to the list returned with it."""
+    own: list[float] = []
+
+    def evaluate(model: Path) -> Any:
+        if top_p < 1.0:
+            own.append(own_sampling_accuracy(evaluator.prompts, spec, top_p, model))
+        return evaluator.evaluate(model)
+
+    return evaluate, own
+
+
+def run_arm(
+    label: str, cell: Any, seeds: int, out: Path, connect: Callable[[], None]
+) -> dict[str, list[float]]:
+    """One arm's runs (run, or reused under `out`): per seed its final held-out accuracy
+    sampled untruncated (the study's evaluator) and as it trained (its top-p; the same for
+    top-p 1), and its mean on-policy ratio."""
     from stability_study.evaluate import HeldOutEvaluator
-    from stability_study.runner import load_result, run_one
-    from stability_study.stats import bootstrap_interval
+    from stability_study.runner import load_result, run_one, run_path
 
     base = load_run_spec(STUDY)
     evaluator = HeldOutEvaluator(base, 512)
-    arms: dict[str, dict[str, list[float]]] = {}
-    connected = False
+    top_p = float(cell.setting.overrides["generation"]["top_p"])
+    arm: dict[str, list[float]] = {"final": [], "own": [], "onpolicy": []}
+    for seed in range(seeds):
+        result = load_result(out, cell, seed)
+        if result is None:
+            connect()
+            evaluate, own = recording(evaluator, base, top_p)
+            result = run_one(base, cell, seed, out, evaluator.initial, evaluate)
+            (run_path(out, cell, seed) / OWN_SAMPLING_FILE).write_text(json.dumps(own))
+        final = result.evaluations[max(result.evaluations)].accuracy
+        arm["final"].append(final)
+        if top_p < 1.0:
+            own_path = run_path(out, cell, seed) / OWN_SAMPLING_FILE
+            recorded = json.loads(own_path.read_text()) if own_path.exists() else []
+            arm["own"].append(recorded[-1] if recorded else math.nan)
+        else:
+            arm["own"].append(final)
+        ratios = [r["onpolicy_ratio_mean"] for r in result.records if "onpolicy_ratio_mean" in r]
+        arm["onpolicy"].append(statistics.fmean(ratios) if ratios else math.nan)
+        print(
+            f"  {label} seed {seed}: held-out {final:.3f}, at its top-p {arm['own'][-1]:.3f}",
+            flush=True,
+        )
+    return arm
+
+
+def runs(seeds: int, out: Path) -> dict[str, Any]:
+    """Each of `run_arms`, `seeds` shared seeds (`run_arm`), and the paired differences of
+    their final held-out accuracies, sampled untruncated and as each arm trained, with
+    bootstrap intervals."""
+    import ray
+
+    from services.pipeline.actors import connect_ray
+    from stability_study.stats import bootstrap_interval
+
+    connected: list[bool] = []
+
+    def connect() -> None:
+        if not connected:
+            connect_ray(load_run_spec(STUDY))
+            connected.append(True)
+
     try:
-        for label, cell in run_arms().items():
-            arm = arms.setdefault(label, {"final": [], "onpolicy": []})
-            for seed in range(seeds):
-                result = load_result(out, cell, seed)
-                if result is None:
-                    if not connected:
-                        connect_ray(base)
-                        connected = True
-                    result = run_one(base, cell, seed, out, evaluator.initial, evaluator.evaluate)
-                arm["final"].append(result.evaluations[max(result.evaluations)].accuracy)
-                ratios = [
-                    r["onpolicy_ratio_mean"] for r in result.records if "onpolicy_ratio_mean" in r
-                ]
-                arm["onpolicy"].append(statistics.fmean(ratios) if ratios else math.nan)
-                print(f"  {label} seed {seed}: held-out {arm['final'][-1]:.3f}", flush=True)
+        arms = {
+            label: run_arm(label, cell, seeds, out, connect) for label, cell in run_arms().items()
+        }
     finally:
         if connected:
             ray.shutdown()
@@ -294,13 +356,14 @@ def runs(seeds: int, out: Path) -> dict[str, Any]:
         "unreplayed - top-p 1.0": ("top-p 0.9 unreplayed", "top-p 1.0"),
         "replayed - unreplayed": ("top-p 0.9 replayed", "top-p 0.9 unreplayed"),
     }
-    differences = {}
+    differences: dict[str, dict[str, Any]] = {}
     for name, (a, b) in pairs.items():
-        paired = [x - y for x, y in zip(arms[a]["final"], arms[b]["final"], strict=True)]
-        differences[name] = {
-            "mean": statistics.fmean(paired),
-            "interval": bootstrap_interval(paired),
-        }
+        for sampled in ("final", "own"):
+            paired = [x - y for x, y in zip(arms[a][sampled], arms[b][sampled], strict=True)]
+            differences[f"{name} ({sampled})"] = {
+                "mean": statistics.fmean(paired),
+                "interval": bootstrap_interval(paired),
+            }
     return {"arms": arms, "differences": differences}
 
 
@@ -310,11 +373,14 @@ def _print_runs(figures: dict[str, Any]) -> None:
             label,
             f"{statistics.fmean(arm['final']):.3f}",
             " ".join(f"{v:.3f}" for v in arm["final"]),
+            f"{statistics.fmean(arm['own']):.3f}",
+            " ".join(f"{v:.3f}" for v in arm["own"]),
             f"{statistics.fmean(arm['onpolicy']):.4f}",
         ]
         for label, arm in figures["arms"].items()
     ]
-    print_table(["arm", "final held-out", "by seed", "mean on-policy ratio"], rows)
+    headers = ["arm", "final held-out", "by seed", "at its top-p", "by seed", "on-policy ratio"]
+    print_table(headers, rows)
     for name, diff in figures["differences"].items():
         low, high = diff["interval"]
         print(f"  {name}, paired: {diff['mean']:+.3f} [{low:+.3f}, {high:+.3f}]")

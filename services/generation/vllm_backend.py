@@ -99,7 +99,6 @@ from services.generation.vllm_transfer import (
 )
 from services.generation.vllm_worker_extension import WeightLoadingExtension
 from services.messages import FinishReason, Prompt, Response
-from services.spec.bounds import MAX_REPLAY_KEPT
 from services.tools.config import ToolsConfig
 from services.tools.rollout import ToolRollout
 from services.tools.sandbox import ToolRunner
@@ -121,8 +120,10 @@ INSTALL_HINT = "pip install 'kpo-rl[vllm]'"
 VLLM_LOGPROBS_MODE = "processed_logprobs"
 
 # The most top log-probs a request may ask for (vLLM's `max_logprobs`): a kept set of the
-# largest `generation.replay_max_kept` and the one more that tells it was not larger.
-VLLM_MAX_LOGPROBS = MAX_REPLAY_KEPT + 1
+# largest `generation.replay_max_kept` a spec allows (services/spec/bounds.py's
+# MAX_REPLAY_KEPT, 4096, which this layer may not import; a test holds them together) and the
+# one more that tells it was not larger.
+VLLM_MAX_LOGPROBS = 4096 + 1
 
 # vLLM decodes greedily below this temperature (`vllm.sampling_params._SAMPLING_EPS`).
 GREEDY_TEMPERATURE = 1e-5

@@ -159,7 +159,11 @@ def test_vllms_top_log_probs_give_the_kept_set_or_over_the_limit() -> None:
     """The parsing half of the vLLM backend's kept sets (the engine's half is in the vLLM
     stage, tests/services/generation/test_vllm_backend.py): asked for limit + 1, a position
     whose asked-for log-probs are all finite kept more than the limit."""
-    from services.generation.vllm_backend import _kept_sets, _logprobs_asked
+    from services.generation.vllm_backend import VLLM_MAX_LOGPROBS, _kept_sets, _logprobs_asked
+    from services.spec.bounds import MAX_REPLAY_KEPT
+
+    # The engine allows the largest set a spec may ask to record, and the one more id.
+    assert VLLM_MAX_LOGPROBS == MAX_REPLAY_KEPT + 1
 
     inf = -math.inf
     sampling = SamplingSettings(top_p=0.9, replay_max_kept=3)

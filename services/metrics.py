@@ -201,6 +201,25 @@ PROGRESS = Group(
             "this one (a batch not ready, or a publish or checkpoint before the step).",
             note="Measured on learner rank 0; absent from a run's or an attempt's first step.",
         ),
+        _record(
+            "publish_seconds",
+            "seconds",
+            "Seconds the latest finished object-store publish took to read, encode and put "
+            "the weights.",
+            note="Learner rank 0; the publish of the version before this step's.",
+        ),
+        _record(
+            "publish_bytes",
+            "bytes",
+            "Bytes the latest finished object-store publish put: the patches' payloads with "
+            "`pipeline.weight_delta: auto`, the whole weights otherwise.",
+        ),
+        _record(
+            "publish_changed_fraction",
+            "",
+            "Fraction of the published weights' bytes that changed since the version before "
+            "(1 for a publish sent whole).",
+        ),
     ),
 )
 # The keys a held-out evaluation adds to the record it joins (services/pipeline/evaluation.py).

@@ -37,6 +37,7 @@ engine thread, which runs it between two steps.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -67,7 +68,10 @@ from services.tools.reaper import become_subreaper
 from services.tools.rollout import build_runner
 from services.weights.base import TensorSpec, WeightGroup, WeightsManifest, WeightsOffer
 from services.weights.buckets import plan_buckets
-from services.weights.object_store import fetch_buckets, put_buckets
+from services.weights.delta import DeltaBase, DeltaMismatchError
+from services.weights.object_store import fetch_buckets, fetch_patched, put_buckets
+
+log = logging.getLogger(__name__)
 
 StateDict: TypeAlias = Mapping[str, torch.Tensor]
 
@@ -93,6 +97,7 @@ class GenerationStats:
     tokens_per_s: float  # all tokens over the time spent in backend steps
     weight_swaps: int
     failed_loads: int  # weight loads that raised (each offer is tried LOAD_ATTEMPTS times)
+    dense_loads: int  # delta publishes loaded whole instead (new, behind, or a bad patch)
     last_swap_seconds: float  # fetch + load (or receive + load) of the latest swap
     groups_returned: int  # streamed and generated
     groups_in_flight: int  # submitted and not yet returned
@@ -190,6 +195,11 @@ class GenerationWorkerImpl:
         self._stream_out: list[list[Response]] = []
         self._generated: dict[int, dict[int, list[Response]]] = {}  # ticket -> index -> group
         self._offer: _Offer | None = None
+        # Delta publishes: this worker's copy of the version it loaded last (what patches
+        # apply to), and the delta offers newer than it, by version: a worker that loads
+        # fewer versions than are published applies the whole chain.
+        self._delta = DeltaBase()
+        self._patched: dict[int, WeightsOffer] = {}
         self._tasks: deque[_Task] = deque()
         self._fatal: BaseException | None = None
         self._refused: list[Refusal] = []  # stream requests the backend refused, not yet reported
@@ -203,6 +213,7 @@ class GenerationWorkerImpl:
             "last_batch_seconds": 0.0,
             "weight_swaps": 0,
             "failed_loads": 0,
+            "dense_loads": 0,
             "last_swap_seconds": 0.0,
             "groups_returned": 0,
             "steps": 0,
@@ -313,6 +324,8 @@ class GenerationWorkerImpl:
                 f"{source.manifest.version}"
             )
         with self._cv:
+            if source.patches:
+                self._patched[version] = source  # a later chain may need it
             if version <= self._newest_version():
                 return False
             self._offer = _Offer(version, source)
@@ -485,7 +498,49 @@ class GenerationWorkerImpl:
 
     def _load(self, offer: _Offer) -> None:
         source = offer.source
-        self._backend.load_weight_buckets(fetch_buckets(source), source.manifest)
+        if not source.patches:
+            self._backend.load_weight_buckets(fetch_buckets(source), source.manifest)
+            return
+        chain = self._chain_to(source.version)
+        if chain is not None:
+            try:
+                self._backend.load_weight_buckets(
+                    fetch_patched(chain, self._delta), source.manifest
+                )
+                self._loaded_patches()
+                return
+            except DeltaMismatchError as error:
+                log.warning("weights of version %d: %s; loading them whole", source.version, error)
+        # New, behind by a version it was not offered, or a patch that failed its digest: the
+        # learner's copy of its last version, whole.
+        if source.source is None:
+            raise DeltaMismatchError(f"version {source.version}: no source of whole weights")
+        dense: WeightsOffer = ray.get(source.source.dense_offer.remote())
+        with self._cv:
+            self._stats["dense_loads"] += 1
+        self._backend.load_weight_buckets(fetch_patched([dense], self._delta), dense.manifest)
+        self._loaded_patches()
+
+    def _chain_to(self, version: int) -> list[WeightsOffer] | None:
+        """The delta offers that build `version`, oldest first: back to the version held, or
+        to one sent whole (a learner's first publish); None where one is missing."""
+        held, chain = self._delta.version, list[WeightsOffer]()
+        with self._cv:
+            for back in range(version, -1, -1):
+                offer = self._patched.get(back)
+                if offer is None:
+                    return None
+                chain.insert(0, offer)
+                whole = all(patch.encoding == "dense" for patch in offer.patches)
+                if whole or held == back - 1:
+                    return chain
+        return None
+
+    def _loaded_patches(self) -> None:
+        """Let go of the delta offers no newer than the version now held."""
+        with self._cv:
+            held = self._delta.version if self._delta.version is not None else -1
+            self._patched = {v: o for v, o in self._patched.items() if v > held}
 
     def _swapped(self, start: float) -> None:
         seconds = time.perf_counter() - start
@@ -557,6 +612,7 @@ class GenerationWorkerImpl:
             tokens_per_s=_rate(s["tokens_generated"], s["busy_seconds"]),
             weight_swaps=s["weight_swaps"],
             failed_loads=s["failed_loads"],
+            dense_loads=s["dense_loads"],
             last_swap_seconds=s["last_swap_seconds"],
             groups_returned=s["groups_returned"],
             groups_in_flight=in_flight,

@@ -41,8 +41,8 @@ COLLECTIVE_TIMEOUT_S = 1800.0
 HEAP_TRIM_EVERY_STEPS = 10
 # The concurrency groups of an actor of `LearnerImpl` (or a subclass): `offer`'s thread, and
 # the thread of `send` and `cancel_send` (a send waits for its broadcast; an offer must not wait
-# behind it).
-CONCURRENCY_GROUPS = {"publish": 1, "send": 1}
+# behind it), and `dense_offer`'s (a worker's dense resend must not wait behind a step).
+CONCURRENCY_GROUPS = {"publish": 1, "send": 1, "dense": 1}
 
 
 class LearnerImpl:
@@ -62,13 +62,16 @@ class LearnerImpl:
         weight_bucket_mb: int = 256,
         overlap_publish: bool = False,
         publish_in_flight: int = 1,
+        weight_delta: bool = False,
     ) -> None:
         """Remember the settings; `setup` joins the group and loads the model.
 
         `weight_transport` and `weight_bucket_mb` are the run's `pipeline` settings of the same
         names (how each version reaches generation); `overlap_publish`, whether a publish runs
         while the next step trains (`RunSpec.overlaps_publish` decides: an async run);
-        `publish_in_flight`, the sharded publishes whose host copies may be held at once.
+        `publish_in_flight`, the sharded publishes whose host copies may be held at once;
+        `weight_delta`, whether a publish sends what changed since the last (`pipeline.
+        weight_delta`, services/weights/delta.py).
         """
         if weight_transport not in ("object_store", "collective"):
             raise ValueError(f"unknown weight_transport {weight_transport!r}")
@@ -84,6 +87,7 @@ class LearnerImpl:
             weight_bucket_mb * MiB,
             overlap_publish,
             publish_in_flight,
+            weight_delta,
         )
         self._last_step_end: float | None = None
 
@@ -112,9 +116,9 @@ class LearnerImpl:
             self._group,
             before_update=fences.wait,
         )
-        transport, bucket_bytes, overlap, in_flight = self._publishing
+        transport, bucket_bytes, overlap, in_flight, delta = self._publishing
         self._publisher = Publisher(
-            self._core, fences, self._group, transport, bucket_bytes, overlap, in_flight
+            self._core, fences, self._group, transport, bucket_bytes, overlap, in_flight, delta
         )
 
     @property
@@ -154,6 +158,13 @@ class LearnerImpl:
         let go of it."""
         self.publisher.decide(version, go=False).exception()
 
+    @ray.method(concurrency_group="dense")
+    def dense_offer(self) -> WeightsOffer:
+        """The last published version whole (delta publishes, rank 0), for a worker that
+        cannot apply a delta (it missed a version, is new, or a patch failed its digest); on
+        a thread of its own, beside the next step and the publishes."""
+        return self.publisher.dense_offer()
+
     @ray.method(concurrency_group="publish")
     def offer(self, version: int) -> WeightsOffer | None:
         """The offer of `version` once its publish is done (rank 0; None elsewhere); runs on a
@@ -168,6 +179,7 @@ class LearnerImpl:
         metrics = self.core.train_step(groups)
         if self._last_step_end is not None:
             metrics["learner_idle_seconds"] = started - self._last_step_end
+        metrics.update(self.publisher.publish_figures())  # the version before's publish
         self._last_step_end = time.monotonic()
         if self.core.version % HEAP_TRIM_EVERY_STEPS == 0:
             release_free_heap()

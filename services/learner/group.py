@@ -124,6 +124,7 @@ class LearnerGroup:
                     weight_bucket_mb=spec.pipeline.weight_bucket_mb,
                     overlap_publish=self.overlaps_publish,
                     publish_in_flight=spec.pipeline.publish_in_flight,
+                    weight_delta=spec.pipeline.weight_delta == "auto",
                 )
             )
 

@@ -36,6 +36,7 @@ under one lock, never held during a send, and a send that failed closes only its
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import nullcontext
@@ -43,6 +44,7 @@ from dataclasses import dataclass, field
 from queue import SimpleQueue
 from typing import Any
 
+import ray
 import torch
 
 from services.learner.distributed import RankGroup
@@ -65,7 +67,8 @@ from services.weights.base import (
     WeightsOffer,
     WeightTransportName,
 )
-from services.weights.object_store import put_buckets
+from services.weights.delta import DeltaBase
+from services.weights.object_store import put_buckets, put_dense
 
 # A weight-group collective that waits this long raises: a receiver that died fails the publish
 # instead of holding the learner forever (long: a broadcast of a multi-GB bucket is legitimate).
@@ -111,6 +114,7 @@ class Publisher:
         bucket_bytes: int,
         overlap: bool,
         in_flight: int = 1,
+        delta: bool = False,
     ) -> None:
         if in_flight < 1:
             raise ValueError(f"publish_in_flight must be >= 1, got {in_flight}")
@@ -134,6 +138,13 @@ class Publisher:
         self._group_lock = threading.Lock()
         self._timeout_s = WEIGHT_GROUP_TIMEOUT_S
         self._join_timeout_s = WEIGHT_GROUP_JOIN_TIMEOUT_S
+        # Delta publishes over object_store (rank 0): the last put version's buckets, diffed
+        # against by the next put and read whole by `dense_offer`, under `_delta_lock`.
+        # (The collective transport's channels hold their own: services/weights/collective.py.)
+        self._delta = DeltaBase() if delta else None
+        self._delta_manifest: WeightsManifest | None = None
+        self._delta_lock = threading.Lock()
+        self._last_publish: dict[str, float] = {}
 
     def switch(
         self, transport: WeightTransportName | None = None, overlap: bool | None = None
@@ -211,7 +222,7 @@ class Publisher:
         if self._group.rank != 0:
             drain(buckets)
             return None
-        return put_buckets(manifest, buckets)
+        return self._put(manifest, buckets)
 
     def _put_overlapped(self, offer: Future[WeightsOffer | None]) -> None:
         """A one-rank overlapped publish over object_store: the publish thread reads the
@@ -224,7 +235,7 @@ class Publisher:
             try:
                 manifest = self.core.weights_manifest(self._bucket_bytes)
                 buckets = self.core.overlapped_weight_buckets(manifest, fence, after)
-                return put_buckets(manifest, buckets)
+                return self._put(manifest, buckets)
             finally:
                 fence.release()  # also when nothing was read (a failed start)
 
@@ -274,11 +285,43 @@ class Publisher:
         manifest = self.core.weights_manifest(self._bucket_bytes)
 
         def put(buckets: Buckets) -> Future[WeightsOffer]:
-            running = thread.submit(put_buckets, manifest, buckets)
+            running = thread.submit(self._put, manifest, buckets)
             running.add_done_callback(lambda done: _settle(offer, done))
             return running
 
         self._gather(offer, manifest, put)
+
+    def _put(self, manifest: WeightsManifest, buckets: Buckets) -> WeightsOffer:
+        """Put `manifest`'s version into the object store: each bucket whole, or as a patch
+        against the last version put (delta publishes). Records what it cost."""
+        started = time.perf_counter()
+        if self._delta is None:
+            offer = put_buckets(manifest, buckets)
+        else:
+            with self._delta_lock:
+                offer = put_buckets(manifest, buckets, self._delta, _current_actor())
+                self._delta_manifest = manifest
+        self._last_publish = {
+            "publish_seconds": time.perf_counter() - started,
+            "publish_bytes": float(offer.sent_bytes),
+            "publish_changed_fraction": offer.changed_fraction,
+        }
+        return offer
+
+    def dense_offer(self) -> WeightsOffer:
+        """The last version put, whole, from the held copy (delta publishes, rank 0): what a
+        worker that cannot apply a patch loads instead. Puts it anew on each call."""
+        if self._delta is None or self._group.rank != 0:
+            raise RuntimeError("dense_offer is rank 0's, with delta publishes")
+        with self._delta_lock:
+            if self._delta_manifest is None:
+                raise RuntimeError("dense_offer before any version was published")
+            return put_dense(self._delta, self._delta_manifest, _current_actor())
+
+    def publish_figures(self) -> dict[str, float]:
+        """What the last finished publish cost (rank 0; {} before one): seconds, bytes sent
+        and the fraction of weights that changed."""
+        return dict(self._last_publish)
 
     # --- armed sends ----------------------------------------------------------------------------
 
@@ -446,6 +489,14 @@ class Publisher:
             channel.close()
         if group is not None:
             collective.stop_serving(group)
+
+
+def _current_actor() -> Any:
+    """This process's actor handle (who answers `dense_offer`); None outside an actor."""
+    try:
+        return ray.get_runtime_context().current_actor
+    except RuntimeError:
+        return None
 
 
 def _ignore(versions: list[int]) -> None:

@@ -155,6 +155,15 @@ class PipelineConfig(StrictModel):
         description="size of one bucket of weights sent at a time: bounds the full tensors "
         "held beyond a rank's shard while gathering, and each message on the way",
     )
+    weight_delta: Literal["auto", "off"] = Field(
+        "auto",
+        description="auto: after the first version, each publish sends per bucket only what "
+        "changed since the version before (changed words' indices and values, or their "
+        "compressed XOR, whichever is smaller; the whole bucket where more than a quarter "
+        "changed), checked by a digest on arrival and resent dense on a mismatch; a worker that "
+        "missed a version, or a new one, gets the weights dense. Sender and every receiver hold "
+        "one copy of the published weights in host memory. off: every publish sends them all",
+    )
     overlap_publish: bool = Field(
         True,
         description="async: read and put (object_store) or broadcast (collective) each new "

@@ -137,6 +137,26 @@ class WeightGroup:
         return f"weight group {self.address} (generation {self.generation}), rank {rank}"
 
 
+PatchEncoding = Literal["dense", "sparse", "xor"]
+
+
+@dataclass(frozen=True)
+class PatchHeader:
+    """A delta publish's patch of one bucket (services/weights/delta.py), less its payload:
+    bucket `index` of `version`, in `encoding`, applied to the receiver's copy of
+    `base_version` (-1: dense, applies to anything), giving `nbytes` bytes whose digest is
+    `digest`."""
+
+    index: int
+    encoding: PatchEncoding
+    version: int
+    base_version: int
+    nbytes: int
+    digest: str
+    changed: float  # fraction of the bucket's words that changed (1.0 for a first dense)
+    payload_bytes: int  # what travels
+
+
 @dataclass(frozen=True)
 class WeightsOffer:
     """What the driver hands a generation worker for version `manifest.version`.
@@ -150,6 +170,32 @@ class WeightsOffer:
     transport: WeightTransportName
     manifest: WeightsManifest
     bucket_refs: tuple[Any, ...] = ()
+    # Delta publishes (object_store): each bucket ref holds the payload of its patch here, to
+    # apply to the worker's copy of the version before (services/weights/delta.py); empty:
+    # the refs hold the buckets whole. `source` answers `dense_offer()` (learner rank 0) for a
+    # worker that cannot apply them.
+    patches: tuple[PatchHeader, ...] = ()
+    source: Any = None
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+    @property
+    def sent_bytes(self) -> int:
+        """Bytes the offer's buckets hold (its patches' payloads, or the buckets whole)."""
+        if self.patches:
+            return sum(patch.payload_bytes for patch in self.patches)
+        return self.manifest.nbytes
+
+    @property
+    def changed_fraction(self) -> float:
+        """Fraction of the weights' bytes that changed since the version before (1.0: sent
+        whole)."""
+        if not self.patches:
+            return 1.0
+        total = sum(patch.nbytes for patch in self.patches)
+        return sum(patch.changed * patch.nbytes for patch in self.patches) / max(total, 1)
 
 
 class Channel(Protocol):

@@ -28,18 +28,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import xxhash
 import zstandard
 from torch import Tensor
 
-from services.weights.base import TensorSpec, WeightGroupError
+from services.weights.base import PatchEncoding, PatchHeader, TensorSpec, WeightGroupError
 from services.weights.buckets import bucket_nbytes
 
-PatchEncoding = Literal["dense", "sparse", "xor"]
-PATCH_ENCODINGS: tuple[PatchEncoding, ...] = ("dense", "sparse", "xor")
 # A bucket whose changed fraction of words passes this is sent dense: a sparse patch costs
 # 3 words per changed bf16 word, so past a third it is larger than the bucket.
 DENSE_ABOVE = 0.25
@@ -74,21 +71,6 @@ def _index_dtype(words: int) -> torch.dtype:
 
 
 @dataclass(frozen=True)
-class PatchHeader:
-    """What a receiver needs besides the payload: bucket `index` of `version`, in `encoding`,
-    applied to its copy of `base_version` (-1: dense, applies to anything), giving `nbytes`
-    bytes whose digest is `digest`."""
-
-    index: int
-    encoding: PatchEncoding
-    version: int
-    base_version: int
-    nbytes: int
-    digest: str
-    changed: float  # fraction of the bucket's words that changed (1.0 for a first dense)
-
-
-@dataclass(frozen=True)
 class BucketPatch:
     """A patch as it travels: its header and its payload (1-D uint8, host)."""
 
@@ -111,7 +93,8 @@ def encode_bucket(
 
     def patch(encoding: PatchEncoding, payload: Tensor, changed: float) -> BucketPatch:
         base = -1 if encoding == "dense" else base_version
-        header = PatchHeader(index, encoding, version, base, nbytes, digest, changed)
+        sent = payload.numel()
+        header = PatchHeader(index, encoding, version, base, nbytes, digest, changed, sent)
         return BucketPatch(header, payload)
 
     if previous is None or previous.numel() != nbytes:

@@ -15,7 +15,7 @@ from services.generation.base import SamplingSettings
 from services.generation.hf_backend import HFBackend
 from services.learner.group import LearnerGroup, wait_all
 from services.messages import ScoredGroup
-from services.spec import LearnerConfig, RunSpec
+from services.spec import LearnerConfig, PipelineConfig, RunSpec
 from services.weights.object_store import fetch_buckets
 from tests.services.learner.conftest import PROMPTS
 
@@ -27,7 +27,9 @@ def learner(request: Any, tiny_model_dir: Path, ray_instance: None) -> Iterator[
     world_size = request.param
     strategy = "single" if world_size == 1 else "fsdp2"
     config = LearnerConfig(lr=1e-2, num_cpus=0.5, strategy=strategy, world_size=world_size)
-    group = LearnerGroup(RunSpec(learner=config), str(tiny_model_dir))
+    # Whole buckets: delta publishes have their own tests (test_delta_publish.py).
+    pipeline = PipelineConfig(weight_delta="off")
+    group = LearnerGroup(RunSpec(learner=config, pipeline=pipeline), str(tiny_model_dir))
     wait_all(group.setup())
     yield group
     group.kill()

@@ -70,9 +70,7 @@ def start_learner(
     spec = RunSpec(
         learner=LearnerConfig(lr=1e-2, num_cpus=0.5, strategy=strategy, world_size=world_size),
         # Whole buckets: delta publishes have their own tests (test_delta_publish.py).
-        pipeline=PipelineConfig(
-            weight_transport=transport, weight_bucket_mb=1, weight_delta="off"
-        ),
+        pipeline=PipelineConfig(weight_transport=transport, weight_bucket_mb=1, weight_delta="off"),
     )
     group = LearnerGroup(spec, str(model_dir))
     wait_all(group.setup())

@@ -67,6 +67,7 @@ def group_to_wire(group: WeightGroup) -> dict[str, Any]:
         "backend": group.backend,
         "generation": group.generation,
         "key": group.key.hex(),  # the group's secret, to vLLM's workers on this node
+        "delta": group.delta,
     }
 
 
@@ -77,6 +78,7 @@ def group_from_wire(wire: Mapping[str, Any]) -> WeightGroup:
         backend=group_backend(str(wire["backend"])),
         generation=int(wire["generation"]),
         key=bytes.fromhex(str(wire["key"])),
+        delta=bool(wire.get("delta", False)),
     )
 
 

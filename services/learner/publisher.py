@@ -141,7 +141,8 @@ class Publisher:
         # Delta publishes over object_store (rank 0): the last put version's buckets, diffed
         # against by the next put and read whole by `dense_offer`, under `_delta_lock`.
         # (The collective transport's channels hold their own: services/weights/collective.py.)
-        self._delta = DeltaBase() if delta else None
+        self._delta_publishes = delta
+        self._delta: DeltaBase | None = None  # made by the first object-store put
         self._delta_manifest: WeightsManifest | None = None
         self._delta_lock = threading.Lock()
         self._last_publish: dict[str, float] = {}
@@ -295,10 +296,11 @@ class Publisher:
         """Put `manifest`'s version into the object store: each bucket whole, or as a patch
         against the last version put (delta publishes). Records what it cost."""
         started = time.perf_counter()
-        if self._delta is None:
+        if not self._delta_publishes:
             offer = put_buckets(manifest, buckets)
         else:
             with self._delta_lock:
+                self._delta = self._delta or DeltaBase()
                 offer = put_buckets(manifest, buckets, self._delta, _current_actor())
                 self._delta_manifest = manifest
         self._last_publish = {
@@ -311,10 +313,10 @@ class Publisher:
     def dense_offer(self) -> WeightsOffer:
         """The last version put, whole, from the held copy (delta publishes, rank 0): what a
         worker that cannot apply a patch loads instead. Puts it anew on each call."""
-        if self._delta is None or self._group.rank != 0:
+        if self._group.rank != 0:
             raise RuntimeError("dense_offer is rank 0's, with delta publishes")
         with self._delta_lock:
-            if self._delta_manifest is None:
+            if self._delta is None or self._delta_manifest is None:
                 raise RuntimeError("dense_offer before any version was published")
             return put_dense(self._delta, self._delta_manifest, _current_actor())
 
@@ -432,7 +434,9 @@ class Publisher:
         `join_timeout_s` bounds `connect_weight_group`, `timeout_s` every send after it."""
         self._close_weight_group()
         backend: WeightGroupBackend = "nccl" if self._weight_device().type == "cuda" else "gloo"
-        group = collective.open_weight_group(world_size, backend, generation, timeout_s=timeout_s)
+        group = collective.open_weight_group(
+            world_size, backend, generation, timeout_s=timeout_s, delta=self._delta_publishes
+        )
         with self._group_lock:
             self._weight_group = group
         self._timeout_s, self._join_timeout_s = timeout_s, join_timeout_s

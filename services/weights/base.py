@@ -131,6 +131,10 @@ class WeightGroup:
     # inside this object, through Ray's calls, and is never written to the group's store; kept
     # out of the repr, so logs and error messages do not show it.
     key: bytes = field(default=b"", repr=False)
+    # Delta publishes (`pipeline.weight_delta`): after a group's first send, each bucket travels
+    # as a patch against the version the group sent before (services/weights/delta.py); every
+    # member's channel holds that version's buckets on the host. A new group starts dense.
+    delta: bool = False
 
     def member(self, rank: int) -> str:
         """How errors name `rank` of this group."""
@@ -138,6 +142,7 @@ class WeightGroup:
 
 
 PatchEncoding = Literal["dense", "sparse", "xor"]
+PATCH_ENCODINGS: tuple[PatchEncoding, ...] = ("dense", "sparse", "xor")
 
 
 @dataclass(frozen=True)

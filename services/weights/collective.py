@@ -62,7 +62,9 @@ from torch._C._distributed_c10d import (
 from services.weights import auth
 from services.weights.base import (
     HEADER_BYTES,
+    PATCH_ENCODINGS,
     Channel,
+    PatchHeader,
     WeightAuthenticationError,
     WeightGroup,
     WeightGroupBackend,
@@ -73,6 +75,7 @@ from services.weights.base import (
     header_values,
 )
 from services.weights.buckets import bucket_nbytes, checked_buckets, pack_bucket, unpack_bucket
+from services.weights.delta import BucketPatch, DeltaBase, DeltaMismatchError, check_patch_specs
 from services.weights.stores import member_host, node_address, serve_store, serving_host
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -86,6 +89,9 @@ NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 NCCL_ABORT_AND_RAISE = "2"
 # The header as it is broadcast: its three int64 values, then their tag.
 _HEADER = struct.Struct("<3q")
+# A delta publish's patch header, before each bucket's payload: encoding, base version, payload
+# bytes, bucket bytes, changed fraction, digest (XXH3-128); then its tag.
+_PATCH = struct.Struct("<4qd16s")
 
 
 @dataclass(frozen=True)
@@ -107,13 +113,15 @@ def open_weight_group(
     *,
     host: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    delta: bool = False,
 ) -> WeightGroup:
     """Serve the group's store on a free port of `host` (learner rank 0); return at once with
     the group, which holds its new key: hand it to every member through Ray.
 
     `world_size` counts learner rank 0 and every receiving process. `host` (default
     `stores.serving_host`: loopback on a one-node Ray cluster, else this node's address) is
-    the only address the store listens on.
+    the only address the store listens on. `delta`: sends after the first are patches
+    (`WeightGroup.delta`).
     """
     if world_size < 2:
         raise ValueError(f"a weight group needs rank 0 and a receiver: world_size {world_size}")
@@ -124,7 +132,7 @@ def open_weight_group(
     address = f"{host}:{store.port}"
     key = auth.new_key()
     _SERVED[address] = _Served(store, key)
-    return WeightGroup(address, world_size, backend, generation, key)
+    return WeightGroup(address, world_size, backend, generation, key, delta)
 
 
 def stop_serving(group: WeightGroup) -> None:
@@ -280,6 +288,7 @@ def connect(
             raise
         raise WeightGroupError(f"{group.member(rank)}: could not connect: {error}") from error
     channel = WeightChannel(group, rank, backend, device, timeout)
+    channel.delta = DeltaBase() if group.delta else None
     # Gloo connects in its constructor, NCCL at the first collective: one tiny broadcast makes
     # both return only once every rank is in.
     hello = torch.tensor([group.generation], dtype=torch.int64, device=device)
@@ -332,6 +341,8 @@ class WeightChannel:
     # Bytes of every broadcast this end took part in, in order (the header's and tags included).
     messages: list[int] = field(default_factory=list)
     publishes: int = 0
+    # Delta publishes (`WeightGroup.delta`): the last version this end sent or received whole.
+    delta: DeltaBase | None = None
 
     def _broadcast(self, tensor: Tensor, alongside: Callable[[], bytes] | None = None) -> bytes:
         """Broadcast `tensor` from rank 0; `alongside` (rank 0: the bucket's digest) runs
@@ -379,6 +390,9 @@ class WeightChannel:
     def _bucket_context(self, publish: int, version: int, index: int) -> list[str | int]:
         return ["bucket", self.group.generation, publish, version, index]
 
+    def _patch_context(self, publish: int, version: int, index: int) -> list[str | int]:
+        return ["patch", self.group.generation, publish, version, index]
+
     @property
     def _tags_buckets(self) -> bool:
         """Whether each bucket is followed by its content tag: only where it lies in host memory."""
@@ -400,17 +414,52 @@ class WeightChannel:
         header = _HEADER.pack(*header_values(manifest))
         tag = auth.tag(key, self._header_context(publish), header)
         self._broadcast(self._on_device(header + tag))
+        if self.delta is not None:
+            self._send_patches(publish, manifest, buckets, self.delta)
+            return
         for index, tensors, _ in checked_buckets(manifest, buckets):
             flat = pack_bucket(tensors).to(self.device)
-            if not self._tags_buckets:
-                self._broadcast(flat)
-                del flat, tensors
-                continue
-            # The digest is taken while the bucket travels; its tag follows the bucket.
-            digest = self._broadcast(flat, alongside=partial(auth.content_digest, flat))
-            del flat, tensors
-            context = self._bucket_context(publish, manifest.version, index)
-            self._broadcast(self._on_device(auth.tag(key, context, digest)))
+            del tensors
+            self._send_bytes(flat, publish, manifest.version, index)
+
+    def _send_bytes(self, flat: Tensor, publish: int, version: int, index: int) -> None:
+        """Broadcast one bucket's bytes (or patch payload), with its tag where it is tagged."""
+        if not self._tags_buckets:
+            self._broadcast(flat)
+            return
+        # The digest is taken while the bucket travels; its tag follows the bucket.
+        digest = self._broadcast(flat, alongside=partial(auth.content_digest, flat))
+        del flat
+        context = self._bucket_context(publish, version, index)
+        self._broadcast(self._on_device(auth.tag(self.group.key, context, digest)))
+
+    def _send_patches(
+        self,
+        publish: int,
+        manifest: WeightsManifest,
+        buckets: Iterable[dict[str, Tensor]],
+        delta: DeltaBase,
+    ) -> None:
+        """Each bucket as its patch against the version this group sent before (host memory:
+        a GPU bucket is read back to diff it), its header then its payload."""
+        packed = (
+            pack_bucket(tensors).to("cpu") for _, tensors, _ in checked_buckets(manifest, buckets)
+        )
+        for patch in delta.encode(manifest.version, packed):
+            header = patch.header
+            raw = _PATCH.pack(
+                PATCH_ENCODINGS.index(header.encoding),
+                header.base_version,
+                header.payload_bytes,
+                header.nbytes,
+                header.changed,
+                bytes.fromhex(header.digest),
+            )
+            context = self._patch_context(publish, manifest.version, header.index)
+            self._broadcast(self._on_device(raw + auth.tag(self.group.key, context, raw)))
+            if header.payload_bytes:  # an unchanged bucket sends its header alone
+                payload = patch.payload.to(self.device)
+                self._send_bytes(payload, publish, manifest.version, header.index)
 
     def receive(
         self, manifest: WeightsManifest, device: torch.device | str | None = None
@@ -441,6 +490,9 @@ class WeightChannel:
     def _buckets(
         self, publish: int, manifest: WeightsManifest, target: torch.device
     ) -> Iterator[dict[str, Tensor]]:
+        if self.delta is not None:
+            yield from self._patched_buckets(publish, manifest, target, self.delta)
+            return
         for index, specs in enumerate(manifest.buckets):
             flat = torch.empty(bucket_nbytes(specs), dtype=torch.uint8, device=self.device)
             self._broadcast(flat)
@@ -450,6 +502,55 @@ class WeightChannel:
             del flat
             yield bucket
             del bucket
+
+    def _patched_buckets(
+        self, publish: int, manifest: WeightsManifest, target: torch.device, delta: DeltaBase
+    ) -> Iterator[dict[str, Tensor]]:
+        """Each bucket built from its patch and this end's copy of the version before. A patch
+        that does not apply (or fails its digest) stops the yielding, but the rest of the
+        publish is still received (rank 0 would wait for this end until its timeout), then
+        `DeltaMismatchError` is raised: the group is re-formed, and a new group sends dense."""
+        delta.begin()
+        failure: DeltaMismatchError | None = None
+        for index, specs in enumerate(manifest.buckets):
+            header = self._receive_patch_header(publish, manifest.version, index)
+            payload = torch.empty(header.payload_bytes, dtype=torch.uint8)
+            if header.payload_bytes:
+                flat = torch.empty(header.payload_bytes, dtype=torch.uint8, device=self.device)
+                self._broadcast(flat)
+                if self._tags_buckets:
+                    self._verify_bucket(flat, publish, manifest.version, index)
+                payload = flat.cpu()
+            if failure is not None:
+                continue
+            try:
+                check_patch_specs(header, specs)
+                built = delta.apply([BucketPatch(header, payload)])
+            except DeltaMismatchError as error:
+                failure = error
+                continue
+            bucket = unpack_bucket(built if target.type == "cpu" else built.to(target), specs)
+            yield bucket
+            del bucket
+        if failure is not None:
+            delta.invalidate()
+            raise failure
+        delta.end(manifest.version, len(manifest.buckets))
+
+    def _receive_patch_header(self, publish: int, version: int, index: int) -> PatchHeader:
+        received = torch.empty(_PATCH.size + auth.TAG_BYTES, dtype=torch.uint8, device=self.device)
+        self._broadcast(received)
+        raw = received.cpu().numpy().tobytes()
+        context = self._patch_context(publish, version, index)
+        if not auth.verify(self.group.key, context, raw[: _PATCH.size], raw[_PATCH.size :]):
+            raise self._refuse(f"the patch header of bucket {index} of version {version}")
+        code, base, payload_bytes, nbytes, changed, digest = _PATCH.unpack(raw[: _PATCH.size])
+        if not 0 <= code < len(PATCH_ENCODINGS) or payload_bytes < 0:
+            raise DeltaMismatchError(f"bucket {index}: a malformed patch header")
+        encoding = PATCH_ENCODINGS[code]
+        return PatchHeader(
+            index, encoding, version, base, nbytes, digest.hex(), changed, payload_bytes
+        )
 
     def _verify_bucket(self, flat: Tensor, publish: int, version: int, index: int) -> None:
         """Receive the tag that follows a bucket and check it against the bytes received;

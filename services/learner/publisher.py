@@ -397,7 +397,7 @@ class Publisher:
             side = torch.cuda.stream(torch.cuda.Stream()) if cuda else nullcontext()  # type: ignore[no-untyped-call]
             try:
                 with side:
-                    channel.send(manifest, buckets())
+                    self._timed_send(channel, manifest, buckets())
             except WeightGroupError:
                 self._close_weight_group(channel)  # a receiver died or hung: form another
                 raise
@@ -466,7 +466,7 @@ class Publisher:
                 raise RuntimeError("send_weights before connect_weight_group: no weight group")
             return
         try:
-            channel.send(manifest, buckets)
+            self._timed_send(channel, manifest, buckets)
         except WeightGroupError:
             # A receiver died or hung: this group is done, but the learner is not. Finishing
             # the walk keeps the other ranks' gathers in step, so the driver can form a new
@@ -474,6 +474,16 @@ class Publisher:
             self._close_weight_group(channel)
             drain(buckets)
             raise
+
+    def _timed_send(self, channel: Channel, manifest: WeightsManifest, buckets: Buckets) -> None:
+        """Send on `channel`, recording what it cost (`publish_figures`)."""
+        started, before = time.perf_counter(), sum(channel.messages)
+        channel.send(manifest, buckets)
+        self._last_publish = {
+            "publish_seconds": time.perf_counter() - started,
+            "publish_bytes": float(sum(channel.messages) - before),
+            "publish_changed_fraction": channel.changed_fraction,
+        }
 
     def attach_channel(self, channel: Channel | None) -> None:
         """Use `channel` as the weight group's (a group formed elsewhere: tests, benchmarks)."""

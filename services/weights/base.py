@@ -210,6 +210,9 @@ class Channel(Protocol):
     group: WeightGroup
     rank: int
     messages: list[int]
+    # Of the last publish this end sent: the fraction of its bytes that changed since the one
+    # before (1.0 where it was sent whole).
+    changed_fraction: float
 
     def send(self, manifest: WeightsManifest, buckets: Iterable[dict[str, torch.Tensor]]) -> None:
         """Hand every bucket of `manifest`'s version to every receiver (rank 0)."""

@@ -343,6 +343,7 @@ class WeightChannel:
     publishes: int = 0
     # Delta publishes (`WeightGroup.delta`): the last version this end sent or received whole.
     delta: DeltaBase | None = None
+    changed_fraction: float = 1.0
 
     def _broadcast(self, tensor: Tensor, alongside: Callable[[], bytes] | None = None) -> bytes:
         """Broadcast `tensor` from rank 0; `alongside` (rank 0: the bucket's digest) runs
@@ -414,6 +415,7 @@ class WeightChannel:
         header = _HEADER.pack(*header_values(manifest))
         tag = auth.tag(key, self._header_context(publish), header)
         self._broadcast(self._on_device(header + tag))
+        self.changed_fraction = 1.0
         if self.delta is not None:
             self._send_patches(publish, manifest, buckets, self.delta)
             return
@@ -445,8 +447,10 @@ class WeightChannel:
         packed = (
             pack_bucket(tensors).to("cpu") for _, tensors, _ in checked_buckets(manifest, buckets)
         )
+        changed = 0.0
         for patch in delta.encode(manifest.version, packed):
             header = patch.header
+            changed += header.changed * header.nbytes / max(manifest.nbytes, 1)
             raw = _PATCH.pack(
                 PATCH_ENCODINGS.index(header.encoding),
                 header.base_version,
@@ -460,6 +464,7 @@ class WeightChannel:
             if header.payload_bytes:  # an unchanged bucket sends its header alone
                 payload = patch.payload.to(self.device)
                 self._send_bytes(payload, publish, manifest.version, header.index)
+        self.changed_fraction = changed
 
     def receive(
         self, manifest: WeightsManifest, device: torch.device | str | None = None

@@ -26,6 +26,7 @@ to diff against, each receiver to apply to.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -37,13 +38,16 @@ from torch import Tensor
 from services.weights.base import PatchEncoding, PatchHeader, TensorSpec, WeightGroupError
 from services.weights.buckets import bucket_nbytes
 
-# A bucket whose changed fraction of words passes this is sent dense: a sparse patch costs
-# 3 words per changed bf16 word, so past a third it is larger than the bucket.
-DENSE_ABOVE = 0.25
+# A bucket whose changed fraction of words passes this is sent dense without trying a patch:
+# past half, neither a sparse patch (3 words per changed bf16 word) nor a compressed XOR (about
+# as many bytes as the changed words' low bits, spread over the bucket) saves enough.
+DENSE_ABOVE = 0.5
 # `xor` is compressed only where the sparse patch is over this share of the bucket's bytes:
 # below it the patch is already small, and compressing a whole bucket costs time.
 TRY_XOR_ABOVE = 1 / 256
 ZSTD_LEVEL = 1  # fastest: XORed weights are mostly zeros, which every level compresses alike
+# One compressor per process, on every core (a bucket of hundreds of MB splits into frames).
+_COMPRESSOR = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=-1)
 
 
 class DeltaMismatchError(WeightGroupError):
@@ -100,17 +104,26 @@ def encode_bucket(
     if previous is None or previous.numel() != nbytes:
         return patch("dense", current, 1.0)
     new, old = _words(current), _words(previous)
-    changed_at = (new != old).nonzero().squeeze(1)
-    changed = changed_at.numel() / max(new.numel(), 1)
+    differs = new != old
+    count = int(differs.sum())
+    changed = count / max(new.numel(), 1)
     if changed > dense_above:
         return patch("dense", current, changed)
-    indices = changed_at.to(_index_dtype(new.numel()))
-    payload = torch.cat([indices.view(torch.uint8), new[changed_at].view(torch.uint8)])
-    if payload.numel() > nbytes * TRY_XOR_ABOVE:
+    index_dtype = _index_dtype(new.numel())
+    sparse_bytes = count * (index_dtype.itemsize + new.element_size())
+    if sparse_bytes > nbytes * TRY_XOR_ABOVE:
+        # Compressed before the sparse patch is built: where it wins, the indices are never
+        # gathered (the larger cost of the two at a few per cent changed).
         xor = torch.bitwise_xor(new, old).view(torch.uint8)
-        packed = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(memoryview(xor.numpy()))  # type: ignore[arg-type]
-        if len(packed) < payload.numel():
+        packed = _COMPRESSOR.compress(memoryview(xor.numpy()))  # type: ignore[arg-type]
+        del xor
+        if len(packed) < min(sparse_bytes, nbytes):
             return patch("xor", torch.frombuffer(bytearray(packed), dtype=torch.uint8), changed)
+    if sparse_bytes >= nbytes:
+        return patch("dense", current, changed)
+    changed_at = differs.nonzero().squeeze(1)
+    indices = changed_at.to(index_dtype)
+    payload = torch.cat([indices.view(torch.uint8), new[changed_at].view(torch.uint8)])
     return patch("sparse", payload, changed)
 
 
@@ -169,7 +182,10 @@ def _apply_xor(header: PatchHeader, payload: Tensor, base: Tensor) -> None:
         ) from None
     if len(raw) != header.nbytes:
         raise DeltaMismatchError(f"bucket {header.index}: an xor patch of a wrong length")
-    xor = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    with warnings.catch_warnings():
+        # The decompressed bytes are only read: no writable copy of a whole bucket is made.
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        xor = torch.frombuffer(raw, dtype=torch.uint8)
     _words(base).bitwise_xor_(_words(xor))
 
 

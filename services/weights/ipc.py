@@ -210,6 +210,7 @@ class IpcChannel:
     timeout: timedelta
     # Bytes this end took part in, in order: each header, then each bucket handed over.
     messages: list[int] = field(default_factory=list)
+    changed_fraction: float = 1.0  # an ipc group sends every publish whole
     publishes: int = 0
 
     def _fail(self, what: str, error: Exception) -> WeightGroupError:

@@ -654,6 +654,50 @@ def test_a_collective_round_leaves_the_engine_with_the_senders_weights(
     assert_control_messages_only(rpc_calls, model_bytes(original_weights))
 
 
+def test_delta_publishes_reach_the_engine_through_its_worker(
+    backend: VLLMBackend,
+    tiny_model_dir: Path,
+    reference: torch.nn.Module,
+    perturbed_reference: torch.nn.Module,
+    original_weights: dict[str, torch.Tensor],
+    perturbed_weights: dict[str, torch.Tensor],
+) -> None:
+    """A delta group (`pipeline.weight_delta: auto`): vLLM's worker process holds the version
+    the group sent before and applies each bucket's patch, checked by its digest, inside the
+    engine. The first send is whole; one with a few tensors changed sends a small part of the
+    model, and the engine then computes what a learner holding those weights computes."""
+    group = open_weight_group(2, "gloo", generation=5, host="127.0.0.1", delta=True)
+    version = backend.policy_version
+    changed = {"model.norm.weight", "model.layers.0.mlp.down_proj.weight"}
+    mixed = {n: perturbed_weights[n] if n in changed else t for n, t in original_weights.items()}
+    with ThreadPoolExecutor(max_workers=1) as learner:
+        joining = learner.submit(connect, group, 0, host="127.0.0.1")
+        backend.join_weight_group(group, first_rank=1)
+        channel = joining.result()
+        try:
+            sent = []
+            for step, weights in enumerate((original_weights, mixed), start=1):
+                manifest, buckets = publish(weights, version + step)
+                before = sum(channel.messages)
+                sending = learner.submit(channel.send, manifest, buckets)
+                backend.receive_weights(manifest, apply=True)
+                sending.result()
+                sent.append(sum(channel.messages) - before)
+                assert backend.policy_version == version + step
+            assert sent[0] >= model_bytes(original_weights)  # whole
+            assert sent[1] < model_bytes(original_weights) / 4, sent
+            error = max_logprob_error(
+                reference_with(tiny_model_dir, mixed), backend.generate(PROMPTS, 4, PLAIN)
+            )
+            assert error < LOGPROB_ATOL, f"max abs log-prob error {error:.3g}"
+            assert max_logprob_error(perturbed_reference, backend.generate(PROMPTS, 4, PLAIN)) > (
+                LOGPROB_ATOL
+            ), "the unchanged tensors were not kept"
+        finally:
+            backend.close_weight_group()
+            channel.close()
+
+
 # -- without vLLM -----------------------------------------------------------------------------
 
 

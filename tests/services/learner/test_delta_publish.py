@@ -149,3 +149,42 @@ def test_a_damaged_patch_is_caught_and_the_weights_loaded_whole(
         assert ray.get(worker.stats.remote()).dense_loads == 2
     finally:
         ray.kill(worker)
+
+
+def test_collective_delta_publishes_reach_workers_bitwise(
+    learner: LearnerGroup, tiny_model_dir: Path, groups: list[ScoredGroup]
+) -> None:
+    """Over the weight group: the group's first send is whole, later ones patches; every
+    worker holds the learner's weights bit for bit after each, and the step after a send
+    reports its bytes. The learner of this module publishes over `object_store` too: the
+    transport is switched on its ranks for this test."""
+    workers = [_worker(tiny_model_dir) for _ in range(2)]
+    ray.get([rank.__ray_call__.remote(_use_collective) for rank in learner.ranks])
+    try:
+        group = ray.get(learner.open_weight_group(3, 1))
+        assert group.delta
+        joined = [w.join_weight_group.remote(group, 1 + i) for i, w in enumerate(workers)]
+        wait_all([learner.connect_weight_group(group), *joined])
+        for send in range(3):
+            offer, record = _step_and_publish(learner, groups)
+            manifest = offer.manifest
+            if send > 0:  # the step after a send reports it
+                assert 0 < record["publish_bytes"] < manifest.nbytes / 2
+                assert 0 < record["publish_changed_fraction"] < 0.5
+            received = [w.receive_weights.remote(manifest) for w in workers]
+            wait_all([*learner.send_weights(), *received])
+            for worker in workers:
+                assert ray.get(worker.policy_version.remote()) == manifest.version
+                _assert_bitwise(worker, learner)
+    finally:
+        ray.get([rank.__ray_call__.remote(_use_object_store) for rank in learner.ranks])
+        for worker in workers:
+            ray.kill(worker)
+
+
+def _use_collective(rank: Any) -> None:
+    rank.publisher.switch(transport="collective", overlap=False)
+
+
+def _use_object_store(rank: Any) -> None:
+    rank.publisher.switch(transport="object_store", overlap=True)

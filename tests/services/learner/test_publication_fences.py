@@ -144,6 +144,7 @@ class HeldChannel:
         self.late: set[int] = set()
         self._signals = signals
         self.group, self.rank, self.messages = None, 0, []
+        self.changed_fraction = 1.0
 
     def send(self, manifest: WeightsManifest, buckets: Iterable[dict[str, Tensor]]) -> None:
         version = manifest.version

@@ -37,6 +37,7 @@ class DrainingChannel:
     def __init__(self) -> None:
         self.sent: list[int] = []
         self.group, self.rank, self.messages = None, 0, []
+        self.changed_fraction = 1.0
 
     def send(self, manifest: WeightsManifest, buckets: Iterable[dict[str, Tensor]]) -> None:
         for _ in buckets:

@@ -473,13 +473,13 @@ def shapes_of(args: argparse.Namespace) -> list[ModelShape]:
 def measure_deltas(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Delta against dense publishes (benchmarks/weight_delta.py): the demo's model at the
     demo's rate and publish dtype (float32), and a model of Qwen2.5-0.5B's shape (`--quick`: a
-    small one) in bfloat16 at 1e-6 and 1e-5."""
+    small one; or the shape given) in bfloat16 at 1e-6 and 1e-5."""
     bucket_bytes = args.bucket_mb * MiB
     demo_lr = float(yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())["learner"]["lr"])
     demo = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR)
     cases = [{"model": "demo (tiny)", **measure_case(demo, demo_lr, torch.float32, bucket_bytes)}]
     del demo
-    shape = QUICK if args.quick else QWEN25_05B
+    shape = shapes_of(args)[0]  # Qwen2.5-0.5B's, unless --quick or a shape is given
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(shape.hf_config(), dtype=torch.float32)  # type: ignore[no-untyped-call]
     for lr in (1e-6, 1e-5):

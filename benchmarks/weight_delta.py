@@ -74,10 +74,17 @@ def published(
         yield {spec.name: weights[spec.name].to(dtype) for spec in specs}
 
 
-def _packed(
-    weights: dict[str, Tensor], manifest: WeightsManifest, dtype: torch.dtype
-) -> list[Tensor]:
-    return [pack_bucket(list(bucket.values())) for bucket in published(weights, manifest, dtype)]
+def check_held(
+    held: list[list[Tensor]],
+    weights: dict[str, Tensor],
+    manifest: WeightsManifest,
+    dtype: torch.dtype,
+) -> None:
+    """AssertionError unless the receiver's buckets are the learner's, bit for bit."""
+    sent = published(weights, manifest, dtype)
+    for got, want in zip(held, sent, strict=True):
+        if not torch.equal(pack_bucket(got), pack_bucket(list(want.values()))):
+            raise AssertionError("the worker's bytes differ from the learner's")
 
 
 def measure_object_store(
@@ -99,14 +106,10 @@ def measure_object_store(
     started = time.perf_counter()
     offer = put_buckets(second, published(weights, second, dtype), sender)
     put_seconds = time.perf_counter() - started
-    held = []
     chunks = fetch_buckets(offer) if receiver is None else fetch_patched([offer], receiver)
-    for bucket in chunks:
-        held.append(pack_bucket(list(bucket.values())).clone())
+    held = [list(bucket.values()) for bucket in chunks]  # views: what the worker holds
     seconds = time.perf_counter() - started
-    for got, want in zip(held, _packed(weights, second, dtype), strict=True):
-        if not torch.equal(got, want):
-            raise AssertionError("the worker's bytes differ from the learner's")
+    check_held(held, weights, second, dtype)
     return {
         "bytes": float(offer.sent_bytes),
         "seconds": seconds,
@@ -137,9 +140,7 @@ def measure_collective(
         started = time.perf_counter()
         held = _send(ends, weights, second, dtype)
         seconds = time.perf_counter() - started
-        for got, want in zip(held, _packed(weights, second, dtype), strict=True):
-            if not torch.equal(got, want):
-                raise AssertionError("the receiver's bytes differ from the learner's")
+        check_held(held, weights, second, dtype)
         return {"bytes": float(sum(ends[0].messages) - before), "seconds": seconds}
     finally:
         for end in ends.values():
@@ -148,12 +149,11 @@ def measure_collective(
 
 def _send(
     ends: dict[int, Any], weights: dict[str, Tensor], manifest: WeightsManifest, dtype: torch.dtype
-) -> list[Tensor]:
-    held: list[Tensor] = []
+) -> list[list[Tensor]]:
+    held: list[list[Tensor]] = []
 
     def receive() -> None:
-        for bucket in ends[1].receive(manifest):
-            held.append(pack_bucket(list(bucket.values())).clone())
+        held.extend(list(bucket.values()) for bucket in ends[1].receive(manifest))
 
     receiving = threading.Thread(target=receive)
     receiving.start()

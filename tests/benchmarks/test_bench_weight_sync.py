@@ -37,6 +37,14 @@ def test_both_transports_deliver_and_are_measured(tmp_path: Path) -> None:
         assert result["learner_extra_peak_bytes"] >= 0
         assert result["receiver_extra_peak_bytes"] >= 0
     assert object_store["vs_object_store"]["seconds"] == 1.0
+    # Delta against dense (each checked bit for bit inside): the demo's float32 publish moves
+    # nearly every word and stays whole; bf16 at 1e-6 sends a small part of the bytes.
+    demo, small, large = returned["delta"]
+    assert [case["lr"] for case in (small, large)] == [1e-6, 1e-5]
+    assert demo["object_store_delta"]["changed"] > 0.5
+    for transport in ("object_store", "collective"):
+        assert small[f"{transport}_delta"]["bytes"] < small[f"{transport}_dense"]["bytes"] / 4
+        assert demo[f"{transport}_delta"]["bytes"] >= demo[f"{transport}_dense"]["bytes"] * 0.9
     assert math.isfinite(collective["vs_object_store"]["seconds"])
     # bfloat16, the tied head sent once: exactly two bytes a parameter went into the store.
     assert object_store["object_store_bytes"] == shape["model"]["publish_bytes"]

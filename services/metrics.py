@@ -204,14 +204,15 @@ PROGRESS = Group(
         _record(
             "publish_seconds",
             "seconds",
-            "Seconds the latest finished object-store publish took to read, encode and put "
-            "the weights.",
+            "Seconds the latest finished publish took: read, encode and put (object store) or "
+            "send (collective) the weights.",
             note="Learner rank 0; the publish of the version before this step's.",
         ),
         _record(
             "publish_bytes",
             "bytes",
-            "Bytes the latest finished object-store publish put: the patches' payloads with "
+            "Bytes the latest finished publish put into the object store, or broadcast "
+            "(collective, headers and tags included): the patches with "
             "`pipeline.weight_delta: auto`, the whole weights otherwise.",
         ),
         _record(

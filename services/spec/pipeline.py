@@ -159,7 +159,7 @@ class PipelineConfig(StrictModel):
         "auto",
         description="auto: after the first version, each publish sends per bucket only what "
         "changed since the version before (changed words' indices and values, or their "
-        "compressed XOR, whichever is smaller; the whole bucket where more than a quarter "
+        "compressed XOR, whichever is smaller; the whole bucket where more than half "
         "changed), checked by a digest on arrival and resent dense on a mismatch; a worker that "
         "missed a version, or a new one, gets the weights dense. Sender and every receiver hold "
         "one copy of the published weights in host memory. off: every publish sends them all",

@@ -34,6 +34,12 @@ class WorkerStream:
     newest_delivered: int = -1
     # False for a replacement until it is brought to the run's current version.
     joined: bool = True
+    # A warm standby: receives every version, takes no prompts until it is promoted.
+    standby: bool = False
+    # Of a worker that took a lost one's place: when that one was found lost, and how its place
+    # was taken ("standby" or "replacement"); cleared at its first group (the driver reports
+    # the time between the two).
+    took_over: tuple[float, str] | None = None
     last_progress: float = field(default_factory=time.perf_counter)
     tokens: int = 0  # response tokens returned
     row_seconds: float = 0.0  # seconds each returned response was in flight, summed

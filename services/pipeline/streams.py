@@ -42,6 +42,7 @@ class WorkerStream:
     took_over: tuple[float, str] | None = None
     last_progress: float = field(default_factory=time.perf_counter)
     tokens: int = 0  # response tokens returned
+    groups_submitted: int = 0  # prompts handed to it (a standby's stays 0 until promoted)
     row_seconds: float = 0.0  # seconds each returned response was in flight, summed
 
     @property
@@ -77,6 +78,7 @@ class WorkerStream:
             self.last_progress = now  # an idle worker is not late
         for prompt in prompts:
             self.outstanding[prompt.prompt_id] = (prompt, now)
+        self.groups_submitted += len(prompts)
 
     def returned(self, groups: list[list[Response]]) -> list[Prompt]:
         """Record groups that came back; their prompts, in the order of `groups`."""

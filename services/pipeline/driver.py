@@ -785,6 +785,7 @@ class RunDriver:
         if index is None:
             return  # the answer of an actor replaced meanwhile
         stream = self._streams[index]
+        stream.up = True
         self._poll(actors, index)
         for refusal in result.refused:
             self.faults.drop_refused(stream, refusal, self.counters, self.buffer)
@@ -847,12 +848,14 @@ class RunDriver:
 
     def _ready_standby(self) -> int | None:
         """The stream index of a standby that may take a lost worker's place now: one that
-        holds the current version (all its deliveries acknowledged), else one brought into the
-        run whose delivery is still on its way (it is ready at its acknowledgement, long before
-        a new worker would be). None: no standby, or none past its own start."""
-        joined = [i for i, s in enumerate(self._streams) if s.standby and s.joined]
+        holds the current version (all its deliveries acknowledged), else one up (its model
+        loaded) whose delivery is still on its way: it is ready at its acknowledgement, long
+        before a new worker would be. None: no standby, or none up yet (one still being built
+        is replaced like a serving worker would be; it is no faster than a new one)."""
+        joined = [i for i, s in enumerate(self._streams) if s.standby and s.up and s.joined]
         ready = [i for i in joined if self._streams[i].ready]
-        return (ready or joined or [None])[0]
+        candidates = ready or joined
+        return candidates[0] if candidates else None
 
     def _replace(self, actors: RunActors, index: int, error: BaseException, lost_at: float) -> None:
         """Today's path: a new actor at `index`, brought to the current version before it takes
@@ -865,7 +868,7 @@ class RunDriver:
             return
         took_over = None if stream.standby else (lost_at, "replacement")
         self._streams[index] = WorkerStream(
-            replacement, joined=False, standby=stream.standby, took_over=took_over
+            replacement, joined=False, standby=stream.standby, up=False, took_over=took_over
         )
         self.weights.on_replaced(actors, index, self._streams[index])
         self._poll(actors, index)
@@ -884,12 +887,19 @@ class RunDriver:
             return
         promoted = self._streams[standby]
         promoted.standby, promoted.took_over = False, (lost_at, "standby")
-        new = WorkerStream(fresh, joined=False, standby=True)
+        new = WorkerStream(fresh, joined=False, standby=True, up=False)
         self._streams[index], self._streams[standby] = promoted, new
         self.weights.on_promoted(actors, index, standby, promoted, new)
         self._poll(actors, standby)
-        details = {"worker": index, "standby": slot, "version": promoted.newest_delivered}
-        details.update(ready=promoted.ready, error=type(error).__name__)
+        details: dict[str, Any] = {
+            "worker": index,
+            "standby": slot,
+            # The newest version delivered to it (0: none since the run's start, the weights
+            # it loaded from disk), and whether it acknowledged it (else it is ready then).
+            "version": max(promoted.newest_delivered, 0),
+            "ready": promoted.ready,
+            "error": type(error).__name__,
+        }
         log.warning("standby %d took generation worker %d's place (%s)", slot, index, details)
         self._report_event(PROMOTED_EVENT, details)
 

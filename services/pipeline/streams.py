@@ -36,6 +36,9 @@ class WorkerStream:
     joined: bool = True
     # A warm standby: receives every version, takes no prompts until it is promoted.
     standby: bool = False
+    # Its actor answered a call, so its model is loaded: False for one just started (a
+    # standby still being built is no standby to promote).
+    up: bool = True
     # Of a worker that took a lost one's place: when that one was found lost, and how its place
     # was taken ("standby" or "replacement"); cleared at its first group (the driver reports
     # the time between the two).
@@ -60,6 +63,7 @@ class WorkerStream:
         self.unacknowledged[version] += 1
 
     def acknowledged(self, version: int) -> None:
+        self.up = True
         self.last_progress = time.perf_counter()
         self.unacknowledged[version] -= 1
         if self.unacknowledged[version] <= 0:

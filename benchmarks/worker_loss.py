@@ -45,6 +45,7 @@ class _KillBoth:
         self.pids: dict[str, list[int]] = {}  # the supervisor's, live
         self.killed_at: float | None = None
         self.seconds: dict[str, float] = {}  # via ("standby", "replacement") -> seconds
+        self.noticed: dict[str, float] = {}  # via -> seconds from the kill to the driver's notice
         self.driver: RunDriver | None = None
 
     def on_status(self, state: RunState, error: str | None = None, **details: Any) -> None:
@@ -59,7 +60,9 @@ class _KillBoth:
     def on_event(self, kind: str, data: dict[str, Any]) -> None:
         if kind != RESTORED_EVENT or self.killed_at is None:
             return
-        self.seconds[data["via"]] = time.perf_counter() - self.killed_at
+        seconds = time.perf_counter() - self.killed_at
+        self.seconds[data["via"]] = seconds
+        self.noticed[data["via"]] = seconds - data["seconds"]
         if len(self.seconds) == 2 and self.driver is not None:
             self.driver.cancel()  # measured: the rest of the run is not
 
@@ -75,9 +78,12 @@ def worker_loss_recovery(spec: RunSpec, kill_at: int = 3) -> dict[str, float]:
     if set(watcher.seconds) != {"standby", "replacement"}:
         raise RuntimeError(f"the run ended before both places served again: {watcher.seconds}")
     standby, replaced = watcher.seconds["standby"], watcher.seconds["replacement"]
+    noticed = watcher.noticed
     print(
         f"worker loss, death to the place's next group: replacement {replaced:.2f} s, "
-        f"standby {standby:.2f} s ({replaced / standby:.1f}x shorter with a standby)",
+        f"standby {standby:.2f} s ({replaced / standby:.1f}x shorter with a standby); the "
+        f"driver noticed the deaths {noticed['replacement']:.2f} s and "
+        f"{noticed['standby']:.2f} s after the kill",
         flush=True,
     )
     return {"replacement_s": replaced, "standby_s": standby, "ratio": replaced / standby}

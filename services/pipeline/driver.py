@@ -26,6 +26,9 @@ as a Hugging Face model to `RUN_DIR/model/`. Checkpoints are written beside the 
 
 Faults (docs/reliability.md's fault policy): `ActorFaults` (services/pipeline/faults.py) decides
 what a failed generation worker or verifier actor costs, and the `ActorSupervisor` replaces it.
+With `generation.standby`, a warm standby worker (every version delivered to it, no prompts
+admitted) takes a lost generation worker's place at once, and a new standby is built beside the
+loop (`_promote`; docs/pipeline.md, warm standby workers).
 A learner rank that dies takes the attempt with it: every actor is stopped and the run resumes
 from its last checkpoint, up to `pipeline.learner_restarts` times. Nothing is trained twice:
 results of the lost attempt are dropped with it. The driver's part of a checkpoint, as written
@@ -850,8 +853,8 @@ class RunDriver:
         """The stream index of a standby that may take a lost worker's place now: one that
         holds the current version (all its deliveries acknowledged), else one up (its model
         loaded) whose delivery is still on its way: it is ready at its acknowledgement, long
-        before a new worker would be. None: no standby, or none up yet (one still being built
-        is replaced like a serving worker would be; it is no faster than a new one)."""
+        before a new worker would be. None: no standby, or none up yet (the lost worker is then
+        replaced as without standby, and a standby still being built stays one)."""
         joined = [i for i, s in enumerate(self._streams) if s.standby and s.up and s.joined]
         ready = [i for i in joined if self._streams[i].ready]
         candidates = ready or joined

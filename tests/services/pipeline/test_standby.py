@@ -8,6 +8,7 @@ driver's loop, between two of its calls, so what it reads of the driver's state 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -168,3 +169,7 @@ def test_a_standby_takes_a_killed_workers_place_at_once_and_a_new_standby_is_bui
     assert new["pid"] not in (watcher.killed["standby_pid"], watcher.killed["pid"])
     assert new["alive"] and new["version"] == new["current"] > KILL_AT
     assert new["groups_returned"] == 0 and new["groups_in_flight"] == 0
+    # status.json names them by role: the promoted standby serves, the new one stands by.
+    pids = json.loads((out / "status.json").read_text())["actors"]
+    assert pids["generation"][0] == watcher.killed["standby_pid"]
+    assert pids["standby"] == [new["pid"]]

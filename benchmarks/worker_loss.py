@@ -47,11 +47,14 @@ class _KillBoth:
         self.seconds: dict[str, float] = {}  # via ("standby", "replacement") -> seconds
         self.noticed: dict[str, float] = {}  # via -> seconds from the kill to the driver's notice
         self.driver: RunDriver | None = None
+        self.groups: list[tuple[float, float]] = []  # before the kill: (groups, mean seconds)
 
     def on_status(self, state: RunState, error: str | None = None, **details: Any) -> None:
         self.pids = details.get("actors", self.pids)
 
     def on_metrics(self, record: MetricsRecord) -> None:
+        if self.killed_at is None:
+            self.groups.append((record["generation_batches"], record["generation_batch_seconds"]))
         if record["step"] == self.kill_at and self.killed_at is None:
             for pid in self.pids["generation"]:
                 os.kill(pid, signal.SIGKILL)
@@ -79,11 +82,19 @@ def worker_loss_recovery(spec: RunSpec, kill_at: int = 3) -> dict[str, float]:
         raise RuntimeError(f"the run ended before both places served again: {watcher.seconds}")
     standby, replaced = watcher.seconds["standby"], watcher.seconds["replacement"]
     noticed = watcher.noticed
+    count = sum(n for n, _ in watcher.groups)
+    group_s = sum(n * mean for n, mean in watcher.groups) / max(count, 1)
     print(
         f"worker loss, death to the place's next group: replacement {replaced:.2f} s, "
         f"standby {standby:.2f} s ({replaced / standby:.1f}x shorter with a standby); the "
         f"driver noticed the deaths {noticed['replacement']:.2f} s and "
-        f"{noticed['standby']:.2f} s after the kill",
+        f"{noticed['standby']:.2f} s after the kill; before it, a group took {group_s:.2f} s "
+        "from its hand-over to its end (the floor of both)",
         flush=True,
     )
-    return {"replacement_s": replaced, "standby_s": standby, "ratio": replaced / standby}
+    return {
+        "replacement_s": replaced,
+        "standby_s": standby,
+        "ratio": replaced / standby,
+        "group_s": group_s,
+    }

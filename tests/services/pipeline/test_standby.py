@@ -8,6 +8,7 @@ driver's loop, between two of its calls, so what it reads of the driver's state 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import ray
 
@@ -173,3 +175,7 @@ def test_a_standby_takes_a_killed_workers_place_at_once_and_a_new_standby_is_bui
     pids = json.loads((out / "status.json").read_text())["actors"]
     assert pids["generation"][0] == watcher.killed["standby_pid"]
     assert pids["standby"] == [new["pid"]]
+    # The run's end stops the standby too (Ray's kill takes a moment to land).
+    with contextlib.suppress(psutil.NoSuchProcess):  # gone already
+        _, alive = psutil.wait_procs([psutil.Process(new["pid"])], timeout=30)
+        assert not alive

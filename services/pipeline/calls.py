@@ -99,7 +99,18 @@ class PingCall:
     started: float
 
 
-PendingCall = SubmitCall | PollCall | ScoringCall | LearnerCall | LearnerPeerCall | PingCall
+@dataclass(frozen=True)
+class StartCall:
+    """The first call of a generation worker just started: it answers once the constructor
+    (the model load) has run, which makes a new standby one that may be promoted."""
+
+    worker: int
+    actor: Any
+
+
+PendingCall = (
+    SubmitCall | PollCall | ScoringCall | LearnerCall | LearnerPeerCall | PingCall | StartCall
+)
 
 
 @dataclass

@@ -98,6 +98,7 @@ from services.pipeline.calls import (
     PingCall,
     PollCall,
     ScoringCall,
+    StartCall,
     SubmitCall,
     Throughput,
     sampling_seed,
@@ -757,7 +758,7 @@ class RunDriver:
         try:
             result = ray.get(ref)
         except (RayActorError, RayTaskError) as error:
-            if isinstance(call, SubmitCall | PollCall | PingCall):
+            if isinstance(call, SubmitCall | PollCall | PingCall | StartCall):
                 self._on_worker_failed(actors, call.worker, call.actor, error)
             elif isinstance(call, ScoringCall):
                 self._on_scoring_failed(actors, call, error)
@@ -773,6 +774,8 @@ class RunDriver:
         elif isinstance(call, PingCall) and (index := self._index_of(call.actor)) is not None:
             # It answers: its delivery waits on the weight group, not on it.
             self._streams[index].last_progress = time.perf_counter()
+        elif isinstance(call, StartCall) and (index := self._index_of(call.actor)) is not None:
+            self._streams[index].up = True
 
     def _index_of(self, actor: Any) -> int | None:
         """Where `actor`'s stream is now (None: it was replaced). Looked up at each answer, not
@@ -875,6 +878,7 @@ class RunDriver:
         )
         self.weights.on_replaced(actors, index, self._streams[index])
         self._poll(actors, index)
+        self._watch_start(index)
 
     def _promote(
         self, actors: RunActors, index: int, standby: int, error: BaseException, lost_at: float
@@ -894,6 +898,7 @@ class RunDriver:
         self._streams[index], self._streams[standby] = promoted, new
         self.weights.on_promoted(actors, index, standby, promoted, new)
         self._poll(actors, standby)
+        self._watch_start(standby)
         details: dict[str, Any] = {
             "worker": index,
             "standby": slot,
@@ -905,6 +910,12 @@ class RunDriver:
         }
         log.warning("standby %d took generation worker %d's place (%s)", slot, index, details)
         self._report_event(PROMOTED_EVENT, details)
+
+    def _watch_start(self, index: int) -> None:
+        """Learn as soon as the worker just started at `index` is up (its poll answers only
+        once it has groups, or POLL_SECONDS after it is up)."""
+        actor = self._streams[index].actor
+        self._pending[actor.policy_version.remote()] = StartCall(index, actor)
 
     def _report_restored(self, index: int, took_over: tuple[float, str], now: float) -> None:
         """The first group of the worker that took a lost one's place: the time from the loss

@@ -915,7 +915,8 @@ class RunDriver:
         """Learn as soon as the worker just started at `index` is up (its poll answers only
         once it has groups, or POLL_SECONDS after it is up)."""
         actor = self._streams[index].actor
-        self._pending[actor.policy_version.remote()] = StartCall(index, actor)
+        # Ray's own no-op call: any actor has it, whatever it is asked later.
+        self._pending[actor.__ray_call__.remote(lambda _self: None)] = StartCall(index, actor)
 
     def _report_restored(self, index: int, took_over: tuple[float, str], now: float) -> None:
         """The first group of the worker that took a lost one's place: the time from the loss

@@ -31,8 +31,8 @@ pytestmark = [pytest.mark.usefixtures("ray_instance"), pytest.mark.timeout(400)]
 WORKERS = 2
 STANDBY_INDEX = WORKERS  # the standby's stream: after the serving ones
 KILL_AT = 2  # the step after which serving worker 0 is killed
-STEPS = 14
-WAIT_FOR_NEW_STANDBY_AT = STEPS - 4
+STEPS = 16
+WAIT_FOR_NEW_STANDBY_AT = STEPS - 6
 BATCH_GROUPS = 4  # TINY_RUN's
 # From the kill to the first group of the worker in the killed one's place. A standby needs
 # no model load and no weight delivery: the time is the death being noticed plus the

@@ -84,7 +84,7 @@ bench: $(STAMP) bench-pipeline
 	$(PY) benchmarks/bench_losses.py
 
 bench-pipeline: $(STAMP)
-	$(PY) benchmarks/bench_pipeline.py --long-tail --checkpoints 5
+	$(PY) benchmarks/bench_pipeline.py --long-tail --checkpoints 5 --worker-loss
 
 # The learner's memory and speed on a random model of Qwen2.5-0.5B's shape: single vs fsdp2 at
 # 2 ranks (per-rank parameter + optimiser bytes, peak RSS, tokens/s at 1,024 and 4,096 tokens)

@@ -21,7 +21,12 @@ With --long-tail the prompts mix difficulties 1-5 (responses of about 30 to 180 
 a batch waits for its longest response: that is what streaming removes. On a machine where
 generation and the learner each have a core the ceiling of async over sync is about 2x.
 
+With --worker-loss, one more run (two serving workers, one warm standby) has both serving
+workers killed at once: the time from the death to the next group of that worker's place, when
+a standby took it vs when a new actor replaced it (benchmarks/worker_loss.py), with the ratio.
+
     python benchmarks/bench_pipeline.py [--long-tail] [--steps 24] [--warmup 4] [--modes ...]
+        [--worker-loss]
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import ray
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import print_table
 from checkpoint_hold import checkpoint_hold
+from worker_loss import worker_loss_recovery, worker_loss_spec
 
 from services.observers import MetricsRecord
 from services.pipeline.actors import connect_ray
@@ -107,13 +113,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     parser.add_argument(
         "--checkpoints", type=int, default=0, help="also time the learner held per checkpoint"
     )
+    parser.add_argument(
+        "--worker-loss",
+        action="store_true",
+        help="also time a lost worker's place: standby vs replacement, in one run",
+    )
     args = parser.parse_args(argv)
     if "sync" not in args.modes:
         parser.error("--modes must include sync: every ratio is against it")
     base = load_run_spec(args.config, args.overrides)
     if args.checkpoints:
         checkpoint_hold(base, args.checkpoints)
-    connect_ray(base)
+    loss_spec = worker_loss_spec(base)
+    # The worker-loss run reserves the most (three workers): a local instance sized for it
+    # holds every mode's run too.
+    connect_ray(loss_spec if args.worker_loss else base)
+    if args.worker_loss:
+        worker_loss_recovery(loss_spec)
     rows, rates = [], {}
     for mode in args.modes:
         records = run_mode(mode_spec(base, mode, args.steps, args.long_tail))

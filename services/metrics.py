@@ -621,6 +621,14 @@ FAULTS = Group(
             "Generation actors replaced after they died.",
         ),
         _counter(
+            "standby_promotions",
+            "kpo_standby_promotions_total",
+            "actors",
+            "Lost generation actors whose place a warm standby took (of generation_replacements).",
+            note="Always 0 without `generation.standby`; each promotion is also a "
+            "`generation.standby_promoted` event.",
+        ),
+        _counter(
             "verifier_replacements",
             "kpo_verifier_replacements_total",
             "actors",

@@ -18,6 +18,7 @@ engine thread, which runs it between two steps.
     weights computed unless `recompute_kv=True`;
   - False (the default): admission stops, the groups in flight end under the old weights, the
     weights are swapped, admission resumes: every response is sampled by one version.
+  A worker started with `load_when_idle=True` (a warm standby) loads an offer at once, idle.
   With the collective transport the learner broadcasts and every worker must receive at once:
   `receive_weights(manifest)` receives at the next step boundary, loading at once (in-flight
   updates, or nothing in flight) or staging on the CPU until the groups in flight have ended.
@@ -166,6 +167,7 @@ class GenerationWorkerImpl:
         recompute_kv: bool = False,
         tools: ToolsConfig | None = None,
         reap_call_orphans: bool = False,
+        load_when_idle: bool = False,
         **options: Any,
     ) -> None:
         """Construct backend `backend` for `model_path` with its options and start the engine.
@@ -176,6 +178,10 @@ class GenerationWorkerImpl:
         subreaper, so that the sandbox's local calls are reaped here after each call (a
         generation actor's process: the node's init may reap late or never, and an unreaped
         call counts against its slot's process budget until the next call cannot start).
+        `load_when_idle`: load an offer as soon as it is recorded, work or not (a warm standby,
+        which holds no work but must hold the newest version when it takes a lost worker's
+        place); otherwise an offer waits for work, and one superseded meanwhile is never
+        fetched.
         """
         if recompute_kv and not in_flight_updates:
             raise ValueError("recompute_kv applies to in_flight_updates: set that too")
@@ -187,6 +193,7 @@ class GenerationWorkerImpl:
                 become_subreaper()
             self._backend.enable_tools(tools, build_runner(tools))
         self._in_flight_updates = in_flight_updates
+        self._load_when_idle = load_when_idle
         self._cv = threading.Condition()
         self._waiting: deque[GroupRequest] = deque()
         self._routes: dict[str, _Route] = {}
@@ -405,6 +412,8 @@ class GenerationWorkerImpl:
             return True
         if self._halted():
             return False
+        if self._load_when_idle and self._swap_due():
+            return True
         return bool(self._waiting) or self._in_backend > 0
 
     def _iterate(self) -> bool:

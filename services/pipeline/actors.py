@@ -11,7 +11,7 @@ import copy
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,15 +37,17 @@ def resource_needs(spec: RunSpec) -> ResourceNeeds:
     """CPUs, GPUs and custom resources the run's actors reserve in total."""
     gen, reward, learner = spec.generation, spec.reward, spec.learner
     ranks = learner.world_size
+    # A standby worker holds a model like a serving one, so it reserves what one reserves.
+    workers = gen.num_workers + gen.standby
     custom: dict[str, float] = {}
-    for count, resources in ((gen.num_workers, gen.resources), (ranks, learner.resources)):
+    for count, resources in ((workers, gen.resources), (ranks, learner.resources)):
         for name, amount in resources.items():
             custom[name] = custom.get(name, 0.0) + count * amount
     return ResourceNeeds(
-        cpus=gen.num_workers * gen.num_cpus
+        cpus=workers * gen.num_cpus
         + reward.num_workers * reward.num_cpus
         + ranks * learner.num_cpus,
-        gpus=gen.num_workers * gen.num_gpus + ranks * learner.num_gpus,
+        gpus=workers * gen.num_gpus + ranks * learner.num_gpus,
         custom=custom,
     )
 
@@ -115,15 +117,17 @@ def check_cluster_resources(spec: RunSpec) -> None:
 
 @dataclass
 class RunActors:
-    """Handles of a run's actors."""
+    """Handles of a run's actors. `standby`: generation workers that hold the model and every
+    published version but take no prompts, each ready to take a lost worker's place."""
 
     generation: list[Any]
     verifiers: list[Any]
     learner: LearnerGroup
+    standby: list[Any] = field(default_factory=list)
 
     def all(self) -> list[Any]:
         """Every actor handle (the learner's ranks included)."""
-        return [*self.generation, *self.verifiers, *self.learner.ranks]
+        return [*self.generation, *self.standby, *self.verifiers, *self.learner.ranks]
 
     def pids(self) -> dict[str, list[int]]:
         """Process ids, by role (for operators, and for tests that kill one)."""
@@ -133,13 +137,14 @@ class RunActors:
 
         return {
             "generation": pid_of(self.generation),
+            "standby": pid_of(self.standby),
             "verifiers": pid_of(self.verifiers),
             "learner": self.learner.pids(),
         }
 
     def kill(self) -> None:
         """Stop every actor now (no restart), the learner group's placement with it."""
-        for handle in [*self.generation, *self.verifiers]:
+        for handle in [*self.generation, *self.standby, *self.verifiers]:
             try:
                 ray.kill(handle, no_restart=True)
             except Exception as error:  # an actor that is already gone is what we want
@@ -149,7 +154,13 @@ class RunActors:
 
 # Keyword arguments of a generation worker that `generation.options` may not set: the worker's
 # own (from `pipeline`) and the one `generation.engine` becomes.
-_RESERVED_OPTIONS = ("in_flight_updates", "recompute_kv", "engine_kwargs")
+# The key to set instead of each.
+_RESERVED_OPTIONS = {
+    "in_flight_updates": "pipeline.in_flight_updates",
+    "recompute_kv": "pipeline.recompute_kv",
+    "engine_kwargs": "generation.engine",
+    "load_when_idle": "generation.standby",
+}
 
 
 @dataclass(frozen=True)
@@ -172,12 +183,9 @@ def generation_worker_args(spec: RunSpec, model_dir: Path) -> GenerationWorkerAr
     keyword arguments, and anything else there was a TypeError at start-up.
     """
     gen = spec.generation
-    for key in _RESERVED_OPTIONS:
+    for key, instead in _RESERVED_OPTIONS.items():
         if key in gen.options:
-            raise ValueError(
-                f"generation.options.{key} is not a backend option: set "
-                + ("generation.engine" if key == "engine_kwargs" else f"pipeline.{key}")
-            )
+            raise ValueError(f"generation.options.{key} is not a backend option: set {instead}")
     backend_options: dict[str, Any] = dict(gen.options)
     if gen.engine:
         # A copy: the actor gets its own, whatever the engine does with the mapping.
@@ -206,11 +214,16 @@ def tool_options(spec: RunSpec) -> dict[str, Any]:
     return {"tools": spec.tools, "reap_call_orphans": True} if spec.tools.enabled else {}
 
 
-def start_generation_worker(spec: RunSpec, model_dir: Path) -> Any:
-    """One generation actor (not waited for: its first call waits for the constructor)."""
+def start_generation_worker(spec: RunSpec, model_dir: Path, standby: bool = False) -> Any:
+    """One generation actor (not waited for: its first call waits for the constructor).
+
+    `standby`: a warm standby, which loads each offer as soon as it gets it (`load_when_idle`):
+    it holds no work, yet must hold the newest version when it takes a lost worker's place. It
+    keeps doing so once promoted, which only loads sooner what a serving worker loads anyway."""
     args = generation_worker_args(spec, model_dir)
+    options = {**args.worker_options, "load_when_idle": True} if standby else args.worker_options
     return GenerationWorker.options(**args.actor_options).remote(
-        args.backend, args.model_path, **args.worker_options
+        args.backend, args.model_path, **options
     )
 
 
@@ -236,10 +249,14 @@ def start_actors(spec: RunSpec, model_dir: Path, ratio_dir: Path | None = None) 
         ],
         verifiers=[start_verifier(spec) for _ in range(spec.reward.num_workers)],
         learner=LearnerGroup(spec, str(model_dir), None if ratio_dir is None else str(ratio_dir)),
+        standby=[
+            start_generation_worker(spec, model_dir, standby=True)
+            for _ in range(spec.generation.standby)
+        ],
     )
     try:
         # A constructor that fails (bad model, bad backend option) surfaces here, before any work.
-        others = [*actors.generation, *actors.verifiers]
+        others = [*actors.generation, *actors.standby, *actors.verifiers]
         wait_all(
             [*(h.__ray_call__.remote(lambda _self: None) for h in others), *actors.learner.setup()]
         )

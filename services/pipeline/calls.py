@@ -35,6 +35,7 @@ class Counters:
     # Faults survived (docs/reliability.md); also in every metrics record.
     learner_restarts: int = 0
     generation_replacements: int = 0
+    standby_promotions: int = 0  # of generation_replacements: a warm standby took the place
     verifier_replacements: int = 0
     rescored_groups: int = 0  # scored again after their verifier actor died or hung
     unverified_groups: int = 0  # their verifier actor failed SCORING_ATTEMPTS times
@@ -98,7 +99,18 @@ class PingCall:
     started: float
 
 
-PendingCall = SubmitCall | PollCall | ScoringCall | LearnerCall | LearnerPeerCall | PingCall
+@dataclass(frozen=True)
+class StartCall:
+    """The first call of a generation worker just started: it answers once the constructor
+    (the model load) has run, which makes a new standby one that may be promoted."""
+
+    worker: int
+    actor: Any
+
+
+PendingCall = (
+    SubmitCall | PollCall | ScoringCall | LearnerCall | LearnerPeerCall | PingCall | StartCall
+)
 
 
 @dataclass

@@ -26,6 +26,9 @@ as a Hugging Face model to `RUN_DIR/model/`. Checkpoints are written beside the 
 
 Faults (docs/reliability.md's fault policy): `ActorFaults` (services/pipeline/faults.py) decides
 what a failed generation worker or verifier actor costs, and the `ActorSupervisor` replaces it.
+With `generation.standby`, a warm standby worker (every version delivered to it, no prompts
+admitted) takes a lost generation worker's place at once, and a new standby is built beside the
+loop (`_promote`; docs/pipeline.md, warm standby workers).
 A learner rank that dies takes the attempt with it: every actor is stopped and the run resumes
 from its last checkpoint, up to `pipeline.learner_restarts` times. Nothing is trained twice:
 results of the lost attempt are dropped with it. The driver's part of a checkpoint, as written
@@ -95,6 +98,7 @@ from services.pipeline.calls import (
     PingCall,
     PollCall,
     ScoringCall,
+    StartCall,
     SubmitCall,
     Throughput,
     sampling_seed,
@@ -138,6 +142,10 @@ CHECKPOINT_POLL_SECONDS = 0.05  # how often the loop looks at a checkpoint being
 FINAL_EVAL_TIMEOUT_S = 1800.0  # a final evaluation call longer than this is given up (logged)
 POLL_SECONDS = 5.0  # longest a worker's next_groups waits before answering with nothing
 PAUSE_POLL_SECONDS = 1.0  # how often a paused run asks its sources for a resume request
+# Events of a lost generation worker's place: a standby took it; the worker in its place
+# returned its first group (with the seconds since the loss, and how the place was taken).
+PROMOTED_EVENT = "generation.standby_promoted"
+RESTORED_EVENT = "generation.worker_restored"
 
 __all__ = ["FaultBudgetExhausted", "GenerationFailed", "RunDriver"]
 
@@ -358,7 +366,10 @@ class RunDriver:
     def _start(self, actors: RunActors, resumed_step: int | None) -> None:
         self._pending.clear()
         self._resume_staleness()
-        self._streams = [WorkerStream(actor) for actor in actors.generation]
+        # The standby streams come after the serving ones: stream `n + k` is `actors.standby[k]`.
+        self._streams = [WorkerStream(actor) for actor in actors.generation] + [
+            WorkerStream(actor, standby=True) for actor in actors.standby
+        ]
         self.weights.connect(actors, self._streams)
         if resumed_step is not None and self._resume_path is not None:
             learner_dir = str(self._resume_path / LEARNER_DIR)
@@ -708,6 +719,8 @@ class RunDriver:
     def _dispatch_generation(self, actors: RunActors) -> None:
         gen = self.spec.generation
         for index, stream in enumerate(self._streams):
+            if stream.standby:  # held back, at the current version, for a lost worker's place
+                continue
             n = min(stream.room(gen.prompts_per_batch, gen.streaming), self._generation_room())
             if n <= 0:
                 continue
@@ -745,7 +758,7 @@ class RunDriver:
         try:
             result = ray.get(ref)
         except (RayActorError, RayTaskError) as error:
-            if isinstance(call, SubmitCall | PollCall | PingCall):
+            if isinstance(call, SubmitCall | PollCall | PingCall | StartCall):
                 self._on_worker_failed(actors, call.worker, call.actor, error)
             elif isinstance(call, ScoringCall):
                 self._on_scoring_failed(actors, call, error)
@@ -758,15 +771,28 @@ class RunDriver:
             self.buffer.add(result, reserved=len(call.prompts))
         elif isinstance(call, LearnerCall):
             self._on_trained(actors, call, result)
-        elif isinstance(call, PingCall) and self._streams[call.worker].actor is call.actor:
+        elif isinstance(call, PingCall) and (index := self._index_of(call.actor)) is not None:
             # It answers: its delivery waits on the weight group, not on it.
-            self._streams[call.worker].last_progress = time.perf_counter()
+            self._streams[index].last_progress = time.perf_counter()
+        elif isinstance(call, StartCall) and (index := self._index_of(call.actor)) is not None:
+            self._streams[index].up = True
+
+    def _index_of(self, actor: Any) -> int | None:
+        """Where `actor`'s stream is now (None: it was replaced). Looked up at each answer, not
+        taken from the call: a promoted standby answers a poll it was sent as a standby."""
+        return next((i for i, s in enumerate(self._streams) if s.actor is actor), None)
+
+    def _serving(self) -> list[Any]:
+        """The workers that take prompts (not the standby ones)."""
+        return [stream.actor for stream in self._streams if not stream.standby]
 
     def _on_generated(self, actors: RunActors, call: PollCall, result: StreamedGroups) -> None:
-        stream = self._streams[call.worker]
-        if stream.actor is not call.actor:
+        index = self._index_of(call.actor)
+        if index is None:
             return  # the answer of an actor replaced meanwhile
-        self._poll(actors, call.worker)
+        stream = self._streams[index]
+        stream.up = True
+        self._poll(actors, index)
         for refusal in result.refused:
             self.faults.drop_refused(stream, refusal, self.counters, self.buffer)
         groups = result.groups
@@ -775,6 +801,9 @@ class RunDriver:
         submitted = {pid: at for pid, (_, at) in stream.outstanding.items()}
         now = time.perf_counter()
         prompts = stream.returned(groups)
+        if stream.took_over is not None:
+            self._report_restored(index, stream.took_over, now)
+            stream.took_over = None
         tokens = sum(len(r.response_token_ids) for group in groups for r in group)
         self.counters.tokens_generated_total += tokens
         self._throughput.tokens += tokens
@@ -803,21 +832,101 @@ class RunDriver:
     def _on_worker_failed(
         self, actors: RunActors, index: int, actor: Any, error: BaseException
     ) -> None:
-        """A worker died, raised or hung: replace it and issue its prompts again elsewhere."""
-        stream = self._streams[index]
-        if stream.actor is not actor:
+        """A worker died, raised or hung: a ready standby takes its place, else it is replaced
+        (a standby that fails is replaced by a new standby); its prompts are issued again.
+
+        `index` is where the failed call was made; the actor's stream may have moved since (a
+        promoted standby), so it is looked up again."""
+        found = self._index_of(actor)
+        if found is None:
             return  # this actor was replaced at an earlier failed call
+        index, stream, lost_at = found, self._streams[found], time.perf_counter()
         prompts = stream.take_all()
         self.faults.charge(index, prompts, error)  # a prompt's second strike fails the run
-        replacement = self.supervisor.replace(actors, "generation", index, actor, error)
+        standby = None if stream.standby else self._ready_standby()
+        if standby is not None:
+            self._promote(actors, index, standby, error, lost_at)
+        else:
+            self._replace(actors, index, error, lost_at)
         self.prompts.give_back(prompts)
         self.buffer.release(len(prompts))
         self.counters.groups_issued -= len(prompts)
+
+    def _ready_standby(self) -> int | None:
+        """The stream index of a standby that may take a lost worker's place now: one that
+        holds the current version (all its deliveries acknowledged), else one up (its model
+        loaded) whose delivery is still on its way: it is ready at its acknowledgement, long
+        before a new worker would be. None: no standby, or none up yet (the lost worker is then
+        replaced as without standby, and a standby still being built stays one)."""
+        joined = [i for i, s in enumerate(self._streams) if s.standby and s.up and s.joined]
+        ready = [i for i in joined if self._streams[i].ready]
+        candidates = ready or joined
+        return candidates[0] if candidates else None
+
+    def _replace(self, actors: RunActors, index: int, error: BaseException, lost_at: float) -> None:
+        """Today's path: a new actor at `index`, brought to the current version before it takes
+        prompts (a model load, then a weight delivery)."""
+        stream = self._streams[index]
+        n = len(actors.generation)
+        role, slot = ("standby", index - n) if stream.standby else ("generation", index)
+        replacement = self.supervisor.replace(actors, role, slot, stream.actor, error)
         if replacement is None:
             return
-        self._streams[index] = WorkerStream(replacement, joined=False)
+        took_over = None if stream.standby else (lost_at, "replacement")
+        self._streams[index] = WorkerStream(
+            replacement, joined=False, standby=stream.standby, up=False, took_over=took_over
+        )
         self.weights.on_replaced(actors, index, self._streams[index])
         self._poll(actors, index)
+        self._watch_start(index)
+
+    def _promote(
+        self, actors: RunActors, index: int, standby: int, error: BaseException, lost_at: float
+    ) -> None:
+        """Standby stream `standby` takes the place of the lost worker at `index`: its poll in
+        flight goes on (answered at its new place), so it takes prompts as soon as it is ready,
+        with no model load and no delivery to wait for. A new standby is started at its place
+        and brought to the current version as a replacement is."""
+        slot = standby - len(actors.generation)
+        dead = self._streams[index].actor
+        fresh = self.supervisor.promote(actors, index, slot, dead, error)
+        if fresh is None:
+            return
+        promoted = self._streams[standby]
+        promoted.standby, promoted.took_over = False, (lost_at, "standby")
+        new = WorkerStream(fresh, joined=False, standby=True, up=False)
+        self._streams[index], self._streams[standby] = promoted, new
+        self.weights.on_promoted(actors, index, standby, promoted, new)
+        self._poll(actors, standby)
+        self._watch_start(standby)
+        details: dict[str, Any] = {
+            "worker": index,
+            "standby": slot,
+            # The newest version delivered to it (0: none since the run's start, the weights
+            # it loaded from disk), and whether it acknowledged it (else it is ready then).
+            "version": max(promoted.newest_delivered, 0),
+            "ready": promoted.ready,
+            "error": type(error).__name__,
+        }
+        log.warning("standby %d took generation worker %d's place (%s)", slot, index, details)
+        self._report_event(PROMOTED_EVENT, details)
+
+    def _watch_start(self, index: int) -> None:
+        """Learn as soon as the worker just started at `index` is up (its poll answers only
+        once it has groups, or POLL_SECONDS after it is up)."""
+        actor = self._streams[index].actor
+        # Ray's own no-op call: any actor has it, whatever it is asked later.
+        self._pending[actor.__ray_call__.remote(lambda _self: None)] = StartCall(index, actor)
+
+    def _report_restored(self, index: int, took_over: tuple[float, str], now: float) -> None:
+        """The first group of the worker that took a lost one's place: the time from the loss
+        to it is the generation the run went without at that place."""
+        lost_at, via = took_over
+        seconds = now - lost_at
+        log.info(
+            "generation worker %d serving again %.2f s after the loss (%s)", index, seconds, via
+        )
+        self._report_event(RESTORED_EVENT, {"worker": index, "via": via, "seconds": seconds})
 
     def _on_scoring_failed(
         self, actors: RunActors, call: ScoringCall, error: RayActorError | RayTaskError
@@ -873,7 +982,7 @@ class RunDriver:
         self._adapt_staleness(record)
         if self.evals is not None:
             record.update(self.evals.take_result() or {})
-            self.evals.start(self.counters.step, [stream.actor for stream in self._streams])
+            self.evals.start(self.counters.step, self._serving())
         guard_checkpoint = self._judge(record)
         alert_checkpoint = self._answer_alerts(record)
         every = self.spec.pipeline.checkpoint_every
@@ -1072,7 +1181,7 @@ class RunDriver:
             self._deliver_all(actors)  # the final evaluation samples the last step's policy
             self._final_eval = self.evals.run_final(
                 self.counters.step,
-                [stream.actor for stream in self._streams],
+                self._serving(),
                 actors.verifiers,
                 FINAL_EVAL_TIMEOUT_S,
             )

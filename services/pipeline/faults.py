@@ -8,7 +8,9 @@ and counted (`groups_dropped_invalid`); a failed weight load is retried once by 
 only a second failure reaches the driver, which replaces the worker (its prompts issued again,
 without counting against them). What the driver handles: a generation actor that dies, raises,
 or returns nothing past its stall deadline is replaced and its prompts are issued again (a prompt
-whose generation raised on two actors fails the run, naming the actor and the error). A verifier
+whose generation raised on two actors fails the run, naming the actor and the error); with a
+warm standby up (`generation.standby`) the standby takes its place instead of a new actor,
+which counts as one replacement all the same. A verifier
 actor that dies or hangs past `reward.call_timeout_s` is replaced and its groups are scored again
 (twice failed: its responses are marked unverified, reward 0); one that raises has its groups
 scored again by another verifier actor (a second error fails the run). Replacements draw on

@@ -34,8 +34,18 @@ class WorkerStream:
     newest_delivered: int = -1
     # False for a replacement until it is brought to the run's current version.
     joined: bool = True
+    # A warm standby: receives every version, takes no prompts until it is promoted.
+    standby: bool = False
+    # Its actor answered a call, so its model is loaded: False for one just started (a
+    # standby still being built is no standby to promote).
+    up: bool = True
+    # Of a worker that took a lost one's place: when that one was found lost, and how its place
+    # was taken ("standby" or "replacement"); cleared at its first group (the driver reports
+    # the time between the two).
+    took_over: tuple[float, str] | None = None
     last_progress: float = field(default_factory=time.perf_counter)
     tokens: int = 0  # response tokens returned
+    groups_submitted: int = 0  # prompts handed to it (a standby's stays 0 until promoted)
     row_seconds: float = 0.0  # seconds each returned response was in flight, summed
 
     @property
@@ -53,6 +63,7 @@ class WorkerStream:
         self.unacknowledged[version] += 1
 
     def acknowledged(self, version: int) -> None:
+        self.up = True
         self.last_progress = time.perf_counter()
         self.unacknowledged[version] -= 1
         if self.unacknowledged[version] <= 0:
@@ -71,6 +82,7 @@ class WorkerStream:
             self.last_progress = now  # an idle worker is not late
         for prompt in prompts:
             self.outstanding[prompt.prompt_id] = (prompt, now)
+        self.groups_submitted += len(prompts)
 
     def returned(self, groups: list[list[Response]]) -> list[Prompt]:
         """Record groups that came back; their prompts, in the order of `groups`."""

@@ -1,5 +1,6 @@
 """The actor supervisor: replaces generation and verifier actors that die or hang, within the
-run's fault budget (`pipeline.actor_replacements`), and keeps their pids in status.json.
+run's fault budget (`pipeline.actor_replacements`), and keeps their pids in status.json. A lost
+generation worker's place goes to a warm standby where the driver has one ready (`promote`).
 
 Hung: a verifier call past `reward.call_timeout_s`, or a generation worker holding prompts that
 returned no group past its stall deadline (`WorkerStream.stall_deadline`). A hung actor is
@@ -23,7 +24,8 @@ from services.spec import RunSpec
 
 log = logging.getLogger(__name__)
 
-ROLE_KEYS = {"generation": "generation", "verifier": "verifiers"}  # role -> status.json key
+# role -> status.json key
+ROLE_KEYS = {"generation": "generation", "standby": "standby", "verifier": "verifiers"}
 
 
 class FaultBudgetExhausted(RuntimeError):
@@ -33,6 +35,7 @@ class FaultBudgetExhausted(RuntimeError):
 class FaultCounters(Protocol):
     generation_replacements: int
     verifier_replacements: int
+    standby_promotions: int
 
 
 class ActorSupervisor:
@@ -56,11 +59,64 @@ class ActorSupervisor:
     def replace(
         self, actors: RunActors, role: str, index: int, dead: Any, error: BaseException
     ) -> Any | None:
-        """Put a new actor at `actors.<role>[index]`; the new handle, or None when `dead` was
-        replaced already (several calls failed with the same actor)."""
-        pool = actors.generation if role == "generation" else actors.verifiers
+        """Put a new actor at `actors.<role>[index]` (role: generation, standby or verifier);
+        the new handle, or None when `dead` was replaced already (several calls failed with
+        the same actor). A lost standby is a lost generation actor: it counts as one."""
+        pool = _pool(actors, role)
         if pool[index] is not dead:
             return None
+        c = self._charge(role, error)
+        log.warning("%s actor %d failed (%s): replacing it", role, index, type(error).__name__)
+        self.kill(dead)
+        if role == "verifier":
+            pool[index] = start_verifier(self.spec)
+            c.verifier_replacements += 1
+        elif role == "standby":
+            pool[index] = start_generation_worker(self.spec, self._model_dir(), standby=True)
+            c.generation_replacements += 1
+        else:
+            pool[index] = start_generation_worker(self.spec, self._model_dir())
+            c.generation_replacements += 1
+        self._ask_pid(role, index, pool[index])
+        return pool[index]
+
+    def promote(
+        self, actors: RunActors, index: int, slot: int, dead: Any, error: BaseException
+    ) -> Any | None:
+        """Put standby `slot` at `actors.generation[index]` in place of `dead`, and start a new
+        standby at `slot` (not waited for: it loads the model beside the run). The new
+        standby's handle, or None when `dead` was replaced already.
+
+        A promotion replaces a lost worker, so it counts once against
+        `pipeline.actor_replacements` and in `generation_replacements`, as a replacement does;
+        `standby_promotions` counts the replacements that were promotions.
+        """
+        if actors.generation[index] is not dead:
+            return None
+        c = self._charge("generation", error)
+        log.warning(
+            "generation actor %d failed (%s): standby %d takes its place",
+            index,
+            type(error).__name__,
+            slot,
+        )
+        self.kill(dead)
+        actors.generation[index] = actors.standby[slot]
+        actors.standby[slot] = start_generation_worker(self.spec, self._model_dir(), standby=True)
+        c.generation_replacements += 1
+        c.standby_promotions += 1
+        # Its pid moves with it, a pid still asked of it included.
+        self.pids["generation"][index] = self.pids["standby"][slot]
+        self._new_pids = [
+            ("generation", index, ref) if (key, at) == ("standby", slot) else (key, at, ref)
+            for key, at, ref in self._new_pids
+        ]
+        self._ask_pid("standby", slot, actors.standby[slot])
+        self._report_pids(self.pids)
+        return actors.standby[slot]
+
+    def _charge(self, role: str, error: BaseException) -> FaultCounters:
+        """The counters, once the fault budget is known to allow one more replacement."""
         c = self._counters()
         used = c.generation_replacements + c.verifier_replacements
         allowed = self.spec.pipeline.actor_replacements
@@ -69,18 +125,12 @@ class ActorSupervisor:
                 f"a {role} actor failed after {used} actors were replaced already "
                 f"(pipeline.actor_replacements = {allowed}): {type(error).__name__}: {error}"
             ) from error
-        log.warning("%s actor %d failed (%s): replacing it", role, index, type(error).__name__)
-        self.kill(dead)
-        if role == "generation":
-            pool[index] = start_generation_worker(self.spec, self._model_dir())
-            c.generation_replacements += 1
-        else:
-            pool[index] = start_verifier(self.spec)
-            c.verifier_replacements += 1
+        return c
+
+    def _ask_pid(self, role: str, index: int, handle: Any) -> None:
         # Asked now, read once the actor is up (a vLLM engine takes minutes): see record_pids.
-        pid_ref = pool[index].__ray_call__.remote(lambda _self: os.getpid())
+        pid_ref = handle.__ray_call__.remote(lambda _self: os.getpid())
         self._new_pids.append((ROLE_KEYS[role], index, pid_ref))
-        return pool[index]
 
     @staticmethod
     def kill(handle: Any) -> None:
@@ -131,3 +181,10 @@ class ActorSupervisor:
                 self.pids[key][index] = ray.get(ref)
         self._new_pids = waiting
         self._report_pids(self.pids)
+
+
+def _pool(actors: RunActors, role: str) -> list[Any]:
+    """The handles of `role` (generation, standby, verifier)."""
+    if role == "verifier":
+        return actors.verifiers
+    return actors.standby if role == "standby" else actors.generation

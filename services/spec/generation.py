@@ -80,6 +80,14 @@ class GenerationConfig(StrictModel):
 
     backend: BackendName = "hf"
     num_workers: int = Field(1, ge=1, le=MAX_ACTORS, description="generation actors")
+    standby: int = Field(
+        0,
+        ge=0,
+        le=MAX_ACTORS,
+        description="warm standby generation actors: each loads the model and receives every "
+        "weight publish but takes no prompts, and takes a lost worker's place at once (one "
+        "more model's resources per standby)",
+    )
     num_cpus: float = Field(
         1.0, ge=0.0, le=MAX_CPUS_PER_ACTOR, description="CPUs reserved per generation actor"
     )

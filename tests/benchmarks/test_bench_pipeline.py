@@ -5,6 +5,7 @@ from __future__ import annotations
 import bench_pipeline
 import pytest
 from bench_pipeline import MODES, mode_spec
+from worker_loss import worker_loss_spec
 
 from services.pipeline.specs import load_run_spec
 
@@ -33,3 +34,13 @@ def test_modes_without_the_sync_baseline_are_refused(capsys: pytest.CaptureFixtu
     with pytest.raises(SystemExit):
         bench_pipeline.main(["--modes", "async-stream"])
     assert "must include sync" in capsys.readouterr().err
+
+
+def test_the_worker_loss_run_has_two_serving_workers_one_standby_and_two_replacements() -> None:
+    base = load_run_spec(bench_pipeline.DEFAULT_CONFIG, [])
+    spec = worker_loss_spec(base, steps=50)
+    assert (spec.generation.num_workers, spec.generation.standby) == (2, 1)
+    # Both serving workers are killed: one promotion and one replacement, both in the budget.
+    assert spec.pipeline.actor_replacements == 2
+    assert spec.pipeline.steps == 50 and spec.pipeline.checkpoint_every == 0
+    assert spec.task == base.task and spec.model == base.model

@@ -94,6 +94,7 @@ EXPORTED = {
     ("counter", "kpo_skipped_minibatches_total", "skipped_minibatches_total"),
     ("counter", "kpo_learner_restarts_total", "learner_restarts"),
     ("counter", "kpo_generation_replacements_total", "generation_replacements"),
+    ("counter", "kpo_standby_promotions_total", "standby_promotions"),
     ("counter", "kpo_verifier_replacements_total", "verifier_replacements"),
     ("counter", "kpo_rescored_groups_total", "rescored_groups"),
     ("counter", "kpo_unverified_groups_total", "unverified_groups"),

@@ -74,6 +74,15 @@ def run_spec_error(data: Data) -> str:
     return describe_validation_error(caught.value, "run.yaml")
 
 
+def test_standby_workers_are_a_count_from_zero_naming_the_field() -> None:
+    assert RunSpec.model_validate({}).generation.standby == 0
+    assert RunSpec.model_validate({"generation": {"standby": 2}}).generation.standby == 2
+    message = run_spec_error({"generation": {"standby": -1}})
+    assert message == "run.yaml: generation.standby: Input should be greater than or equal to 0"
+    message = run_spec_error({"generation": {"standby": "two"}})
+    assert message.startswith("run.yaml: generation.standby: ")
+
+
 def test_a_float16_learner_is_refused_with_the_reason() -> None:
     message = run_spec_error({"learner": {"compute_dtype": "float16"}})
     assert "learner.compute_dtype" in message and "AdamW" in message and "bfloat16" in message
@@ -147,6 +156,7 @@ TRUNCATED: Data = {"algorithm": {"off_policy": {"truncated_sampling": "allow"}}}
 NUMERIC_BOUNDS: list[tuple[str, int | float, Data]] = [
     ("seed", 2**32 - 1, {}),
     ("generation.num_workers", 1024, {}),
+    ("generation.standby", 1024, {}),
     ("generation.num_cpus", 1024, {}),
     ("generation.num_gpus", 64, {}),
     ("generation.prompts_per_batch", 4096, {}),

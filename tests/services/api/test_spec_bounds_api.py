@@ -12,7 +12,7 @@ from tests.services.api.test_runs_api import TINY
 def test_bounds_options_and_attention_are_a_422_naming_each_field(api: Api) -> None:
     body: dict[str, Any] = {
         **TINY,
-        "generation": {"group_size": 4, "options": {"max_batch_rowz": 8}},
+        "generation": {"group_size": 4, "standby": -1, "options": {"max_batch_rowz": 8}},
         "learner": {"attn_implementation": "kernels-community/flash-attn3"},
         "pipeline": {"steps": 10_000_001},
     }
@@ -20,6 +20,7 @@ def test_bounds_options_and_attention_are_a_422_naming_each_field(api: Api) -> N
     assert response.status_code == 422, response.text
     fields = {f["field"]: f["message"] for f in response.json()["error"]["fields"]}
     assert fields == {
+        "generation.standby": "Input should be greater than or equal to 0",
         "generation.options.max_batch_rowz": "not an option of the hf backend; its options "
         "are: attn_implementation, device, dtype, max_batch_rows",
         "learner.attn_implementation": "Input should be 'eager', 'sdpa', 'flash_attention_2' "
@@ -30,11 +31,13 @@ def test_bounds_options_and_attention_are_a_422_naming_each_field(api: Api) -> N
     assert api.client.get("/v1/runs").json()["runs"] == []
     # The same spec within its bounds and with a real option is accepted and launched.
     body["generation"]["options"] = {"max_batch_rows": 8}
+    body["generation"]["standby"] = 1
     body["learner"]["attn_implementation"] = "flash_attention_2"
     body["pipeline"]["steps"] = 10_000_000
     accepted = api.client.post("/v1/runs", json=body)
     assert accepted.status_code == 201, accepted.text
     assert accepted.json()["spec"]["generation"]["options"] == {"max_batch_rows": 8}
+    assert accepted.json()["spec"]["generation"]["standby"] == 1
     assert api.launcher.submitted == [accepted.json()["id"]]
 
 

@@ -29,6 +29,15 @@ def test_a_run_reserves_every_rank_and_its_custom_resources() -> None:
     assert needs.custom == {"learner_gpu": 4.0, "generation_gpu": 3.0, "l4": 1.5}
 
 
+def test_standby_workers_reserve_what_serving_workers_do() -> None:
+    workers = ("generation.num_workers=2", "generation.num_gpus=1", "generation.resources={l4: 1}")
+    without = resource_needs(tiny_spec(*workers))
+    with_two = resource_needs(tiny_spec(*workers, "generation.standby=2"))
+    # Two more models: each standby's CPU, GPU and custom resources, as a serving worker's.
+    assert with_two.cpus == without.cpus + 2 and with_two.gpus == without.gpus + 2
+    assert with_two.custom == {"l4": 4.0} and without.custom == {"l4": 2.0}
+
+
 @pytest.mark.usefixtures("ray_instance")
 def test_each_rank_gets_a_bundle_of_its_resources(tiny_model_dir: Path) -> None:
     """The ranks' placement group asks, per rank, for its CPUs and custom resources. The local

@@ -34,18 +34,19 @@ class ResourceNeeds:
 
 
 def resource_needs(spec: RunSpec) -> ResourceNeeds:
-    """CPUs, GPUs and custom resources the run's actors reserve in total."""
+    """CPUs, GPUs and custom resources the run's actors reserve in total, at most: an elastic
+    pool counts as its `generation.actors.max` workers, the most it may grow to."""
     gen, reward, learner = spec.generation, spec.reward, spec.learner
-    ranks = learner.world_size
+    ranks, workers = learner.world_size, gen.max_workers
     custom: dict[str, float] = {}
-    for count, resources in ((gen.num_workers, gen.resources), (ranks, learner.resources)):
+    for count, resources in ((workers, gen.resources), (ranks, learner.resources)):
         for name, amount in resources.items():
             custom[name] = custom.get(name, 0.0) + count * amount
     return ResourceNeeds(
-        cpus=gen.num_workers * gen.num_cpus
+        cpus=workers * gen.num_cpus
         + reward.num_workers * reward.num_cpus
         + ranks * learner.num_cpus,
-        gpus=gen.num_workers * gen.num_gpus + ranks * learner.num_gpus,
+        gpus=workers * gen.num_gpus + ranks * learner.num_gpus,
         custom=custom,
     )
 
@@ -110,7 +111,14 @@ def check_cluster_resources(spec: RunSpec) -> None:
         have = float(total.get(name, 0.0))
         if wanted > have:
             # An autoscaling cluster may grow into it, so this is a warning, not a refusal.
-            log.warning("the run reserves %.2f %s but the cluster has %.2f now", wanted, name, have)
+            log.warning(
+                "the run reserves %.2f %s%s but the cluster has %.2f now (an autoscaling "
+                "cluster may grow into it)",
+                wanted,
+                name,
+                "" if spec.generation.actors is None else " at its elastic pool's max",
+                have,
+            )
 
 
 @dataclass

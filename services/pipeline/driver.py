@@ -114,6 +114,7 @@ from services.pipeline.driver_state import (
     in_flight_prompts,
     restore_driver_state,
 )
+from services.pipeline.elastic import ElasticPool
 from services.pipeline.evaluation import Evaluator
 from services.pipeline.faults import ActorFaults
 from services.pipeline.guard import GuardDecision, StabilityGuard
@@ -181,6 +182,9 @@ class RunDriver:
         )
         self.faults = ActorFaults(spec.generation, self.supervisor)
         self.weights = WeightSync(spec.pipeline.weight_transport, spec.overlaps_publish)
+        self.elastic = ElasticPool(
+            spec, self.supervisor, self.weights, lambda: self._model_dir, self._report_event
+        )
         self.evals = (
             Evaluator(spec.eval, spec.generation, spec.seed, run_dir.path / EVAL_FILE)
             if spec.eval is not None
@@ -360,6 +364,7 @@ class RunDriver:
         self._resume_staleness()
         self._streams = [WorkerStream(actor) for actor in actors.generation]
         self.weights.connect(actors, self._streams)
+        self.elastic.reset(self.spec)
         if resumed_step is not None and self._resume_path is not None:
             learner_dir = str(self._resume_path / LEARNER_DIR)
             version = actors.learner.load_checkpoint(learner_dir)
@@ -649,6 +654,7 @@ class RunDriver:
             elif self.counters.step < total:
                 self._dispatch_generation(actors)
                 self._dispatch_learner(actors)
+                self._observe_pool(actors)
             refs = list(self._pending) + self.weights.pending_refs()
             if self.evals is not None:
                 refs += self.evals.pending_refs()
@@ -660,6 +666,20 @@ class RunDriver:
                 self._on_ready(actors, ref)
             self._stop_hung(actors)
             self.supervisor.record_pids()
+
+    def _observe_pool(self, actors: RunActors) -> None:
+        """An elastic pool's sample (services/pipeline/elastic.py): the learner starved (idle,
+        no batch ready), or backed up (busy, a whole batch waiting, admission closed)."""
+        busy = self._learner_busy()
+        waiting = len(self.buffer) >= self.spec.pipeline.batch_groups
+        self.elastic.observe(
+            actors,
+            self._streams,
+            self._pending,
+            lambda index: self._poll(actors, index),
+            starved=not busy,
+            backed_up=busy and waiting and self._generation_room() <= 0,
+        )
 
     def _on_ready(self, actors: RunActors, ref: Any) -> None:
         """React to one finished call: the driver's own, or a weight delivery."""
@@ -867,6 +887,7 @@ class RunDriver:
             "groups_dropped_invalid": self.counters.groups_dropped_invalid,
             "prompts_too_long": self.counters.prompts_too_long,
             "buffer_groups": len(self.buffer),
+            **self.elastic.record(self._streams),
             **totals,
             **self.counters.faults(),
         }

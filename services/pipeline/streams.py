@@ -34,6 +34,8 @@ class WorkerStream:
     newest_delivered: int = -1
     # False for a replacement until it is brought to the run's current version.
     joined: bool = True
+    # Leaving an elastic pool: it takes no prompt, and is stopped once its groups came back.
+    draining: bool = False
     last_progress: float = field(default_factory=time.perf_counter)
     tokens: int = 0  # response tokens returned
     row_seconds: float = 0.0  # seconds each returned response was in flight, summed
@@ -61,7 +63,7 @@ class WorkerStream:
     def room(self, limit: int, streaming: bool = True) -> int:
         """Groups it may be handed now: up to `limit` held at once; without streaming, only
         when it holds none (a batch at a time)."""
-        if not self.ready or (self.outstanding and not streaming):
+        if not self.ready or self.draining or (self.outstanding and not streaming):
             return 0
         return max(0, limit - len(self.outstanding))
 

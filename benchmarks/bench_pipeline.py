@@ -21,6 +21,11 @@ With --long-tail the prompts mix difficulties 1-5 (responses of about 30 to 180 
 a batch waits for its longest response: that is what streaming removes. On a machine where
 generation and the learner each have a core the ceiling of async over sync is about 2x.
 
+Then, on long-tailed prompts with a slow verifier, a fixed pool of one generation worker
+against an elastic pool (`generation.actors`, 1 to 3 workers) started at one: trained tokens/s
+of each and their ratio (benchmarks/elastic_pool.py; --no-pools leaves it out, --pools-only
+runs it alone).
+
     python benchmarks/bench_pipeline.py [--long-tail] [--steps 24] [--warmup 4] [--modes ...]
 """
 
@@ -38,6 +43,7 @@ import ray
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import print_table
 from checkpoint_hold import checkpoint_hold
+from elastic_pool import add_to_actor_path, compare_pools
 
 from services.observers import MetricsRecord
 from services.pipeline.actors import connect_ray
@@ -96,24 +102,8 @@ def run_mode(spec: RunSpec) -> list[MetricsRecord]:
         return run_dir.read_metrics()
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, float]:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
-    parser.add_argument("--set", dest="overrides", action="append", default=[])
-    parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--long-tail", action="store_true", help="difficulties 1-5 mixed")
-    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
-    parser.add_argument(
-        "--checkpoints", type=int, default=0, help="also time the learner held per checkpoint"
-    )
-    args = parser.parse_args(argv)
-    if "sync" not in args.modes:
-        parser.error("--modes must include sync: every ratio is against it")
-    base = load_run_spec(args.config, args.overrides)
-    if args.checkpoints:
-        checkpoint_hold(base, args.checkpoints)
-    connect_ray(base)
+def run_modes(base: RunSpec, args: argparse.Namespace) -> dict[str, float]:
+    """Each of `args.modes` in turn; the table, and each mode's rate over sync's."""
     rows, rates = [], {}
     for mode in args.modes:
         records = run_mode(mode_spec(base, mode, args.steps, args.long_tail))
@@ -136,7 +126,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
                 f"{span:.0f}",
             ]
         )
-    ray.shutdown()
     tail = ", long-tailed prompts (difficulty 1-5)" if args.long_tail else ""
     print(f"{args.config.name}: {args.steps} steps per mode, first {args.warmup} left out{tail}")
     for row in rows:
@@ -147,6 +136,50 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     ]  # fmt: skip
     print_table([*header, "vs sync"], rows)
     return {mode: rate / rates["sync"] for mode, rate in rates.items()}
+
+
+def run_pools(base: RunSpec, args: argparse.Namespace) -> None:
+    """The fixed and the elastic pool on long-tailed prompts with a slow verifier."""
+    long_tail = mode_spec(base, "async-stream", args.steps, long_tail=True)
+    rows = compare_pools(long_tail, args.warmup, run_mode, measured)
+    print(
+        f"{args.config.name}: {args.steps} steps per pool, first {args.warmup} left out, "
+        "long-tailed prompts (difficulty 1-5), slow verifier"
+    )
+    header = [
+        "pool", "trained tokens/s", "s/step", "learner idle s/step", "workers at the end",
+        "grows", "shrinks", "vs fixed",
+    ]  # fmt: skip
+    print_table(header, rows)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, float]:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--long-tail", action="store_true", help="difficulties 1-5 mixed")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument(
+        "--checkpoints", type=int, default=0, help="also time the learner held per checkpoint"
+    )
+    pools = parser.add_mutually_exclusive_group()
+    pools.add_argument("--no-pools", action="store_true", help="leave out fixed vs elastic")
+    pools.add_argument("--pools-only", action="store_true", help="only fixed vs elastic")
+    args = parser.parse_args(argv)
+    if "sync" not in args.modes and not args.pools_only:
+        parser.error("--modes must include sync: every ratio is against it")
+    base = load_run_spec(args.config, args.overrides)
+    if args.checkpoints:
+        checkpoint_hold(base, args.checkpoints)
+    add_to_actor_path()  # before Ray starts: the slow verifier's module, for the actors
+    connect_ray(base)
+    ratios = {} if args.pools_only else run_modes(base, args)
+    if not args.no_pools:
+        run_pools(base, args)
+    ray.shutdown()
+    return ratios
 
 
 if __name__ == "__main__":

@@ -75,10 +75,15 @@ def run(tmp_path: Path, *overrides: str) -> tuple[RunDriver, PoolWatcher]:
     return driver, watcher
 
 
-def test_the_pool_grows_while_the_learner_waits_for_generation(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["object_store", "collective"])
+def test_the_pool_grows_while_the_learner_waits_for_generation(
+    tmp_path: Path, transport: str
+) -> None:
     # One worker generating two long groups at a time for batches of four: the learner waits.
+    # Collective: the weight group is re-formed with the new worker before it takes prompts.
     driver, watcher = run(
         tmp_path,
+        f"pipeline.weight_transport={transport}",
         "generation.num_workers=1",
         "generation.prompts_per_batch=2",
         "generation.max_new_tokens=96",
@@ -98,10 +103,15 @@ def test_the_pool_grows_while_the_learner_waits_for_generation(tmp_path: Path) -
     assert driver._streams[1].tokens > 0
 
 
-def test_the_pool_shrinks_while_generation_waits_for_the_learner(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["object_store", "collective"])
+def test_the_pool_shrinks_while_generation_waits_for_the_learner(
+    tmp_path: Path, transport: str
+) -> None:
     # Two workers of short responses feeding a learner that passes over each batch 6 times.
+    # Collective: the weight group is re-formed without the worker that left.
     driver, watcher = run(
         tmp_path,
+        f"pipeline.weight_transport={transport}",
         "generation.num_workers=2",
         "generation.max_new_tokens=8",
         "learner.ppo_epochs=6",

@@ -669,16 +669,16 @@ class RunDriver:
 
     def _observe_pool(self, actors: RunActors) -> None:
         """An elastic pool's sample (services/pipeline/elastic.py): the learner starved (idle,
-        no batch ready), or backed up (busy, a whole batch waiting, admission closed)."""
-        busy = self._learner_busy()
+        no batch ready), or backed up (stepping, a whole batch waiting, admission closed). A
+        learner held by weight delivery is neither: more or fewer workers would not change it."""
         waiting = len(self.buffer) >= self.spec.pipeline.batch_groups
         self.elastic.observe(
             actors,
             self._streams,
             self._pending,
             lambda index: self._poll(actors, index),
-            starved=not busy,
-            backed_up=busy and waiting and self._generation_room() <= 0,
+            starved=not self._learner_busy(),
+            backed_up=self._learner_stepping() and waiting and self._generation_room() <= 0,
         )
 
     def _on_ready(self, actors: RunActors, ref: Any) -> None:

@@ -4,6 +4,7 @@ bounds, as the run's events, records and actors show."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -59,11 +60,16 @@ class PoolWatcher:
             self.dead_after_removal.append(_dead(self.leaving[-1]))
 
 
-def _dead(handle: Any) -> bool:
-    try:
-        ray.get(handle.__ray_call__.remote(lambda _self: None), timeout=30)
-    except RayActorError:
-        return True
+def _dead(handle: Any, within_s: float = 30.0) -> bool:
+    """Whether the actor's calls fail as a dead actor's within `within_s` (a kill takes
+    effect asynchronously: a call sent just after it may still be answered)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(handle.__ray_call__.remote(lambda _self: None), timeout=within_s)
+        except RayActorError:
+            return True
+        time.sleep(0.05)  # polling the actor's state, not waiting in its place
     return False
 
 
@@ -96,10 +102,10 @@ def test_the_pool_grows_while_the_learner_waits_for_generation(
     assert (first["size"], first["target"]) == (1, 2)
     assert first["starved_fraction"] >= driver.spec.generation.actors.grow_idle_fraction  # type: ignore[union-attr]
     sizes = [r["generation_workers"] for r in watcher.records]
-    assert all(1 <= size <= 2 for size in sizes) and 2 in sizes
+    assert all(1 <= size <= 2 for size in sizes) and 2 in sizes, (sizes, watcher.events)
     assert watcher.records[-1]["generation_pool_grows_total"] == len(grows)
     # The worker added was brought to the current weights and generated groups that came back.
-    assert len(driver._streams) == 2 and not driver._streams[1].unacknowledged
+    assert len(driver._streams) == 2 and not driver._streams[1].unacknowledged, watcher.events
     assert driver._streams[1].tokens > 0
 
 

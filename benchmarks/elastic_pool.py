@@ -30,6 +30,9 @@ ELASTIC_TUNING = {"window_s": 10.0, "cooldown_s": 10.0}
 CHECK_PROCESSES = 8  # sleeping checks: they hold no core
 # Each worker's share of the machine: every worker of the largest pool fits a local instance.
 WORKER_CPUS = 0.25
+# Groups one worker holds at once: few, so that one worker alone cannot keep the learner fed
+# on long responses (generation the bottleneck, which more workers relieve).
+PROMPTS_PER_WORKER = 4
 
 RunMode = Callable[[RunSpec], list[MetricsRecord]]
 Measured = Callable[[list[MetricsRecord], int], tuple[float, float, float]]
@@ -71,7 +74,9 @@ def pool_spec(long_tail: RunSpec, elastic: bool) -> RunSpec:
     with, fixed or elastic up to ELASTIC_MAX."""
     data = long_tail.model_dump(mode="json")
     data["name"] = f"{long_tail.name}-{'elastic' if elastic else 'fixed'}"
-    data["generation"].update(num_workers=1, num_cpus=WORKER_CPUS, actors=None)
+    data["generation"].update(
+        num_workers=1, num_cpus=WORKER_CPUS, prompts_per_batch=PROMPTS_PER_WORKER, actors=None
+    )
     data["reward"]["timeout_s"] = max(data["reward"]["timeout_s"], 5.0)
     data["reward"]["call_timeout_s"] = max(data["reward"]["call_timeout_s"], 600.0)
     if elastic:

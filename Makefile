@@ -39,7 +39,7 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy kpo_core services benchmarks/study.py benchmarks/stability_study benchmarks/bench_load.py benchmarks/soak.py \
-		benchmarks/driver_memory.py benchmarks/bench_learner.py benchmarks/bench_learner_speed.py benchmarks/bench_logprob_head.py benchmarks/bench_weight_sync.py benchmarks/bench_pipeline.py \
+		benchmarks/driver_memory.py benchmarks/bench_learner.py benchmarks/bench_learner_speed.py benchmarks/bench_logprob_head.py benchmarks/bench_weight_sync.py benchmarks/bench_pipeline.py benchmarks/elastic_pool.py benchmarks/slow_verifier.py \
 		benchmarks/bench_sandbox.py benchmarks/bench_shadow.py benchmarks/bench_replay.py scripts/audit_dependencies.py scripts/gpu_check.py \
 		scripts/gpu_learner_check.py
 

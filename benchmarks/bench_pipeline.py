@@ -25,8 +25,13 @@ With --worker-loss, one more run (two serving workers, one warm standby) has bot
 workers killed at once: the time from the death to the next group of that worker's place, when
 a standby took it vs when a new actor replaced it (benchmarks/worker_loss.py), with the ratio.
 
+Then, on long-tailed prompts with a slow verifier, a fixed pool of one generation worker
+against an elastic pool (`generation.actors`, 1 to 3 workers) started at one: trained tokens/s
+of each and their ratio (benchmarks/elastic_pool.py; --no-pools leaves it out, --pools-only
+runs it alone).
+
     python benchmarks/bench_pipeline.py [--long-tail] [--steps 24] [--warmup 4] [--modes ...]
-        [--worker-loss]
+        [--worker-loss] [--no-pools | --pools-only]
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import ray
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import print_table
 from checkpoint_hold import checkpoint_hold
+from elastic_pool import add_to_actor_path, compare_pools
 from worker_loss import worker_loss_recovery, worker_loss_spec
 
 from services.observers import MetricsRecord
@@ -102,34 +108,8 @@ def run_mode(spec: RunSpec) -> list[MetricsRecord]:
         return run_dir.read_metrics()
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, float]:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
-    parser.add_argument("--set", dest="overrides", action="append", default=[])
-    parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--long-tail", action="store_true", help="difficulties 1-5 mixed")
-    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
-    parser.add_argument(
-        "--checkpoints", type=int, default=0, help="also time the learner held per checkpoint"
-    )
-    parser.add_argument(
-        "--worker-loss",
-        action="store_true",
-        help="also time a lost worker's place: standby vs replacement, in one run",
-    )
-    args = parser.parse_args(argv)
-    if "sync" not in args.modes:
-        parser.error("--modes must include sync: every ratio is against it")
-    base = load_run_spec(args.config, args.overrides)
-    if args.checkpoints:
-        checkpoint_hold(base, args.checkpoints)
-    loss_spec = worker_loss_spec(base)
-    # The worker-loss run reserves the most (three workers): a local instance sized for it
-    # holds every mode's run too.
-    connect_ray(loss_spec if args.worker_loss else base)
-    if args.worker_loss:
-        worker_loss_recovery(loss_spec)
+def run_modes(base: RunSpec, args: argparse.Namespace) -> dict[str, float]:
+    """Each of `args.modes` in turn; the table, and each mode's rate over sync's."""
     rows, rates = [], {}
     for mode in args.modes:
         records = run_mode(mode_spec(base, mode, args.steps, args.long_tail))
@@ -152,7 +132,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
                 f"{span:.0f}",
             ]
         )
-    ray.shutdown()
     tail = ", long-tailed prompts (difficulty 1-5)" if args.long_tail else ""
     print(f"{args.config.name}: {args.steps} steps per mode, first {args.warmup} left out{tail}")
     for row in rows:
@@ -163,6 +142,60 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     ]  # fmt: skip
     print_table([*header, "vs sync"], rows)
     return {mode: rate / rates["sync"] for mode, rate in rates.items()}
+
+
+def run_pools(base: RunSpec, args: argparse.Namespace) -> None:
+    """The fixed and the elastic pool on long-tailed prompts with a slow verifier."""
+    long_tail = mode_spec(base, "async-stream", args.steps, long_tail=True)
+    rows = compare_pools(long_tail, args.warmup, run_mode, measured)
+    print(
+        f"{args.config.name}: {args.steps} steps per pool, first {args.warmup} left out, "
+        "long-tailed prompts (difficulty 1-5), slow verifier"
+    )
+    header = [
+        "pool", "trained tokens/s", "s/step", "learner idle s/step", "workers at the end",
+        "grows", "shrinks", "vs fixed",
+    ]  # fmt: skip
+    print_table(header, rows)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, float]:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--long-tail", action="store_true", help="difficulties 1-5 mixed")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument(
+        "--checkpoints", type=int, default=0, help="also time the learner held per checkpoint"
+    )
+    parser.add_argument(
+        "--worker-loss",
+        action="store_true",
+        help="also time a lost worker's place: standby vs replacement, in one run",
+    )
+    pools = parser.add_mutually_exclusive_group()
+    pools.add_argument("--no-pools", action="store_true", help="leave out fixed vs elastic")
+    pools.add_argument("--pools-only", action="store_true", help="only fixed vs elastic")
+    args = parser.parse_args(argv)
+    if "sync" not in args.modes and not args.pools_only:
+        parser.error("--modes must include sync: every ratio is against it")
+    base = load_run_spec(args.config, args.overrides)
+    if args.checkpoints:
+        checkpoint_hold(base, args.checkpoints)
+    add_to_actor_path()  # before Ray starts: the slow verifier's module, for the actors
+    loss_spec = worker_loss_spec(base)
+    # The worker-loss run reserves the most (three workers): a local instance sized for it
+    # holds every mode's run too.
+    connect_ray(loss_spec if args.worker_loss else base)
+    if args.worker_loss:
+        worker_loss_recovery(loss_spec)
+    ratios = {} if args.pools_only else run_modes(base, args)
+    if not args.no_pools:
+        run_pools(base, args)
+    ray.shutdown()
+    return ratios
 
 
 if __name__ == "__main__":

@@ -731,6 +731,29 @@ THROUGHPUT = Group(
             note="Mean of the groups that ended since the previous step (0 if none did).",
         ),
         _record("generation_batches", "groups", "Groups that ended since the previous step.", _D),
+        _gauge(
+            "generation_workers",
+            "kpo_generation_workers",
+            "actors",
+            "Generation workers in the pool (a worker draining to leave it not counted).",
+            _D,
+            note="num_workers for a fixed pool; with `generation.actors`, within its [min, max] "
+            "(services/pipeline/elastic.py).",
+        ),
+        _counter(
+            "generation_pool_grows_total",
+            "kpo_generation_pool_grows_total",
+            "decisions",
+            "Times the elastic pool grew by a worker (learner starved for data).",
+            note="0 for a fixed pool; counted in the current driver's attempts.",
+        ),
+        _counter(
+            "generation_pool_shrinks_total",
+            "kpo_generation_pool_shrinks_total",
+            "decisions",
+            "Times the elastic pool shrank by a worker (batches waiting for the learner).",
+            note="As `generation_pool_grows_total`.",
+        ),
     ),
 )
 LEARNER_GROUP = Group(

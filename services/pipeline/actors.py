@@ -34,11 +34,12 @@ class ResourceNeeds:
 
 
 def resource_needs(spec: RunSpec) -> ResourceNeeds:
-    """CPUs, GPUs and custom resources the run's actors reserve in total."""
+    """CPUs, GPUs and custom resources the run's actors reserve in total, at most: an elastic
+    pool counts as its `generation.actors.max` workers, the most it may grow to."""
     gen, reward, learner = spec.generation, spec.reward, spec.learner
-    ranks = learner.world_size
-    # A standby worker holds a model like a serving one, so it reserves what one reserves.
-    workers = gen.num_workers + gen.standby
+    # A standby worker holds a model like a serving one, so it reserves what one reserves; an
+    # elastic pool reserves its largest size.
+    ranks, workers = learner.world_size, gen.max_workers + gen.standby
     custom: dict[str, float] = {}
     for count, resources in ((workers, gen.resources), (ranks, learner.resources)):
         for name, amount in resources.items():
@@ -112,7 +113,14 @@ def check_cluster_resources(spec: RunSpec) -> None:
         have = float(total.get(name, 0.0))
         if wanted > have:
             # An autoscaling cluster may grow into it, so this is a warning, not a refusal.
-            log.warning("the run reserves %.2f %s but the cluster has %.2f now", wanted, name, have)
+            log.warning(
+                "the run reserves %.2f %s%s but the cluster has %.2f now (an autoscaling "
+                "cluster may grow into it)",
+                wanted,
+                name,
+                "" if spec.generation.actors is None else " at its elastic pool's max",
+                have,
+            )
 
 
 @dataclass

@@ -118,6 +118,7 @@ from services.pipeline.driver_state import (
     in_flight_prompts,
     restore_driver_state,
 )
+from services.pipeline.elastic import ElasticPool
 from services.pipeline.evaluation import Evaluator
 from services.pipeline.faults import ActorFaults
 from services.pipeline.guard import GuardDecision, StabilityGuard
@@ -189,6 +190,9 @@ class RunDriver:
         )
         self.faults = ActorFaults(spec.generation, self.supervisor)
         self.weights = WeightSync(spec.pipeline.weight_transport, spec.overlaps_publish)
+        self.elastic = ElasticPool(
+            spec, self.supervisor, self.weights, lambda: self._model_dir, self._report_event
+        )
         self.evals = (
             Evaluator(spec.eval, spec.generation, spec.seed, run_dir.path / EVAL_FILE)
             if spec.eval is not None
@@ -371,6 +375,7 @@ class RunDriver:
             WorkerStream(actor, standby=True) for actor in actors.standby
         ]
         self.weights.connect(actors, self._streams)
+        self.elastic.reset(self.spec)
         if resumed_step is not None and self._resume_path is not None:
             learner_dir = str(self._resume_path / LEARNER_DIR)
             version = actors.learner.load_checkpoint(learner_dir)
@@ -660,6 +665,7 @@ class RunDriver:
             elif self.counters.step < total:
                 self._dispatch_generation(actors)
                 self._dispatch_learner(actors)
+                self._observe_pool(actors)
             refs = list(self._pending) + self.weights.pending_refs()
             if self.evals is not None:
                 refs += self.evals.pending_refs()
@@ -671,6 +677,20 @@ class RunDriver:
                 self._on_ready(actors, ref)
             self._stop_hung(actors)
             self.supervisor.record_pids()
+
+    def _observe_pool(self, actors: RunActors) -> None:
+        """An elastic pool's sample (services/pipeline/elastic.py): the learner starved (idle,
+        no batch ready), or backed up (stepping, a whole batch waiting, admission closed). A
+        learner held by weight delivery is neither: more or fewer workers would not change it."""
+        waiting = len(self.buffer) >= self.spec.pipeline.batch_groups
+        self.elastic.observe(
+            actors,
+            self._streams,
+            self._pending,
+            lambda index: self._poll(actors, index),
+            starved=not self._learner_busy(),
+            backed_up=self._learner_stepping() and waiting and self._generation_room() <= 0,
+        )
 
     def _on_ready(self, actors: RunActors, ref: Any) -> None:
         """React to one finished call: the driver's own, or a weight delivery."""
@@ -976,6 +996,7 @@ class RunDriver:
             "groups_dropped_invalid": self.counters.groups_dropped_invalid,
             "prompts_too_long": self.counters.prompts_too_long,
             "buffer_groups": len(self.buffer),
+            **self.elastic.record(self._streams),
             **totals,
             **self.counters.faults(),
         }

@@ -43,6 +43,8 @@ class WorkerStream:
     # was taken ("standby" or "replacement"); cleared at its first group (the driver reports
     # the time between the two).
     took_over: tuple[float, str] | None = None
+    # Leaving an elastic pool: it takes no prompt, and is stopped once its groups came back.
+    draining: bool = False
     last_progress: float = field(default_factory=time.perf_counter)
     tokens: int = 0  # response tokens returned
     groups_submitted: int = 0  # prompts handed to it (a standby's stays 0 until promoted)
@@ -72,7 +74,7 @@ class WorkerStream:
     def room(self, limit: int, streaming: bool = True) -> int:
         """Groups it may be handed now: up to `limit` held at once; without streaming, only
         when it holds none (a batch at a time)."""
-        if not self.ready or (self.outstanding and not streaming):
+        if not self.ready or self.draining or (self.outstanding and not streaming):
             return 0
         return max(0, limit - len(self.outstanding))
 

@@ -182,6 +182,25 @@ class ActorSupervisor:
         self._new_pids = waiting
         self._report_pids(self.pids)
 
+    # --- an elastic pool's workers (services/pipeline/elastic.py) ----------------------------
+
+    def added(self, actors: RunActors, handle: Any) -> None:
+        """A worker added at the end of `actors.generation`: its pid joins status.json once
+        it is up (0 until then)."""
+        index = len(actors.generation) - 1
+        pids = self.pids.setdefault(ROLE_KEYS["generation"], [])
+        pids.extend([0] * (index + 1 - len(pids)))
+        pid_ref = handle.__ray_call__.remote(lambda _self: os.getpid())
+        self._new_pids.append((ROLE_KEYS["generation"], index, pid_ref))
+
+    def removed(self, index: int) -> None:
+        """The last worker, at `index`, left the pool: its pid leaves status.json."""
+        key = ROLE_KEYS["generation"]
+        self._new_pids = [e for e in self._new_pids if (e[0], e[1]) != (key, index)]
+        pids = self.pids.get(key, [])
+        del pids[index:]
+        self._report_pids(self.pids)
+
 
 def _pool(actors: RunActors, role: str) -> list[Any]:
     """The handles of `role` (generation, standby, verifier)."""

@@ -412,6 +412,37 @@ class WeightSync:
             self._failed_receives[index] = self._failed_receives.pop(slot)
         self.on_replaced(actors, slot, new)
 
+    # --- an elastic pool's workers (services/pipeline/elastic.py) ----------------------------
+
+    def on_added(self, actors: RunActors, stream: WorkerStream) -> None:
+        """A new worker at the end of the pool (not ready): brought to the current version as
+        a replacement is (offered it, or the group re-formed with it)."""
+        if not self._streams or self._streams[-1] is not stream:
+            self._streams.append(stream)  # unless the driver's list is this one
+        self.on_replaced(actors, len(self._streams) - 1, stream)
+
+    def settled(self, index: int) -> bool:
+        """Whether no delivery call involves the worker at `index` and no group is being
+        formed: it may leave the pool without a rendezvous or a send waiting for it."""
+        if self.transport == "collective" and (
+            self._forming is not None
+            or any(isinstance(call, _LearnerSend) for call in self._calls.values())
+        ):
+            return False
+        return not any(
+            isinstance(call, (_WorkerAck, _Rendezvous)) and call.worker == index
+            for call in self._calls.values()
+        )
+
+    def on_removed(self, actors: RunActors, index: int) -> None:
+        """The last worker, at `index` and settled, left the pool (collective: the group is
+        re-formed without it before the next send)."""
+        if len(self._streams) > index:
+            del self._streams[index:]  # unless the driver's list is this one
+        self._failed_receives.pop(index, None)
+        if self.transport == "collective":
+            self._break_group(actors)
+
     def regroup_if_needed(self, actors: RunActors, learner_stepping: bool) -> None:
         """Re-form the collective group once the learner is not stepping and no delivery is in
         flight; the version owed is sent once it stands. A standby left out of the group while

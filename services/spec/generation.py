@@ -75,6 +75,61 @@ _OPTION_VALUES: dict[str, TypeAdapter[Any]] = {
 }
 
 
+def _actors_error(loc: tuple[str | int, ...], message: str, value: Any) -> ValidationError:
+    """A validation error at `loc` (within the model that raises it) saying `message`."""
+    details = InitErrorDetails(
+        type=PydanticCustomError("elastic_pool", "{message}", {"message": message}),
+        loc=loc,
+        input=value,
+    )
+    return ValidationError.from_exception_data("GenerationConfig", [details])
+
+
+class ElasticActors(StrictModel):
+    """An elastic pool of generation workers (`generation.actors: {min, max}`): the driver
+    adds a worker while the learner starves for data and removes one while scored groups wait
+    for the learner, within [min, max] (services/pipeline/elastic_policy.py)."""
+
+    min: int = Field(ge=1, le=MAX_ACTORS, description="the fewest generation workers")
+    max: int = Field(ge=1, le=MAX_ACTORS, description="the most generation workers")
+    window_s: float = Field(
+        60.0,
+        gt=0.0,
+        le=86400.0,
+        description="seconds of evidence behind each decision: the fractions below are "
+        "measured over the last window_s seconds, and a decision waits for a full window",
+    )
+    cooldown_s: float = Field(
+        120.0,
+        ge=0.0,
+        le=86400.0,
+        description="seconds after a decision during which no other is taken (a new worker "
+        "needs time to start and to show its effect)",
+    )
+    grow_idle_fraction: float = Field(
+        0.3,
+        gt=0.0,
+        le=1.0,
+        description="add a worker when the learner waited for data at least this fraction "
+        "of the window",
+    )
+    shrink_full_fraction: float = Field(
+        0.8,
+        gt=0.0,
+        le=1.0,
+        description="remove a worker when admission was closed with a batch waiting for the "
+        "learner at least this fraction of the window",
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ElasticActors:
+        if self.max < self.min:
+            raise _actors_error(
+                ("max",), f"must be at least min ({self.min}), got {self.max}", self.max
+            )
+        return self
+
+
 class GenerationConfig(StrictModel):
     """Generation actors: how many, where, and how they sample."""
 
@@ -106,6 +161,12 @@ class GenerationConfig(StrictModel):
     )
     group_size: int = Field(
         8, ge=2, le=MAX_GROUP_SIZE, description="G: responses per prompt (GRPO needs >= 2)"
+    )
+    actors: ElasticActors | None = Field(
+        None,
+        description="an elastic pool: {min, max} workers (num_workers is the starting size, "
+        "within them), grown and shrunk by the driver from the learner's idleness and the "
+        "buffer's fullness; none: a fixed pool of num_workers",
     )
     temperature: float = Field(1.0, gt=0.0, le=MAX_TEMPERATURE)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -215,6 +276,33 @@ class GenerationConfig(StrictModel):
                 "use options for the hf backend"
             )
         return self
+
+    @model_validator(mode="after")
+    def _starting_size_within_the_pool(self) -> GenerationConfig:
+        pool = self.actors
+        if pool is not None and not pool.min <= self.num_workers <= pool.max:
+            raise _actors_error(
+                ("num_workers",),
+                f"the starting size of the elastic pool must lie within actors.min and "
+                f"actors.max ([{pool.min}, {pool.max}]), got {self.num_workers}",
+                self.num_workers,
+            )
+        if pool is not None and self.standby:
+            # Standby streams sit after the serving ones, and an elastic pool grows and shrinks
+            # at the end of the serving ones: the two would move each other's places. A worker
+            # the pool adds starts from the learner's whole weights instead.
+            raise _actors_error(
+                ("standby",),
+                "generation.standby cannot be combined with an elastic pool "
+                "(generation.actors): set one of them",
+                self.standby,
+            )
+        return self
+
+    @property
+    def max_workers(self) -> int:
+        """The most generation workers the run may hold at once (what it may reserve)."""
+        return self.num_workers if self.actors is None else self.actors.max
 
     @field_validator("engine")
     @classmethod

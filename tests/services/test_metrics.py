@@ -105,6 +105,9 @@ EXPORTED = {
     ("histogram", "kpo_learner_step_seconds", "step_seconds"),
     ("gauge", "kpo_learner_idle_seconds", "learner_idle_seconds"),
     ("histogram", "kpo_generation_batch_seconds", "generation_batch_seconds"),
+    ("gauge", "kpo_generation_workers", "generation_workers"),
+    ("counter", "kpo_generation_pool_grows_total", "generation_pool_grows_total"),
+    ("counter", "kpo_generation_pool_shrinks_total", "generation_pool_shrinks_total"),
 }
 
 

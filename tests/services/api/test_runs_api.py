@@ -56,6 +56,19 @@ def test_a_bad_spec_is_a_422_naming_the_field_and_the_valid_values(api: Api) -> 
     assert api.launcher.submitted == []
 
 
+def test_an_elastic_pool_outside_its_bounds_is_a_422_naming_the_field(api: Api) -> None:
+    pool = {"num_workers": 5, "actors": {"min": 1, "max": 4}}
+    response = create(api, {**TINY, "generation": pool})
+    assert response.status_code == 422
+    fields = {f["field"]: f["message"] for f in response.json()["error"]["fields"]}
+    assert "within actors.min and actors.max ([1, 4]), got 5" in fields["generation.num_workers"]
+    reversed_pool = {"actors": {"min": 3, "max": 2}, "num_workers": 3}
+    response = create(api, {**TINY, "generation": reversed_pool})
+    fields = {f["field"]: f["message"] for f in response.json()["error"]["fields"]}
+    assert fields["generation.actors.max"] == "must be at least min (3), got 2"
+    assert api.launcher.submitted == []
+
+
 def test_malformed_bodies_are_client_errors(api: Api) -> None:
     def post(content: bytes, content_type: str = "application/json") -> httpx.Response:
         return api.client.post("/v1/runs", content=content, headers={"content-type": content_type})

@@ -147,3 +147,36 @@ def test_the_newest_acknowledgement_first_reopens_admission_before_the_older_one
     ray.get(worker.release.remote(1))
     complete_next(sync, actors)
     assert stream.room(4) == 4
+
+
+def test_a_worker_added_to_the_pool_is_offered_the_current_version_and_may_leave_settled() -> None:
+    """An elastic pool's new worker (`on_added`) is brought to the current version as a
+    replacement is; it may leave (`settled`) only once no delivery involves it, and leaving
+    (`on_removed`) takes it out of every later delivery."""
+    worker = GatedWorker.remote()
+    ray.get(worker.release.remote())
+    streams = [WorkerStream(worker)]
+    actors = RunActors(generation=[worker], verifiers=[], learner=PutOffers())
+    sync = WeightSync("object_store")
+    sync.connect(actors, streams)
+    publish(sync, actors, 1, offer_of(1))
+    complete_next(sync, actors)
+
+    added = GatedWorker.remote()
+    actors.generation.append(added)
+    stream = WorkerStream(added, joined=False)
+    streams.append(stream)
+    sync.on_added(actors, stream)
+    assert len(streams) == 2  # the driver's list is the one it delivers to: not added twice
+    assert stream.room(4) == 0 and not sync.settled(1)
+    ray.get(added.release.remote())
+    complete_next(sync, actors)
+    assert stream.room(4) == 4 and sync.settled(1)
+    assert ray.get(added.versions.remote()) == [1]
+
+    del streams[1:], actors.generation[1:]
+    sync.on_removed(actors, 1)
+    publish(sync, actors, 2, offer_of(2))
+    complete_next(sync, actors)
+    assert sync.pending_refs() == [] and ray.get(added.versions.remote()) == [1]
+    assert ray.get(worker.versions.remote()) == [1, 2]

@@ -55,6 +55,11 @@ def test_the_pool_takes_its_bounds_and_tuning_with_sensible_defaults() -> None:
         ({"actors": {"min": 1, "max": 2, "cooldown_s": -1}}, "generation.actors.cooldown_s"),
         ({"actors": {"min": 1, "max": 2, "grow_idle_fraction": 0}}, "actors.grow_idle_fraction"),
         ({"actors": {"min": 1, "max": 2, "surge": 3}}, "generation.actors.surge"),
+        (
+            {"standby": 1, "actors": {"min": 1, "max": 2}},
+            "run.yaml: generation.standby: generation.standby cannot be combined with an elastic "
+            "pool",
+        ),
     ],
 )
 def test_a_bad_pool_names_its_field(generation: dict[str, Any], message: str) -> None:

@@ -37,13 +37,13 @@ LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
 GradientMode = Literal["straight_through", "through_filter"]
 
 
-def _read_as_off(value: object) -> object:
+def read_as_off(value: object) -> object:
     """YAML 1.1 (PyYAML, and so run files and `--set`) reads an unquoted `off` as false: a
     setting whose values include 'off' takes false as 'off', as the user meant it."""
     return "off" if value is False else value
 
 
-VersionSwitch = Annotated[Literal["off", "reset", "inflate"], BeforeValidator(_read_as_off)]
+VersionSwitch = Annotated[Literal["off", "reset", "inflate"], BeforeValidator(read_as_off)]
 
 
 class StrictModel(BaseModel):

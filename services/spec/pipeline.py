@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
+    BeforeValidator,
     Field,
     ValidationError,
     model_validator,
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from kpo_core.config import StrictModel
+from kpo_core.config import StrictModel, read_as_off
 from services.spec.bounds import (
     MAX_ACTORS,
     MAX_BATCH_GROUPS,
@@ -155,7 +156,7 @@ class PipelineConfig(StrictModel):
         description="size of one bucket of weights sent at a time: bounds the full tensors "
         "held beyond a rank's shard while gathering, and each message on the way",
     )
-    weight_delta: Literal["auto", "off"] = Field(
+    weight_delta: Annotated[Literal["auto", "off"], BeforeValidator(read_as_off)] = Field(
         "auto",
         description="auto: after the first version, each publish sends per bucket only what "
         "changed since the version before (changed words' indices and values, or their "

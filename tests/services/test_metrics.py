@@ -50,8 +50,13 @@ DASHBOARD_JS = REPO / "services" / "api" / "static" / "dashboard.js"
 # drop a key from here once the learner writes it.
 NOT_YET_EMITTED = {"micro_batches", "learner_world_size"}
 # Written by the learner's actor around its core's step (a step has none before it): checked by
-# tests/services/learner/test_publish_actor.py.
-ACTOR_KEYS = {"learner_idle_seconds"}
+# tests/services/learner/test_publish_actor.py, and the publish's by test_delta_publish.py.
+ACTOR_KEYS = {
+    "learner_idle_seconds",
+    "publish_seconds",
+    "publish_bytes",
+    "publish_changed_fraction",
+}
 # The exported names as deploy/ (Grafana dashboard, Prometheus rules) reads them: (kind, name,
 # record key). Spelled out on purpose: renaming an exported metric must fail a test.
 EXPORTED = {

@@ -8,12 +8,14 @@ large GPU cluster asks for; past one, the error names the field and the bound.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
     StringConstraints,
+    ValidationError,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 # --- upper bounds shared by several fields ------------------------------------------------------
 
@@ -110,3 +112,15 @@ def _custom_resources(value: dict[str, float]) -> dict[str, float]:
 
 # Custom Ray resources per actor, matched against what the cluster's node groups advertise.
 CustomResources = Annotated[dict[str, float], AfterValidator(_custom_resources)]
+
+
+def field_error(
+    model: str, kind: str, loc: tuple[str | int, ...], message: str, value: Any
+) -> ValidationError:
+    """A validation error of `model` at `loc` (within the model that raises it) saying
+    `message`: what a model validator raises to name the one field a rule across several
+    fields blames (`kind`: the error's type)."""
+    details = InitErrorDetails(
+        type=PydanticCustomError(kind, "{message}", {"message": message}), loc=loc, input=value
+    )
+    return ValidationError.from_exception_data(model, [details])

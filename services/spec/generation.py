@@ -31,6 +31,7 @@ from services.spec.bounds import (
     MAX_TEMPERATURE,
     AttnImplementation,
     CustomResources,
+    field_error,
 )
 
 if TYPE_CHECKING:
@@ -76,13 +77,7 @@ _OPTION_VALUES: dict[str, TypeAdapter[Any]] = {
 
 
 def _actors_error(loc: tuple[str | int, ...], message: str, value: Any) -> ValidationError:
-    """A validation error at `loc` (within the model that raises it) saying `message`."""
-    details = InitErrorDetails(
-        type=PydanticCustomError("elastic_pool", "{message}", {"message": message}),
-        loc=loc,
-        input=value,
-    )
-    return ValidationError.from_exception_data("GenerationConfig", [details])
+    return field_error("GenerationConfig", "elastic_pool", loc, message, value)
 
 
 class ElasticActors(StrictModel):

@@ -19,6 +19,7 @@ from services.spec.bounds import (
     MAX_BUFFER_GROUPS,
     MAX_STALENESS,
     MAX_STEPS,
+    field_error,
 )
 
 # The adaptive bound starts here, clamped into its range: the static default (async).
@@ -52,13 +53,7 @@ class _AutoForm(StrictModel):
 
 
 def _error(loc: tuple[str | int, ...], message: str, value: Any) -> ValidationError:
-    """A validation error at `loc` (within the model that raises it) saying `message`."""
-    details = InitErrorDetails(
-        type=PydanticCustomError("staleness", "{message}", {"message": message}),
-        loc=loc,
-        input=value,
-    )
-    return ValidationError.from_exception_data("PipelineConfig", [details])
+    return field_error("PipelineConfig", "staleness", loc, message, value)
 
 
 def _relocated(error: ValidationError, prefix: tuple[str | int, ...]) -> ValidationError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from services.pipeline.specs import apply_overrides
@@ -24,3 +25,12 @@ TINY_RUN: dict[str, Any] = {
 def tiny_spec(*overrides: str) -> RunSpec:
     """TINY_RUN with `key=value` overrides, validated."""
     return RunSpec.model_validate(apply_overrides(TINY_RUN, overrides))
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` exists (signal 0 checks without sending anything)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

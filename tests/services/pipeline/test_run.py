@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import threading
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ from services.pipeline.checkpoints import LEARNER_DIR, latest_checkpoint, read_d
 from services.pipeline.driver import RunDriver
 from services.pipeline.launch import execute_run
 from services.pipeline.outputs import RunDirectory, read_metrics
-from tests.services.pipeline.conftest import tiny_spec
+from tests.services.pipeline.conftest import process_alive, tiny_spec
 
 pytestmark = [pytest.mark.usefixtures("ray_instance"), pytest.mark.timeout(300)]
 
@@ -48,14 +47,6 @@ RECORD_KEYS = {
     "generation_batch_seconds",
     "rollouts_dropped_stale",
 }
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def status_of(out: Path) -> dict:

@@ -24,7 +24,7 @@ from services.observers import MetricsRecord, RunState
 from services.pipeline.driver import PROMOTED_EVENT, RESTORED_EVENT, RunDriver
 from services.pipeline.outputs import RunDirectory, read_metrics
 from tests.chaos.runs import assert_ledger_balances
-from tests.services.pipeline.conftest import tiny_spec
+from tests.services.pipeline.conftest import process_alive, tiny_spec
 
 pytestmark = [pytest.mark.usefixtures("ray_instance"), pytest.mark.timeout(400)]
 
@@ -39,14 +39,6 @@ BATCH_GROUPS = 4  # TINY_RUN's
 # generation of one group of the tiny model (about a second here, on 2 shared cores). A
 # replacement first loads the model (bench_pipeline measures both in one run).
 STANDBY_SERVES_WITHIN_S = 8.0
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 class Watcher:

@@ -50,6 +50,7 @@ from typing import Any, TypeAlias
 import ray
 import torch
 from ray.actor import ActorClass
+from ray.exceptions import RayError
 
 from services.generation.base import (
     GroupRequest,
@@ -70,7 +71,8 @@ from services.tools.rollout import build_runner
 from services.weights.base import TensorSpec, WeightGroup, WeightsManifest, WeightsOffer
 from services.weights.buckets import plan_buckets
 from services.weights.delta import DeltaBase, DeltaMismatchError
-from services.weights.object_store import fetch_buckets, fetch_patched, put_buckets
+from services.weights.object_store import fetch_buckets, fetch_patched, put_buckets, put_dense
+from services.weights.sources import whole_sources
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +101,7 @@ class GenerationStats:
     weight_swaps: int
     failed_loads: int  # weight loads that raised (each offer is tried LOAD_ATTEMPTS times)
     dense_loads: int  # delta publishes loaded whole instead (new, behind, or a bad patch)
+    peer_loads: int  # of them, those taken from a surviving worker's copy, not the learner's
     last_swap_seconds: float  # fetch + load (or receive + load) of the latest swap
     groups_returned: int  # streamed and generated
     groups_in_flight: int  # submitted and not yet returned
@@ -207,6 +210,10 @@ class GenerationWorkerImpl:
         # fewer versions than are published applies the whole chain.
         self._delta = DeltaBase()
         self._patched: dict[int, WeightsOffer] = {}
+        # Held while the engine changes `_delta`, so a replacement's `dense_offer` reads one
+        # whole version of it; `_held_manifest` describes what it holds.
+        self._delta_lock = threading.Lock()
+        self._held_manifest: WeightsManifest | None = None
         self._tasks: deque[_Task] = deque()
         self._fatal: BaseException | None = None
         self._refused: list[Refusal] = []  # stream requests the backend refused, not yet reported
@@ -221,6 +228,7 @@ class GenerationWorkerImpl:
             "weight_swaps": 0,
             "failed_loads": 0,
             "dense_loads": 0,
+            "peer_loads": 0,
             "last_swap_seconds": 0.0,
             "groups_returned": 0,
             "steps": 0,
@@ -510,25 +518,59 @@ class GenerationWorkerImpl:
         if not source.patches:
             self._backend.load_weight_buckets(fetch_buckets(source), source.manifest)
             return
-        chain = self._chain_to(source.version)
-        if chain is not None:
-            try:
-                self._backend.load_weight_buckets(
-                    fetch_patched(chain, self._delta), source.manifest
-                )
-                self._loaded_patches()
-                return
-            except DeltaMismatchError as error:
-                log.warning("weights of version %d: %s; loading them whole", source.version, error)
-        # New, behind by a version it was not offered, or a patch that failed its digest: the
-        # learner's copy of its last version, whole.
-        if source.source is None:
-            raise DeltaMismatchError(f"version {source.version}: no source of whole weights")
-        dense: WeightsOffer = ray.get(source.source.dense_offer.remote())
-        with self._cv:
-            self._stats["dense_loads"] += 1
-        self._backend.load_weight_buckets(fetch_patched([dense], self._delta), dense.manifest)
+        with self._delta_lock:
+            chain = self._chain_to(source.version)
+            if chain is not None:
+                try:
+                    self._load_patched(chain)
+                    return
+                except DeltaMismatchError as error:
+                    log.warning(
+                        "weights of version %d: %s; loading them whole", offer.version, error
+                    )
+            # New, behind by a version it was not offered, or a patch that failed its digest:
+            # the version whole, from the nearest copy (a surviving worker's, or the learner's).
+            self._load_whole(source)
+
+    def _load_patched(self, chain: list[WeightsOffer]) -> None:
+        """Apply `chain` to the copy held and load the result (under `_delta_lock`)."""
+        manifest = chain[-1].manifest
+        self._backend.load_weight_buckets(fetch_patched(chain, self._delta), manifest)
+        self._held_manifest = manifest
         self._loaded_patches()
+
+    def _load_whole(self, offer: WeightsOffer) -> None:
+        """Load `offer`'s version (or a newer one) whole from the first of its sources that
+        gives it: a peer that lost it, died or fails meanwhile is passed over for the next."""
+        if offer.source is None:
+            raise DeltaMismatchError(f"version {offer.version}: no source of whole weights")
+        sources = whole_sources(offer)
+        for source in sources:
+            try:
+                dense: WeightsOffer = ray.get(source.actor.dense_offer.remote(offer.version))
+                self._load_patched([dense])
+            except (RayError, DeltaMismatchError) as error:
+                if source.kind == "learner":
+                    raise
+                log.info("a peer's copy of version %d failed (%s): next", offer.version, error)
+                continue
+            with self._cv:
+                self._stats["dense_loads"] += 1
+                self._stats["peer_loads"] += source.kind == "peer"
+            return
+
+    def dense_offer(self, at_least: int) -> WeightsOffer:
+        """This worker's copy of the version it loaded last, whole, put into the object store
+        here (delta publishes): a replacement on this node loads it rather than the learner's
+        (services/weights/sources.py). Refused unless that version is `at_least`."""
+        with self._delta_lock:
+            held, manifest = self._delta.version, self._held_manifest
+            if held is None or manifest is None or held < at_least:
+                raise DeltaMismatchError(
+                    f"this worker holds {'no version' if held is None else f'version {held}'}, "
+                    f"not version {at_least} or newer"
+                )
+            return put_dense(self._delta, manifest)
 
     def _chain_to(self, version: int) -> list[WeightsOffer] | None:
         """The delta offers that build `version`, oldest first: back to the version held, or
@@ -622,6 +664,7 @@ class GenerationWorkerImpl:
             weight_swaps=s["weight_swaps"],
             failed_loads=s["failed_loads"],
             dense_loads=s["dense_loads"],
+            peer_loads=s["peer_loads"],
             last_swap_seconds=s["last_swap_seconds"],
             groups_returned=s["groups_returned"],
             groups_in_flight=in_flight,

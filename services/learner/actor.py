@@ -159,11 +159,11 @@ class LearnerImpl:
         self.publisher.decide(version, go=False).exception()
 
     @ray.method(concurrency_group="dense")
-    def dense_offer(self) -> WeightsOffer:
+    def dense_offer(self, at_least: int = 0) -> WeightsOffer:
         """The last published version whole (delta publishes, rank 0), for a worker that
         cannot apply a delta (it missed a version, is new, or a patch failed its digest); on
         a thread of its own, beside the next step and the publishes."""
-        return self.publisher.dense_offer()
+        return self.publisher.dense_offer(at_least)
 
     @ray.method(concurrency_group="publish")
     def offer(self, version: int) -> WeightsOffer | None:

@@ -310,15 +310,18 @@ class Publisher:
         }
         return offer
 
-    def dense_offer(self) -> WeightsOffer:
+    def dense_offer(self, at_least: int = 0) -> WeightsOffer:
         """The last version put, whole, from the held copy (delta publishes, rank 0): what a
-        worker that cannot apply a patch loads instead. Puts it anew on each call."""
+        worker that cannot apply a patch loads instead. Puts it anew on each call. The last
+        version put is the newest offered, so it is at least any `at_least` a worker asks."""
         if self._group.rank != 0:
             raise RuntimeError("dense_offer is rank 0's, with delta publishes")
         with self._delta_lock:
-            if self._delta is None or self._delta_manifest is None:
-                raise RuntimeError("dense_offer before any version was published")
-            return put_dense(self._delta, self._delta_manifest, _current_actor())
+            manifest = self._delta_manifest
+            if self._delta is None or manifest is None or manifest.version < at_least:
+                held = "nothing" if manifest is None else f"version {manifest.version}"
+                raise RuntimeError(f"dense_offer of version {at_least} or newer: {held} put")
+            return put_dense(self._delta, manifest, _current_actor())
 
     def publish_figures(self) -> dict[str, float]:
         """What the last finished publish cost (rank 0; {} before one): seconds, bytes sent

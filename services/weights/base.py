@@ -177,10 +177,12 @@ class WeightsOffer:
     bucket_refs: tuple[Any, ...] = ()
     # Delta publishes (object_store): each bucket ref holds the payload of its patch here, to
     # apply to the worker's copy of the version before (services/weights/delta.py); empty:
-    # the refs hold the buckets whole. `source` answers `dense_offer()` (learner rank 0) for a
-    # worker that cannot apply them.
+    # the refs hold the buckets whole. `source` answers `dense_offer(at_least)` (learner rank
+    # 0) for a worker that cannot apply them, and so do `peers`: surviving workers that hold
+    # the version, named for a replacement (services/weights/sources.py asks the nearest).
     patches: tuple[PatchHeader, ...] = ()
     source: Any = None
+    peers: tuple[Any, ...] = ()
 
     @property
     def version(self) -> int:

@@ -16,7 +16,7 @@ from services.learner.group import PublishRefs
 from services.pipeline.actors import RunActors
 from services.pipeline.streams import WorkerStream
 from services.pipeline.weight_sync import WeightSync
-from services.weights.base import WeightsManifest, WeightsOffer
+from services.weights.base import PatchHeader, WeightsManifest, WeightsOffer
 
 pytestmark = [pytest.mark.usefixtures("ray_instance"), pytest.mark.timeout(120)]
 
@@ -29,6 +29,7 @@ class GatedWorker:
     def __init__(self) -> None:
         self._gates: dict[int | None, threading.Event] = {None: threading.Event()}
         self.offered: list[int] = []
+        self.peers: list[tuple[Any, ...]] = []  # each offer's named holders of it whole
 
     def _gate(self, version: int | None) -> threading.Event:
         return self._gates.setdefault(version, threading.Event())
@@ -37,6 +38,7 @@ class GatedWorker:
         while not (self._gate(None).is_set() or self._gate(version).wait(0.05)):
             pass
         self.offered.append(version)
+        self.peers.append(offer[0].peers)
         return True
 
     def release(self, version: int | None = None) -> None:
@@ -44,6 +46,9 @@ class GatedWorker:
 
     def versions(self) -> list[int]:
         return self.offered
+
+    def peers_offered(self) -> list[tuple[Any, ...]]:
+        return self.peers
 
 
 def no_failure(*args: object) -> None:
@@ -180,3 +185,47 @@ def test_a_worker_added_to_the_pool_is_offered_the_current_version_and_may_leave
     complete_next(sync, actors)
     assert sync.pending_refs() == [] and ray.get(added.versions.remote()) == [1]
     assert ray.get(worker.versions.remote()) == [1, 2]
+
+
+def delta_offer_of(version: int) -> ray.ObjectRef[WeightsOffer]:
+    """An offer holding one bucket's patch (a delta publish), with no bucket behind it."""
+    header = PatchHeader(0, "sparse", version, version - 1, 8, "0" * 32, 0.25, 4)
+    manifest = WeightsManifest(version=version, buckets=())
+    return ray.put(WeightsOffer("object_store", manifest, (), (header,), source=None))
+
+
+def test_a_replacement_is_told_which_workers_hold_the_version_it_must_load_whole() -> None:
+    """With delta publishes a new worker cannot apply the patch it is offered: its offer names
+    the workers that acknowledged that version (a standby first), so it may copy the nearest;
+    one that has not acknowledged it, and the offers to the others, name none."""
+    workers = [GatedWorker.remote() for _ in range(4)]
+    streams = [WorkerStream(worker) for worker in workers]
+    streams[3].standby = True
+    actors = RunActors(generation=workers, verifiers=[], learner=PutOffers())
+    sync = WeightSync("object_store")
+    sync.connect(actors, streams)
+    ray.get([workers[i].release.remote() for i in (1, 2, 3)])  # worker 0 holds its ack back
+    publish(sync, actors, 1, delta_offer_of(1))
+    for _ in range(3):
+        complete_next(sync, actors)
+
+    replacement = GatedWorker.remote()
+    ray.get(replacement.release.remote())
+    actors.generation[1] = replacement
+    sync.on_replaced(actors, 1, WorkerStream(replacement, joined=False))
+    while len(sync.pending_refs()) > 1:  # worker 0's acknowledgement is still held
+        complete_next(sync, actors)
+    named = ray.get(replacement.peers_offered.remote())
+    assert named == [(workers[3], workers[2])]  # the standby first; worker 0 not yet
+    assert ray.get(workers[2].peers_offered.remote()) == [()]
+
+    ray.get(workers[0].release.remote())
+    complete_next(sync, actors)
+    publish(sync, actors, 2, offer_of(2))  # a dense offer: nothing to load whole from a peer
+    added = GatedWorker.remote()
+    ray.get(added.release.remote())
+    actors.generation.append(added)
+    sync.on_added(actors, WorkerStream(added, joined=False))
+    while sync.pending_refs():
+        complete_next(sync, actors)
+    assert ray.get(added.peers_offered.remote()) == [()]

@@ -38,6 +38,10 @@ is dropped) and a worker's the pages of the bucket it reads. Ratios are against 
 in the same run. Linux only (reads /proc/self/status). On CPU and gloo: NCCL and CUDA copies
 are what a GPU run measures (scripts/gpu_check.sh).
 
+Then delta against dense publishes (benchmarks/weight_delta.py) and, on a Ray cluster of two
+nodes of its own, a new worker's whole copy of a delta publish's version from the learner's node
+against from a peer on its own (benchmarks/peer_weights.py).
+
 Usage: python benchmarks/bench_weight_sync.py [--quick] [--bucket-mb 256] [--json PATH]
 """
 
@@ -76,7 +80,8 @@ from bench_learner import (
     save_model,
     synthetic_groups,
 )
-from weight_delta import measure_case, print_delta_report
+from peer_weights import measure_peer_copy, print_peer_report
+from weight_delta import manifest_of, measure_case, print_delta_report, published_tensors
 
 from kpo_core.config import AlgorithmConfig
 from services.generation.hf_backend import HFBackend
@@ -470,10 +475,11 @@ def shapes_of(args: argparse.Namespace) -> list[ModelShape]:
     return [QWEN25_05B, QWEN25_15B]
 
 
-def measure_deltas(args: argparse.Namespace) -> list[dict[str, Any]]:
+def measure_deltas(args: argparse.Namespace) -> tuple[list[dict[str, Any]], WeightsManifest]:
     """Delta against dense publishes (benchmarks/weight_delta.py): the demo's model at the
     demo's rate and publish dtype (float32), and a model of Qwen2.5-0.5B's shape (`--quick`: a
-    small one; or the shape given) in bfloat16 at 1e-6 and 1e-5."""
+    small one; or the shape given) in bfloat16 at 1e-6 and 1e-5; with that model's bf16
+    manifest (what `measure_peer_copy` moves)."""
     bucket_bytes = args.bucket_mb * MiB
     demo_lr = float(yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())["learner"]["lr"])
     demo = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR)
@@ -484,42 +490,48 @@ def measure_deltas(args: argparse.Namespace) -> list[dict[str, Any]]:
     model = AutoModelForCausalLM.from_config(shape.hf_config(), dtype=torch.float32)  # type: ignore[no-untyped-call]
     for lr in (1e-6, 1e-5):
         cases.append({"model": shape.name, **measure_case(model, lr, torch.bfloat16, bucket_bytes)})
-    return cases
+    return cases, manifest_of(published_tensors(model), torch.bfloat16, bucket_bytes)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     started_ray = not ray.is_initialized()
+    python_path = os.pathsep.join(
+        p for p in (str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")) if p
+    )
+    env = {
+        "PYTHONPATH": python_path,
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "TRANSFORMERS_VERBOSITY": "error",
+    }
     if started_ray:
-        python_path = os.pathsep.join(
-            p for p in (str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")) if p
-        )
-        env = {
-            "PYTHONPATH": python_path,
-            "TOKENIZERS_PARALLELISM": "false",
-            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-        }
         ray.init(
             num_cpus=os.cpu_count() or 1,
             include_dashboard=False,
-            runtime_env={"env_vars": {**env, "TRANSFORMERS_VERBOSITY": "error"}},
+            runtime_env={"env_vars": env},
         )
     try:
         shapes = [] if args.delta_only else shapes_of(args)
         measured = [measure_shape(args, shape) for shape in shapes]
-        deltas = measure_deltas(args)
+        deltas, manifest = measure_deltas(args)
     finally:
         if started_ray:
             ray.shutdown()
+    # A cluster of two nodes of its own: only where this run started (and stopped) its Ray.
+    peer = measure_peer_copy(manifest, args.repeats, env) if started_ray else None
     result = {
         "settings": {key: value for key, value in vars(args).items() if key != "json"},
         "shapes": measured,
         "delta": deltas,
+        "peer_copy": peer,
     }
     if measured:
         print_report(measured)
     print_delta_report(deltas)
+    if peer is not None:
+        print_peer_report(peer)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")

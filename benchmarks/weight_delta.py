@@ -39,16 +39,21 @@ from services.weights.object_store import fetch_buckets, fetch_patched, put_buck
 HOST = "127.0.0.1"
 
 
-def master_weights(model: nn.Module) -> dict[str, Tensor]:
-    """The model's float32 weights, tied ones once (as a publish sends them)."""
+def published_tensors(model: nn.Module) -> dict[str, Tensor]:
+    """The model's weights a publish sends: floating-point ones, tied ones once."""
     seen: set[int] = set()
     weights = {}
     for name, tensor in model.state_dict().items():
         if tensor.data_ptr() in seen or not tensor.is_floating_point():
             continue
         seen.add(tensor.data_ptr())
-        weights[name] = tensor.detach().float().clone()
+        weights[name] = tensor
     return weights
+
+
+def master_weights(model: nn.Module) -> dict[str, Tensor]:
+    """The model's float32 weights, tied ones once (as a publish sends them)."""
+    return {name: t.detach().float().clone() for name, t in published_tensors(model).items()}
 
 
 def adam_first_step(weights: dict[str, Tensor], lr: float, seed: int) -> None:

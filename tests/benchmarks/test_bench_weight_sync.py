@@ -46,6 +46,12 @@ def test_both_transports_deliver_and_are_measured(tmp_path: Path) -> None:
         assert small[f"{transport}_delta"]["bytes"] < small[f"{transport}_dense"]["bytes"] / 4
         assert demo[f"{transport}_delta"]["bytes"] >= demo[f"{transport}_dense"]["bytes"] * 0.9
     assert math.isfinite(collective["vs_object_store"]["seconds"])
+    # A new worker's whole copy, from the learner's node and from a peer's on its own (two
+    # nodes of a Ray cluster), of the small model's bf16 publish: every byte, digests checked.
+    peer = returned["peer_copy"]
+    assert peer["bytes"] == 2 * shape["model"]["params"]
+    assert peer["learner_seconds"] > 0 and peer["peer_seconds"] > 0
+    assert "from a peer on its node" in printed.getvalue()
     # bfloat16, the tied head sent once: exactly two bytes a parameter went into the store.
     assert object_store["object_store_bytes"] == shape["model"]["publish_bytes"]
     assert shape["model"]["publish_bytes"] == 2 * shape["model"]["params"]

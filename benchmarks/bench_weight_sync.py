@@ -483,13 +483,16 @@ def measure_deltas(args: argparse.Namespace) -> tuple[list[dict[str, Any]], Weig
     bucket_bytes = args.bucket_mb * MiB
     demo_lr = float(yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())["learner"]["lr"])
     demo = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR)
-    cases = [{"model": "demo (tiny)", **measure_case(demo, demo_lr, torch.float32, bucket_bytes)}]
+    repeats = args.repeats
+    demo_case = measure_case(demo, demo_lr, torch.float32, bucket_bytes, repeats)
+    cases = [{"model": "demo (tiny)", **demo_case}]
     del demo
     shape = shapes_of(args)[0]  # Qwen2.5-0.5B's, unless --quick or a shape is given
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(shape.hf_config(), dtype=torch.float32)  # type: ignore[no-untyped-call]
     for lr in (1e-6, 1e-5):
-        cases.append({"model": shape.name, **measure_case(model, lr, torch.bfloat16, bucket_bytes)})
+        case = measure_case(model, lr, torch.bfloat16, bucket_bytes, repeats)
+        cases.append({"model": shape.name, **case})
     return cases, manifest_of(published_tensors(model), torch.bfloat16, bucket_bytes)
 
 

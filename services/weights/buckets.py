@@ -9,7 +9,7 @@ and a receiver that hold the same manifest agree on every offset without exchang
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -92,11 +92,12 @@ def _spec_of(tensor: Tensor, index: int) -> TensorSpec:
     return TensorSpec(f"#{index}", tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
 
 
-def pack_bucket(tensors: Sequence[Tensor]) -> Tensor:
-    """One flat uint8 tensor of `tensors`' bytes (layout: `bucket_layout`), on their device.
+def pack_bucket(tensors: Sequence[Tensor], into: Tensor | None = None) -> Tensor:
+    """One flat uint8 tensor of `tensors`' bytes (layout: `bucket_layout`), on their device,
+    or in the first bytes of `into` (a 1-D uint8 buffer at least that large, on any device).
 
     Tensors that already are the views of one packed buffer (see `_same_layout`) give back that
-    buffer itself, sharing their memory; anything else is copied.
+    buffer itself, sharing their memory, where no `into` is given; anything else is copied.
     """
     if not tensors:
         raise ValueError("cannot pack an empty bucket")
@@ -105,14 +106,49 @@ def pack_bucket(tensors: Sequence[Tensor]) -> Tensor:
         names = sorted(map(str, devices))
         raise ValueError(f"a bucket's tensors must share one device, got {names}")
     offsets, total = bucket_layout([_spec_of(t, i) for i, t in enumerate(tensors)])
-    packed = _same_layout(tensors, offsets, total)
-    if packed is not None:
-        return packed
-    flat = torch.zeros(total, dtype=torch.uint8, device=tensors[0].device)
+    if into is None:
+        packed = _same_layout(tensors, offsets, total)
+        if packed is not None:
+            return packed
+        flat = torch.zeros(total, dtype=torch.uint8, device=tensors[0].device)
+    else:
+        if into.dtype != torch.uint8 or into.dim() != 1 or into.numel() < total:
+            raise ValueError(f"a buffer of {into.numel()} {into.dtype} cannot hold {total} bytes")
+        flat = into[:total]
+    end = 0  # where the bytes copied so far end: a reused buffer's gaps are zeroed
     for tensor, offset in zip(tensors, offsets, strict=True):
         raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        if into is not None and offset > end:
+            flat[end:offset].zero_()
         flat[offset : offset + raw.numel()].copy_(raw)
+        end = offset + raw.numel()
+    if into is not None:
+        flat[end:].zero_()
     return flat
+
+
+class HostPacker:
+    """Packs a sender's buckets, one after another, into one host buffer it reuses (grown to the
+    largest): a fresh buffer of hundreds of MB per bucket costs its page faults each time, more
+    than the copy into it. Each packed bucket is valid until the next `pack`."""
+
+    def __init__(self) -> None:
+        self._buffer: Tensor | None = None
+
+    def pack(self, tensors: Sequence[Tensor]) -> Tensor:
+        """`tensors` packed on the host (`pack_bucket`); host tensors that already are the views
+        of one packed buffer give back that buffer, as `pack_bucket` does."""
+        if not tensors:
+            raise ValueError("cannot pack an empty bucket")
+        offsets, total = bucket_layout([_spec_of(t, i) for i, t in enumerate(tensors)])
+        if tensors[0].device.type == "cpu":
+            packed = _same_layout(tensors, offsets, total)
+            if packed is not None:
+                return packed
+        if self._buffer is None or self._buffer.numel() < total:
+            self._buffer = None  # let go of the smaller one first
+            self._buffer = torch.empty(total, dtype=torch.uint8)
+        return pack_bucket(tensors, into=self._buffer)
 
 
 def unpack_bucket(flat: Tensor, specs: Sequence[TensorSpec]) -> dict[str, Tensor]:
@@ -179,3 +215,18 @@ def checked_buckets(
         index += 1
     if index != expected:
         raise ValueError(f"got {index} buckets, the manifest has {expected}")
+
+
+def packed_buckets(
+    manifest: WeightsManifest,
+    buckets: Iterable[Mapping[str, Tensor]],
+    pack: Callable[[Sequence[Tensor]], Tensor],
+) -> Iterator[Tensor]:
+    """Each bucket a sender is given, checked (`checked_buckets`) and packed by `pack`. A
+    bucket's tensors and its packed bytes are let go before the next bucket is asked for (a
+    generator expression would keep the last tensors bound while the next is gathered)."""
+    for _, tensors, _ in checked_buckets(manifest, buckets):
+        flat = pack(tensors)
+        del tensors
+        yield flat
+        del flat

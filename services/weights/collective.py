@@ -74,7 +74,13 @@ from services.weights.base import (
     group_backend,
     header_values,
 )
-from services.weights.buckets import bucket_nbytes, checked_buckets, pack_bucket, unpack_bucket
+from services.weights.buckets import (
+    bucket_nbytes,
+    checked_buckets,
+    pack_bucket,
+    packed_buckets,
+    unpack_bucket,
+)
 from services.weights.delta import BucketPatch, DeltaBase, DeltaMismatchError, check_patch_specs
 from services.weights.stores import member_host, node_address, serve_store, serving_host
 
@@ -423,6 +429,7 @@ class WeightChannel:
             flat = pack_bucket(tensors).to(self.device)
             del tensors
             self._send_bytes(flat, publish, manifest.version, index)
+            del flat  # (it may be the bucket itself) before the next is gathered
 
     def _send_bytes(self, flat: Tensor, publish: int, version: int, index: int) -> None:
         """Broadcast one bucket's bytes (or patch payload), with its tag where it is tagged."""
@@ -444,9 +451,7 @@ class WeightChannel:
     ) -> None:
         """Each bucket as its patch against the version this group sent before (host memory:
         a GPU bucket is read back to diff it), its header then its payload."""
-        packed = (
-            pack_bucket(tensors).to("cpu") for _, tensors, _ in checked_buckets(manifest, buckets)
-        )
+        packed = packed_buckets(manifest, buckets, lambda tensors: pack_bucket(tensors).to("cpu"))
         changed = 0.0
         for patch in delta.encode(manifest.version, packed):
             header = patch.header
@@ -464,6 +469,8 @@ class WeightChannel:
             if header.payload_bytes:  # an unchanged bucket sends its header alone
                 payload = patch.payload.to(self.device)
                 self._send_bytes(payload, publish, manifest.version, header.index)
+                del payload
+            del patch  # (a dense patch's payload is the bucket) before the next is gathered
         self.changed_fraction = changed
 
     def receive(

@@ -26,7 +26,6 @@ to diff against, each receiver to apply to.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -89,9 +88,12 @@ def encode_bucket(
     previous: Tensor | None,
     base_version: int,
     dense_above: float = DENSE_ABOVE,
+    scratch: Tensor | None = None,
 ) -> BucketPatch:
     """Bucket `index` of `version` (`current`, packed, on the host) as a patch against
-    `previous` (the same bucket of `base_version`; None: dense)."""
+    `previous` (the same bucket of `base_version`; None: dense). `scratch`: host bytes of at
+    least the bucket's size to compute in (see `DeltaBase._scratch`), none of which the patch
+    holds."""
     digest = bucket_digest(current)
     nbytes = current.numel()
 
@@ -106,7 +108,7 @@ def encode_bucket(
     new = _words(current)
     # One pass over both versions: the XOR's nonzero words are the changed ones, and it is
     # what the `xor` encoding compresses (counting a `!=` mask's sum instead is slower).
-    xor = torch.bitwise_xor(new, _words(previous))
+    xor = torch.bitwise_xor(new, _words(previous), out=_scratch_words(scratch, nbytes))
     count = int(torch.count_nonzero(xor))
     changed = count / max(new.numel(), 1)
     if changed > dense_above:
@@ -128,11 +130,22 @@ def encode_bucket(
     return patch("sparse", payload, changed)
 
 
-def apply_patch(patch: BucketPatch, base: Tensor | None, base_version: int | None) -> Tensor:
+def _scratch_words(scratch: Tensor | None, nbytes: int) -> Tensor | None:
+    """The first `nbytes` of `scratch` as the words of a bucket of that size (None: none)."""
+    return None if scratch is None else _words(scratch[:nbytes])
+
+
+def apply_patch(
+    patch: BucketPatch,
+    base: Tensor | None,
+    base_version: int | None,
+    scratch: Tensor | None = None,
+) -> Tensor:
     """The bucket `patch` gives applied to `base` (this receiver's copy of the bucket, at
     `base_version`), which it updates in place (a dense patch: a copy of its payload where
     no base fits); `DeltaMismatchError` where it cannot apply or its digest is not the
-    sender's (`base` is left unusable then: the caller drops it)."""
+    sender's (`base` is left unusable then: the caller drops it). `scratch`: as
+    `encode_bucket`'s."""
     header = patch.header
     if header.encoding == "dense":
         if base is None or base.numel() != header.nbytes:
@@ -148,7 +161,7 @@ def apply_patch(patch: BucketPatch, base: Tensor | None, base_version: int | Non
     elif header.encoding == "sparse":
         _apply_sparse(header, patch.payload, base)
     else:
-        _apply_xor(header, patch.payload, base)
+        _apply_xor(header, patch.payload, base, scratch)
     if bucket_digest(base) != header.digest:
         raise DeltaMismatchError(
             f"bucket {header.index} of version {header.version}: its digest after applying "
@@ -171,22 +184,27 @@ def _apply_sparse(header: PatchHeader, payload: Tensor, base: Tensor) -> None:
     words[indices] = payload[split:].view(words.dtype)
 
 
-def _apply_xor(header: PatchHeader, payload: Tensor, base: Tensor) -> None:
+def _apply_xor(header: PatchHeader, payload: Tensor, base: Tensor, scratch: Tensor | None) -> None:
+    # Decompressed into `scratch` (pages already mapped, not a fresh bucket-sized buffer each
+    # time), exactly the bucket's size: a patch that ends early or runs past it is refused.
+    nbytes = header.nbytes
+    xor = scratch[:nbytes] if scratch is not None else torch.empty(nbytes, dtype=torch.uint8)
+    out = memoryview(xor.numpy())  # type: ignore[arg-type]
+    filled = 0
     try:
-        raw = zstandard.ZstdDecompressor().decompress(
+        with zstandard.ZstdDecompressor().stream_reader(
             memoryview(payload.numpy()),  # type: ignore[arg-type]
-            max_output_size=header.nbytes,
-        )
+            read_across_frames=True,
+        ) as reader:
+            while filled < nbytes and (got := reader.readinto(out[filled:])):
+                filled += got
+            overrun = reader.read(1)
     except zstandard.ZstdError as error:
         raise DeltaMismatchError(
             f"bucket {header.index}: an xor patch that does not decompress ({error})"
         ) from None
-    if len(raw) != header.nbytes:
+    if filled != nbytes or overrun:
         raise DeltaMismatchError(f"bucket {header.index}: an xor patch of a wrong length")
-    with warnings.catch_warnings():
-        # The decompressed bytes are only read: no writable copy of a whole bucket is made.
-        warnings.filterwarnings("ignore", message=".*not writable.*")
-        xor = torch.frombuffer(raw, dtype=torch.uint8)
     _words(base).bitwise_xor_(_words(xor))
 
 
@@ -200,20 +218,41 @@ class DeltaBase:
         self.dense_above = dense_above
         self._buckets: dict[int, Tensor] = {}
         self._receiving: int | None = None  # the version held when a transfer began
+        # One bucket's worth of bytes to compute each XOR in, kept from bucket to bucket and
+        # publish to publish: a fresh buffer of hundreds of MB costs its page faults each time
+        # (more than the XOR itself).
+        self._scratch: Tensor | None = None
+
+    def _scratch_for(self, nbytes: int) -> Tensor:
+        if self._scratch is None or self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        return self._scratch
 
     def encode(self, version: int, buckets: Iterable[Tensor]) -> Iterator[BucketPatch]:
         """The sender's patches of `version`, bucket by bucket (each packed, on the host),
         against what is held; what is held becomes `version` once the last is taken."""
         held, self.version = self.version, None
         index = -1
-        for index, flat in enumerate(buckets):
+        # Counted by hand, and each bucket and patch let go before the next bucket is asked
+        # for: `enumerate`'s reused result tuple would keep the previous bucket alive while the
+        # sender gathers the next (two buckets held at once).
+        for flat in buckets:
+            index += 1
             previous = self._buckets.get(index) if held is not None else None
             patch = encode_bucket(
-                index, version, flat, previous, -1 if held is None else held, self.dense_above
+                index,
+                version,
+                flat,
+                previous,
+                -1 if held is None else held,
+                self.dense_above,
+                None if previous is None else self._scratch_for(flat.numel()),
             )
             self._keep(index, flat)
+            del flat, previous
             yield patch
-        self._buckets = {i: flat for i, flat in self._buckets.items() if i <= index}
+            del patch
+        self._buckets = {i: kept for i, kept in self._buckets.items() if i <= index}
         self.version = version
 
     def _keep(self, index: int, flat: Tensor) -> None:
@@ -235,7 +274,9 @@ class DeltaBase:
         version = self._receiving
         try:
             for patch in chain:
-                flat = apply_patch(patch, flat, version)
+                xor = patch.header.encoding == "xor"
+                scratch = self._scratch_for(patch.header.nbytes) if xor else None
+                flat = apply_patch(patch, flat, version, scratch)
                 version = patch.header.version
         except DeltaMismatchError:
             self.invalidate()  # what was held is partly patched: of no one version
@@ -258,6 +299,7 @@ class DeltaBase:
         self.version = None
         self._receiving = None
         self._buckets.clear()
+        self._scratch = None
 
     def held(self) -> Iterator[tuple[int, Tensor]]:
         """The held buckets, in order (the sender's dense resend reads them)."""

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from services.weights.base import WeightsManifest, WeightsOffer
-from services.weights.buckets import checked_buckets, pack_bucket, unpack_bucket
+from services.weights.buckets import HostPacker, packed_buckets, unpack_bucket
 from services.weights.delta import (
     BucketPatch,
     DeltaBase,
@@ -42,7 +42,8 @@ def put_buckets(
     The objects are owned by the calling process: they live as long as a ref to them does and
     the caller is alive.
     """
-    packed = (pack_bucket(tensors).cpu() for _, tensors, _ in checked_buckets(manifest, buckets))
+    # Each bucket is put (copied into the store) before the next is packed over it.
+    packed = packed_buckets(manifest, buckets, HostPacker().pack)
     if delta is None:
         refs = [ray.put(flat.numpy()) for flat in packed]  # one bucket held at a time
         return WeightsOffer("object_store", manifest, tuple(refs))
@@ -50,6 +51,7 @@ def put_buckets(
     for patch in delta.encode(manifest.version, packed):
         refs.append(ray.put(patch.payload.numpy()))
         headers.append(patch.header)
+        del patch  # (a dense patch's payload is the bucket) before the next is packed
     return WeightsOffer("object_store", manifest, tuple(refs), tuple(headers), source)
 
 

@@ -8,6 +8,7 @@ import torch
 from services.weights.base import TensorSpec
 from services.weights.buckets import (
     ALIGN,
+    HostPacker,
     bucket_layout,
     bucket_nbytes,
     bucket_tensors,
@@ -71,6 +72,35 @@ def test_unpacked_views_share_the_flat_buffer_and_pack_back_without_a_copy() -> 
     assert packed.data_ptr() == flat.data_ptr() and packed.numel() == flat.numel()
     again = unpack_bucket(packed.clone(), specs)
     assert again["a"].tolist() == [1.0, 2.0, 3.0] and again["b"].tolist() == [[7, 7], [7, 7]]
+
+
+def test_a_reused_buffer_packs_the_same_bytes_as_a_fresh_one_its_gaps_zeroed() -> None:
+    """A sender's buffer holds the last bucket's bytes: the alignment gaps and the tail past
+    the new bucket are zeroed, so the digest of a packed bucket never sees stale bytes."""
+    tensors = list(mixed_tensors().values())
+    fresh = pack_bucket(tensors)
+    stale = torch.full((fresh.numel() + 64,), 0xAB, dtype=torch.uint8)
+    packed = pack_bucket(tensors, into=stale)
+    assert packed.data_ptr() == stale.data_ptr() and torch.equal(packed, fresh)
+    with pytest.raises(ValueError, match="cannot hold"):
+        pack_bucket(tensors, into=stale[:8])
+
+
+def test_a_host_packer_reuses_one_buffer_grown_to_the_largest_bucket() -> None:
+    packer = HostPacker()
+    small = [torch.randn(20)[::2]]  # a view with gaps: copied, not handed back
+    large = list(mixed_tensors().values())
+    first = packer.pack(large)
+    assert torch.equal(first, pack_bucket(large))
+    address = first.data_ptr()
+    second = packer.pack(small)  # over the first: valid until the next pack
+    assert second.data_ptr() == address and torch.equal(second, pack_bucket(small))
+    bigger = [torch.randn(2000)[::2]]
+    assert torch.equal(packer.pack(bigger), pack_bucket(bigger))
+    # Host views of one packed buffer are handed back as that buffer, not copied.
+    specs = [TensorSpec("a", (3,), "float32")]
+    flat = torch.zeros(bucket_nbytes(specs), dtype=torch.uint8)
+    assert packer.pack([unpack_bucket(flat, specs)["a"]]).data_ptr() == flat.data_ptr()
 
 
 def test_views_in_another_order_are_copied_not_reused() -> None:

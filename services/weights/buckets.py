@@ -92,6 +92,17 @@ def _spec_of(tensor: Tensor, index: int) -> TensorSpec:
     return TensorSpec(f"#{index}", tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
 
 
+def _layout_of(tensors: Sequence[Tensor]) -> tuple[list[int], int]:
+    """`bucket_layout` of a bucket's tensors, which must be some, all on one device."""
+    if not tensors:
+        raise ValueError("cannot pack an empty bucket")
+    devices = {tensor.device for tensor in tensors}
+    if len(devices) > 1:
+        names = sorted(map(str, devices))
+        raise ValueError(f"a bucket's tensors must share one device, got {names}")
+    return bucket_layout([_spec_of(t, i) for i, t in enumerate(tensors)])
+
+
 def pack_bucket(tensors: Sequence[Tensor], into: Tensor | None = None) -> Tensor:
     """One flat uint8 tensor of `tensors`' bytes (layout: `bucket_layout`), on their device,
     or in the first bytes of `into` (a 1-D uint8 buffer at least that large, on any device).
@@ -99,13 +110,7 @@ def pack_bucket(tensors: Sequence[Tensor], into: Tensor | None = None) -> Tensor
     Tensors that already are the views of one packed buffer (see `_same_layout`) give back that
     buffer itself, sharing their memory, where no `into` is given; anything else is copied.
     """
-    if not tensors:
-        raise ValueError("cannot pack an empty bucket")
-    devices = {tensor.device for tensor in tensors}
-    if len(devices) > 1:
-        names = sorted(map(str, devices))
-        raise ValueError(f"a bucket's tensors must share one device, got {names}")
-    offsets, total = bucket_layout([_spec_of(t, i) for i, t in enumerate(tensors)])
+    offsets, total = _layout_of(tensors)
     if into is None:
         packed = _same_layout(tensors, offsets, total)
         if packed is not None:
@@ -138,9 +143,7 @@ class HostPacker:
     def pack(self, tensors: Sequence[Tensor]) -> Tensor:
         """`tensors` packed on the host (`pack_bucket`); host tensors that already are the views
         of one packed buffer give back that buffer, as `pack_bucket` does."""
-        if not tensors:
-            raise ValueError("cannot pack an empty bucket")
-        offsets, total = bucket_layout([_spec_of(t, i) for i, t in enumerate(tensors)])
+        offsets, total = _layout_of(tensors)
         if tensors[0].device.type == "cpu":
             packed = _same_layout(tensors, offsets, total)
             if packed is not None:

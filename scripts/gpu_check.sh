@@ -11,8 +11,9 @@
 #      step (benchmarks/bench_learner_speed.py: three Qwen2.5-shaped cases, sized to the GPU's
 #      memory), inside one --budget (default 480 s). Runs on a bare machine with only a CUDA
 #      torch and transformers: `prepare` first, where there is network, brings the rest.
-#   `prepare [DIR]`: download those wheels (pydantic, pytest and what they need, for CPython
-#      3.10-3.14 on x86_64 and aarch64) into DIR (default .gpu-check/wheels); copy it along.
+#   `prepare [DIR]`: download those wheels (pydantic, pytest, xxhash, zstandard and what they
+#      need, for CPython 3.10-3.14 on x86_64 and aarch64) into DIR (default .gpu-check/wheels);
+#      copy it along.
 #   `tests`: tests/gpu alone.
 #
 #   bash scripts/gpu_check.sh [pipeline|learner|tests]...   # pipeline and learner by default;

@@ -6,8 +6,9 @@ compiler. So the check is split in two:
 
 - `prepare DEST` (here, with network): `pip download`s the wheels the learner's tests and
   benchmark need beyond torch and transformers (pydantic, pydantic-core, annotated-types,
-  typing-inspection, pytest and what they need), pinned to the versions installed here, for every
-  CPython version and platform a GPU image may have (a few MB), with a manifest.
+  typing-inspection, pytest and what they need; xxhash and zstandard, the digest and the
+  compressor of delta publishes), pinned to the versions installed here, for every CPython
+  version and platform a GPU image may have (a few MB), with a manifest.
 - `run` (there): installs the wheels that fit the interpreter into a target folder (unzipped:
   no pip needed), prints what the machine has (GPU, memory, torch, transformers, the compiler and
   Python.h that compiled layers need, varlen_attn's signature), checks that every module the
@@ -50,7 +51,7 @@ DEFAULT_WHEELS = REPO / ".gpu-check" / "wheels"
 DEFAULT_TARGET = REPO / ".gpu-check" / "site"
 MANIFEST = "prepared.json"
 # Pinned to the versions installed where `prepare` runs (the ones the test suite passed with).
-PINNED = ("pydantic", "pytest")
+PINNED = ("pydantic", "pytest", "xxhash", "zstandard")
 # pytest's dependencies below 3.11: pip evaluates `python_version` markers against the running
 # interpreter, not `--python-version`, so they are named outright (pure Python, harmless above).
 BELOW_311 = ("exceptiongroup", "tomli")

@@ -74,7 +74,9 @@ def test_the_dry_run_installs_reports_resolves_every_import_and_plans_within_bud
     for reported in ("torch:", "transformers:", "c_compiler:", "python_h:", "varlen_attn:"):
         assert f"gpu_check: {reported}" in output, reported
     installed = {path.name.split("-")[0] for path in (tmp_path / "site").glob("*.dist-info")}
-    assert {"pydantic", "pydantic_core", "pytest", "annotated_types"} <= installed
+    assert {"pydantic", "pydantic_core", "pytest", "annotated_types", "xxhash", "zstandard"} <= (
+        installed
+    )
     assert "gpu_check: plan: tests: up to" in output
     assert "gpu_check: plan: benchmark: up to" in output
     assert "within a 480 s budget" in output

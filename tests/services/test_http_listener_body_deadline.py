@@ -10,7 +10,6 @@ listeners have it), and h11 clients (tests/services/half_sent.py)."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -20,8 +19,8 @@ import uvicorn
 from starlette.types import Receive, Scope, Send
 
 from services.http_listener import bind, listener_config
+from tests.services.api.server import running
 from tests.services.half_sent import Answer, HalfSent, answer, half_sent
-from tests.services.jobs.ray_support import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -62,18 +61,9 @@ async def _answer(send: Send, status: int, body: bytes) -> None:
 def serving(app: object) -> Iterator[int]:
     """`app` on a loopback port (yielded) under the listener config, with `DEADLINE_S` as the
     header timeout (and so the body deadline)."""
-    server = uvicorn.Server(listener_config(app, DEADLINE_S, log_config=None))
     sock = bind("127.0.0.1", 0)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        wait_until(lambda: server.started or not thread.is_alive(), 20, "the server to start")
-        assert thread.is_alive()
+    with running(uvicorn.Server(listener_config(app, DEADLINE_S, log_config=None)), sock):
         yield int(sock.getsockname()[1])
-    finally:
-        server.should_exit = True
-        thread.join(20)
-        sock.close()
 
 
 def drip_until_answered(client: HalfSent, within_s: float) -> Answer:

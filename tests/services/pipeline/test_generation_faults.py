@@ -157,8 +157,9 @@ def test_a_worker_that_returns_nothing_past_its_deadline_is_replaced(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Long enough for the replacement's first groups (it is started up front, so the deadline
-    # measures generation, not loading), short enough to wait out the hung one in a test.
-    overrides = ("generation.first_group_timeout_s=30",)
+    # measures generation, not loading: a group of the tiny model takes about a second), short
+    # enough to wait out the hung one in a test.
+    overrides = ("generation.first_group_timeout_s=12",)
     spec = tiny_spec("pipeline.mode=sync", *overrides)
     replacement = start_generation_worker(spec, resolve_model(spec.model))
     ray.get(replacement.policy_version.remote())  # up and holding the model
